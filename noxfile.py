@@ -1,0 +1,99 @@
+"""Development sessions for the kvarn monorepo.
+
+    nox -s tests      CPU tests of every package (Triton kernels in the interpreter)
+    nox -s math       kvarn-math alone, numpy only (fast)
+    nox -s lint       ruff
+    nox -s types      mypy (strict on kvarn-math)
+    nox -s docs       mkdocs build --strict
+    nox -s bench      the main job: kvarn-eval's benchmarks (accuracy on CPU; GPU suites when present)
+    nox -s gpu        tests marked `gpu`, on a machine with an NVIDIA GPU
+
+The test environment is pinned to what the GPU machine runs (torch 2.11.0, triton 3.6.0,
+vLLM 0.26.0) so the interpreter tests here run the same Triton as the GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint", "types", "docs"]
+
+ROOT = Path(__file__).parent
+PACKAGES = ROOT / "packages"
+MATH = str(PACKAGES / "kvarn-math")
+KERNELS = str(PACKAGES / "kvarn-kernels")
+VLLM = str(PACKAGES / "kvarn-vllm")
+EVAL = str(PACKAGES / "kvarn-eval")
+
+# The GPU machine's versions (see packages/kvarn-vllm/README.md for why vLLM is pinned).
+RUNTIME_PINS = ["torch==2.11.0", "triton==3.6.0", "vllm==0.26.0"]
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5"]
+DOCS_TOOLS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
+
+def _install_all(session: nox.Session, *extra: str) -> None:
+    session.install(*RUNTIME_PINS, *TEST_TOOLS, *extra)
+    session.install("-e", MATH, "-e", KERNELS, "-e", VLLM, "-e", f"{EVAL}[models]")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """CPU tests of all four packages; kernels run in Triton's interpreter."""
+    _install_all(session)
+    session.env.update({"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci", "CUDA_VISIBLE_DEVICES": ""})
+    session.run(
+        "pytest", "-m", "not gpu", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
+        *(session.posargs or [f"{p}/tests" for p in (MATH, KERNELS, VLLM, EVAL)]),
+    )
+
+
+@nox.session(python="3.11")
+def math(session: nox.Session) -> None:
+    """kvarn-math alone in a numpy-only environment."""
+    session.install(*TEST_TOOLS, "-e", f"{MATH}[testing]")
+    session.env["HYPOTHESIS_PROFILE"] = "ci"
+    session.run("pytest", "-p", "no:cacheprovider", f"{MATH}/tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def types(session: nox.Session) -> None:
+    """mypy: strict on kvarn-math, normal on the others."""
+    session.install("mypy>=1.11", "numpy>=1.24", "hypothesis>=6.100", "-e", MATH)
+    session.run("mypy", "--strict", "packages/kvarn-math/src")
+    _install_all(session, "mypy>=1.11")
+    session.run("mypy", "packages/kvarn-kernels/src", "packages/kvarn-eval/src")
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """Build the documentation site, failing on any warning."""
+    session.install(*DOCS_TOOLS, "-e", MATH)
+    session.run("python", "docs/gen_tables.py", "--check")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / ".site"))
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """The main job: accuracy benchmarks on CPU; throughput and kernel suites with a GPU."""
+    _install_all(session)
+    session.run("kvarn-eval", "bench", *session.posargs)
+
+
+@nox.session(python="3.11")
+def gpu(session: nox.Session) -> None:
+    """GPU tests (run on the H200)."""
+    _install_all(session)
+    session.run("pytest", "-m", "gpu", "-p", "no:cacheprovider",
+                *(session.posargs or [f"{p}/tests" for p in (MATH, KERNELS, VLLM, EVAL)]))

@@ -1,0 +1,79 @@
+"""kvarn-math: the NumPy reference of KVarN KV-cache quantization and its cache format.
+
+Modules, in the order of the algorithm: :mod:`~kvarn_math.hadamard` (rotation),
+:mod:`~kvarn_math.varnorm` (variance normalization), :mod:`~kvarn_math.rtn` (round to nearest),
+:mod:`~kvarn_math.packing` (bit packing), :mod:`~kvarn_math.layout` (presets and the record
+format), :mod:`~kvarn_math.tile` (quantize/dequantize tiles), :mod:`~kvarn_math.attention`
+(reference attention), :mod:`~kvarn_math.baselines` and :mod:`~kvarn_math.metrics`.
+"""
+
+from kvarn_math.attention import (
+    QuantizedSequence,
+    dense_attention,
+    dense_kv,
+    quantize_sequence,
+    reference_attention,
+)
+from kvarn_math.hadamard import fwht, hadamard_matrix, random_signs, rotate, unrotate
+from kvarn_math.layout import (
+    DEFAULT_PRESET,
+    PRESETS,
+    SUPPORTED_GROUP_SIZES,
+    SUPPORTED_HEAD_DIMS,
+    Field,
+    Preset,
+    TileLayout,
+    get_preset,
+    tile_layout,
+)
+from kvarn_math.packing import pack, packed_size, unpack
+from kvarn_math.rtn import RowQuantized, dequantize_rows, quantize_rows
+from kvarn_math.tile import (
+    TileFields,
+    decode_tiles,
+    dequantize_tiles,
+    encode_tiles,
+    quantize_tiles,
+    read_fields,
+)
+from kvarn_math.varnorm import Balanced, imbalance, variance_normalize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Balanced",
+    "DEFAULT_PRESET",
+    "Field",
+    "PRESETS",
+    "Preset",
+    "QuantizedSequence",
+    "RowQuantized",
+    "SUPPORTED_GROUP_SIZES",
+    "SUPPORTED_HEAD_DIMS",
+    "TileFields",
+    "TileLayout",
+    "__version__",
+    "decode_tiles",
+    "dense_attention",
+    "dense_kv",
+    "dequantize_rows",
+    "dequantize_tiles",
+    "encode_tiles",
+    "fwht",
+    "get_preset",
+    "hadamard_matrix",
+    "imbalance",
+    "pack",
+    "packed_size",
+    "quantize_rows",
+    "quantize_sequence",
+    "quantize_tiles",
+    "random_signs",
+    "read_fields",
+    "reference_attention",
+    "rotate",
+    "tile_layout",
+    "unpack",
+    "unrotate",
+    "variance_normalize",
+]

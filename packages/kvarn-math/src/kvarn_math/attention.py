@@ -1,0 +1,179 @@
+"""Reference attention over a KVarN-quantized sequence (what the kernels are tested against).
+
+A sequence of ``T`` tokens of ``H_kv`` KV heads is stored as
+
+* an optional exact **first tile** (the attention sink, tokens ``[0, G)``, kept unquantized),
+* ``num_tiles`` quantized **tile records** covering the next ``num_tiles * G`` tokens,
+* an unquantized **open tail** of fewer than ``G`` tokens (the tile still being filled).
+
+Attention runs in the rotated frame: ``q`` is rotated, scores are ``(q H) . k_rot``, the
+output ``softmax . v_rot`` is un-rotated.  Softmax is computed in float64 here (the kernels
+use fp32 online softmax; float64 makes the reference the more accurate side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvarn_math.hadamard import rotate, unrotate
+from kvarn_math.layout import Preset, get_preset, tile_layout
+from kvarn_math.tile import check_finite, decode_tiles, quantize_tiles
+
+__all__ = ["QuantizedSequence", "quantize_sequence", "dense_kv", "reference_attention", "dense_attention"]
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class QuantizedSequence:
+    """One sequence's KV cache in KVarN form (original frame outside the records).
+
+    Attributes:
+        preset: the cache preset.
+        head_dim: ``D``.
+        records: ``[num_tiles, H_kv, tile_bytes]`` uint8 quantized tiles.
+        tail_k, tail_v: ``[T_tail, H_kv, D]`` float32 open-tile tokens, ``T_tail < G``.
+        first_k, first_v: ``[G, H_kv, D]`` float32 exact first tile, or ``None``.
+    """
+
+    preset: Preset
+    head_dim: int
+    records: npt.NDArray[np.uint8]
+    tail_k: F32
+    tail_v: F32
+    first_k: F32 | None = None
+    first_v: F32 | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens ``T``."""
+        first = 0 if self.first_k is None else self.first_k.shape[0]
+        return first + self.records.shape[0] * self.preset.group_size + self.tail_k.shape[0]
+
+
+def quantize_sequence(
+    k: npt.ArrayLike, v: npt.ArrayLike, preset: str | Preset, keep_first_tile: bool = False
+) -> QuantizedSequence:
+    """Store a sequence the way the cache does.
+
+    Args:
+        k, v: ``[T, H_kv, D]`` original-frame keys and values.
+        preset: the cache preset.
+        keep_first_tile: keep tokens ``[0, G)`` exact (only when ``T >= G``).
+    """
+    p = get_preset(preset)
+    k_arr = np.asarray(k, dtype=np.float32)
+    v_arr = np.asarray(v, dtype=np.float32)
+    if k_arr.shape != v_arr.shape or k_arr.ndim != 3:
+        raise ValueError(f"k and v must be [T, H_kv, D] of one shape, got {k_arr.shape}, {v_arr.shape}")
+    t, h, d = k_arr.shape
+    tile_layout(p, d)
+    g = p.group_size
+    start = g if keep_first_tile and t >= g else 0
+    num_tiles = (t - start) // g
+    end = start + num_tiles * g
+    body_k = k_arr[start:end].reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
+    body_v = v_arr[start:end].reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
+    records = quantize_tiles(body_k, body_v, p)
+    return QuantizedSequence(
+        preset=p,
+        head_dim=d,
+        records=records,
+        tail_k=k_arr[end:].copy(),
+        tail_v=v_arr[end:].copy(),
+        first_k=k_arr[:start].copy() if start else None,
+        first_v=v_arr[:start].copy() if start else None,
+    )
+
+
+def dense_kv(seq: QuantizedSequence) -> tuple[F32, F32]:
+    """The rotated-frame K and V ``[T, H_kv, D]`` float32 that attention sees."""
+    p, d = seq.preset, seq.head_dim
+    k_tiles, v_tiles = decode_tiles(seq.records, p, d)  # [N, H, G, D]
+    n, h = seq.records.shape[:2]
+    parts_k = [k_tiles.transpose(0, 2, 1, 3).reshape(n * p.group_size, h, d)]
+    parts_v = [v_tiles.transpose(0, 2, 1, 3).reshape(n * p.group_size, h, d)]
+    if seq.first_k is not None and seq.first_v is not None:
+        parts_k.insert(0, rotate(seq.first_k, axis=-1))
+        parts_v.insert(0, rotate(seq.first_v, axis=-1))
+    parts_k.append(rotate(seq.tail_k, axis=-1))
+    parts_v.append(rotate(seq.tail_v, axis=-1))
+    return (
+        np.concatenate(parts_k).astype(np.float32),
+        np.concatenate(parts_v).astype(np.float32),
+    )
+
+
+def dense_attention(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> F32:
+    """Causal GQA attention of the last ``T_q`` positions over exact K/V.
+
+    Args:
+        q: ``[T_q, H_q, D]``; query ``i`` sits at position ``T - T_q + i``.
+        k, v: ``[T, H_kv, D]``; ``H_q`` a multiple of ``H_kv`` (query head ``h`` reads KV head
+            ``h // (H_q / H_kv)``).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        sliding_window: if set, a query at position ``p`` sees keys ``(p - window, p]``.
+
+    Returns:
+        ``[T_q, H_q, D]`` float32.
+    """
+    q_arr = np.asarray(q, dtype=np.float64)
+    k_arr = np.asarray(k, dtype=np.float64)
+    v_arr = np.asarray(v, dtype=np.float64)
+    check_finite(q_arr, "q")
+    tq, hq, d = q_arr.shape
+    t, hkv, dk = k_arr.shape
+    if dk != d or v_arr.shape != k_arr.shape:
+        raise ValueError(f"q {q_arr.shape}, k {k_arr.shape} and v {v_arr.shape} disagree")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if tq > t:
+        raise ValueError(f"{tq} query tokens but only {t} cached tokens")
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    group = hq // hkv
+    k_full = np.repeat(k_arr, group, axis=1)  # [T, H_q, D]
+    v_full = np.repeat(v_arr, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q_arr, k_full) * scale  # [H_q, T_q, T]
+    q_pos = np.arange(t - tq, t)[:, None]
+    k_pos = np.arange(t)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    scores = np.where(visible[None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", probs, v_full).astype(np.float32)
+
+
+def reference_attention(
+    q: npt.ArrayLike,
+    seq: QuantizedSequence,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> F32:
+    """Attention of ``T_q`` query tokens (the sequence's last positions) over a quantized sequence.
+
+    Args:
+        q: ``[T_q, H_q, D]`` original-frame queries; ``T_q = 1`` is decode, more is a
+            speculative verify or chunked-prefill continuation (causal among themselves).
+        seq: the stored sequence (its last ``T_q`` tokens are the queries' own K/V).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        sliding_window: optional window in tokens.
+
+    Returns:
+        ``[T_q, H_q, D]`` float32 in the original frame.
+    """
+    k_rot, v_rot = dense_kv(seq)
+    q_rot = rotate(np.asarray(q, dtype=np.float32), axis=-1)
+    out_rot = dense_attention(q_rot, k_rot, v_rot, scale=scale, sliding_window=sliding_window)
+    return unrotate(out_rot, axis=-1).astype(np.float32)

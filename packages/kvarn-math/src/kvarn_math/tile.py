@@ -1,0 +1,254 @@
+"""Quantize tiles of K and V into records, and back.
+
+The two frames are explicit:
+
+* :func:`encode_tiles` / :func:`decode_tiles` work in the **rotated** frame (what the cache
+  stores and what attention kernels read).
+* :func:`quantize_tiles` / :func:`dequantize_tiles` take and return the **original** frame:
+  they rotate with the Hadamard transform before encoding and un-rotate after decoding.
+
+Encoding one tile (``k``, ``v``: ``[G, D]`` rotated)::
+
+    K = k.T                                   # [D, G]: rows are channels
+    b = variance_normalize(K)                 # K = B * r[:, None] * c[None, :]
+    q = quantize_rows(b.tile, key_bits)       # per channel over the tile's tokens
+    k_scale = fp16(q.step * r); k_zero = fp16(q.lo * r); k_token_scale = fp16(c)
+
+    b = variance_normalize(v)                 # V = B * r[:, None] * c[None, :]; rows are tokens
+    q = quantize_rows(b.tile, value_bits)     # per token over channels
+    v_scale = fp16(q.step * r); v_zero = fp16(q.lo * r); v_channel_scale = fp16(c)
+
+Scales are stored as float16, saturated to +-65504 so no record holds an infinity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvarn_math.hadamard import rotate, unrotate
+from kvarn_math.layout import Preset, TileLayout, get_preset, tile_layout
+from kvarn_math.packing import pack, unpack
+from kvarn_math.rtn import quantize_rows
+from kvarn_math.varnorm import DEFAULT_ITERATIONS, variance_normalize
+
+__all__ = [
+    "TileFields",
+    "check_finite",
+    "encode_tiles",
+    "decode_tiles",
+    "quantize_tiles",
+    "dequantize_tiles",
+    "read_fields",
+]
+
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+F32 = npt.NDArray[np.float32]
+
+
+def _fp16(x: npt.NDArray[np.floating]) -> npt.NDArray[np.float16]:
+    return np.clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)
+
+
+def check_finite(x: npt.NDArray[np.floating], name: str) -> None:
+    """Raise ``ValueError`` naming the tile and position of the first NaN or Inf in ``x``.
+
+    Args:
+        x: ``[..., G, D]`` tiles (token-major).
+        name: what ``x`` is, for the message (``"k"`` or ``"v"``).
+    """
+    bad = ~np.isfinite(x)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        *tile, token, channel = index
+        value = x[index]
+        where = f"tile {tuple(tile)}" if tile else "the tile"
+        raise ValueError(
+            f"{name} {where} holds {value} at token {token}, channel {channel}; "
+            "KVarN tiles must be finite"
+        )
+
+
+def _check_tiles(
+    k: npt.ArrayLike, v: npt.ArrayLike, lay_preset: Preset
+) -> tuple[F32, F32, TileLayout]:
+    k_arr = np.asarray(k, dtype=np.float32)
+    v_arr = np.asarray(v, dtype=np.float32)
+    if k_arr.shape != v_arr.shape or k_arr.ndim < 2:
+        raise ValueError(
+            f"k and v must both be [..., G, D] of one shape, got {k_arr.shape} and {v_arr.shape}"
+        )
+    g, d = k_arr.shape[-2:]
+    if g != lay_preset.group_size:
+        raise ValueError(
+            f"{lay_preset.name} tiles hold {lay_preset.group_size} tokens, got {g} (shape {k_arr.shape})"
+        )
+    lay = tile_layout(lay_preset, d)
+    check_finite(k_arr, "k")
+    check_finite(v_arr, "v")
+    return k_arr, v_arr, lay
+
+
+def encode_tiles(
+    k_rot: npt.ArrayLike,
+    v_rot: npt.ArrayLike,
+    preset: str | Preset,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> npt.NDArray[np.uint8]:
+    """Encode rotated tiles into records.
+
+    Args:
+        k_rot: ``[..., G, D]`` keys in the rotated frame (any float dtype).
+        v_rot: ``[..., G, D]`` values in the rotated frame.
+        preset: preset name or :class:`Preset`; ``G`` must equal its group size.
+        iterations: variance-normalization sweeps.
+
+    Returns:
+        ``[..., tile_bytes]`` uint8 records laid out as :mod:`kvarn_math.layout` says.
+
+    Raises:
+        ValueError: on shapes that do not match the preset, or a NaN/Inf anywhere.
+    """
+    p = get_preset(preset)
+    k, v, lay = _check_tiles(k_rot, v_rot, p)
+    lead = k.shape[:-2]
+    out = np.zeros((*lead, lay.tile_bytes), dtype=np.uint8)
+
+    kb = variance_normalize(np.swapaxes(k, -1, -2), iterations)  # [..., D, G]
+    kq = quantize_rows(kb.tile, p.key_bits)
+    vb = variance_normalize(v, iterations)  # [..., G, D]
+    vq = quantize_rows(vb.tile, p.value_bits)
+
+    values: dict[str, npt.NDArray[np.generic]] = {
+        "k_codes": pack(kq.codes, p.key_bits),
+        "k_scale": _fp16(kq.step * kb.row_scale),
+        "k_zero": _fp16(kq.lo * kb.row_scale),
+        "k_token_scale": _fp16(kb.col_scale),
+        "v_codes": pack(vq.codes, p.value_bits),
+        "v_channel_scale": _fp16(vb.col_scale),
+        "v_scale": _fp16(vq.step * vb.row_scale),
+        "v_zero": _fp16(vq.lo * vb.row_scale),
+    }
+    for f in lay.fields:
+        raw = np.ascontiguousarray(values[f.name]).view(np.uint8).reshape(*lead, f.nbytes)
+        out[..., f.offset : f.end] = raw
+    return out
+
+
+@dataclass(frozen=True)
+class TileFields:
+    """The fields of records, decoded to arrays (leading axes ``[...]`` of the records).
+
+    Attributes:
+        k_codes: ``[..., D, G]`` uint8.
+        k_scale, k_zero: ``[..., D]`` float16.
+        k_token_scale: ``[..., G]`` float16.
+        v_codes: ``[..., G, D]`` uint8.
+        v_channel_scale: ``[..., D]`` float16.
+        v_scale, v_zero: ``[..., G]`` float16.
+    """
+
+    k_codes: npt.NDArray[np.uint8]
+    k_scale: npt.NDArray[np.float16]
+    k_zero: npt.NDArray[np.float16]
+    k_token_scale: npt.NDArray[np.float16]
+    v_codes: npt.NDArray[np.uint8]
+    v_channel_scale: npt.NDArray[np.float16]
+    v_scale: npt.NDArray[np.float16]
+    v_zero: npt.NDArray[np.float16]
+
+
+def read_fields(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> TileFields:
+    """Split records ``[..., tile_bytes]`` into their fields (codes unpacked)."""
+    p = get_preset(preset)
+    lay = tile_layout(p, head_dim)
+    rec = np.asarray(records)
+    if rec.dtype != np.uint8 or rec.ndim < 1 or rec.shape[-1] != lay.tile_bytes:
+        raise ValueError(
+            f"records must be uint8 [..., {lay.tile_bytes}] for {p.name} at head_dim {head_dim}, "
+            f"got {rec.dtype} {rec.shape}"
+        )
+    lead = rec.shape[:-1]
+    g, d = p.group_size, head_dim
+
+    def raw(name: str) -> npt.NDArray[np.uint8]:
+        f = lay.field(name)
+        return np.ascontiguousarray(rec[..., f.offset : f.end])
+
+    def half(name: str) -> npt.NDArray[np.float16]:
+        return raw(name).view(np.float16).reshape(*lead, -1)
+
+    return TileFields(
+        k_codes=unpack(raw("k_codes").reshape(*lead, d, -1), p.key_bits, g),
+        k_scale=half("k_scale"),
+        k_zero=half("k_zero"),
+        k_token_scale=half("k_token_scale"),
+        v_codes=unpack(raw("v_codes").reshape(*lead, g, -1), p.value_bits, d),
+        v_channel_scale=half("v_channel_scale"),
+        v_scale=half("v_scale"),
+        v_zero=half("v_zero"),
+    )
+
+
+def decode_tiles(
+    records: npt.ArrayLike, preset: str | Preset, head_dim: int
+) -> tuple[F32, F32]:
+    """Decode records to K and V in the rotated frame.
+
+    Args:
+        records: ``[..., tile_bytes]`` uint8.
+        preset: the preset the records were written with.
+        head_dim: ``D``.
+
+    Returns:
+        ``(k_rot, v_rot)``, each ``[..., G, D]`` float32::
+
+            K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * k_token_scale[t]
+            V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * v_channel_scale[d]
+    """
+    f = read_fields(records, preset, head_dim)
+    f32 = np.float32
+    k_dg = (
+        f.k_codes.astype(f32) * f.k_scale.astype(f32)[..., :, None]
+        + f.k_zero.astype(f32)[..., :, None]
+    ) * f.k_token_scale.astype(f32)[..., None, :]
+    v = (
+        f.v_codes.astype(f32) * f.v_scale.astype(f32)[..., :, None]
+        + f.v_zero.astype(f32)[..., :, None]
+    ) * f.v_channel_scale.astype(f32)[..., None, :]
+    return np.swapaxes(k_dg, -1, -2).astype(f32), v.astype(f32)
+
+
+def quantize_tiles(
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    preset: str | Preset,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> npt.NDArray[np.uint8]:
+    """Rotate (Hadamard over channels) and encode tiles in the original frame.
+
+    Args:
+        k, v: ``[..., G, D]`` original-frame keys (after RoPE) and values.
+
+    Returns:
+        ``[..., tile_bytes]`` uint8 records.
+    """
+    k_arr = np.asarray(k, dtype=np.float32)
+    v_arr = np.asarray(v, dtype=np.float32)
+    check_finite(k_arr, "k")
+    check_finite(v_arr, "v")
+    return encode_tiles(rotate(k_arr, axis=-1), rotate(v_arr, axis=-1), preset, iterations)
+
+
+def dequantize_tiles(
+    records: npt.ArrayLike, preset: str | Preset, head_dim: int
+) -> tuple[F32, F32]:
+    """Decode records and un-rotate: ``(k, v)`` ``[..., G, D]`` float32 in the original frame."""
+    k_rot, v_rot = decode_tiles(records, preset, head_dim)
+    return (
+        unrotate(k_rot, axis=-1).astype(np.float32),
+        unrotate(v_rot, axis=-1).astype(np.float32),
+    )
