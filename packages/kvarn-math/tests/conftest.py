@@ -1,0 +1,3 @@
+from kvarn_math.testing import register_profiles
+
+register_profiles()

@@ -1,0 +1,120 @@
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvarn_math.hadamard import rotate
+from kvarn_math.layout import PRESETS, get_preset
+from kvarn_math.metrics import relative_error, sqnr_db
+from kvarn_math.packing import unpack
+from kvarn_math.rtn import quantize_rows
+from kvarn_math.testing import kv_tiles, presets
+from kvarn_math.tile import decode_tiles, dequantize_tiles, encode_tiles, quantize_tiles, read_fields
+from kvarn_math.varnorm import variance_normalize
+
+# SQNR floors (dB) per bit width on the drawn distributions; 4-bit RTN sits near 20 dB.
+MIN_SQNR = {2: 4.0, 3: 9.0, 4: 15.0}
+
+
+@given(kv_tiles(group_size=st.sampled_from([64, 128])), presets())
+def test_roundtrip_quality(sample, preset) -> None:
+    if sample.k.shape[-2] != preset.group_size:
+        preset = get_preset(f"kvarn_k4v2_g{sample.k.shape[-2]}")
+    records = quantize_tiles(sample.k, sample.v, preset)
+    k_hat, v_hat = dequantize_tiles(records, preset, sample.k.shape[-1])
+    assert np.isfinite(k_hat).all() and np.isfinite(v_hat).all()
+    assert sqnr_db(sample.k, k_hat) > MIN_SQNR[preset.key_bits]
+    assert sqnr_db(sample.v, v_hat) > MIN_SQNR[preset.value_bits]
+
+
+@given(kv_tiles(group_size=128, head_dim=64, batch=1))
+def test_error_within_half_a_step_in_the_normalized_frame(sample) -> None:
+    k_rot = rotate(sample.k[0], axis=-1)
+    b = variance_normalize(k_rot.T)
+    q = quantize_rows(b.tile, 4)
+    records = encode_tiles(k_rot, rotate(sample.v[0], axis=-1), "kvarn_k4v2_g128")
+    fields = read_fields(records, "kvarn_k4v2_g128", 64)
+    np.testing.assert_array_equal(fields.k_codes, q.codes)
+    k_dec, _ = decode_tiles(records, "kvarn_k4v2_g128", 64)
+    normalized = k_dec.T / (b.row_scale[:, None] * b.col_scale[None, :])
+    # fp16 storage of the folded scales adds ~2^-11 relative error on top of half a step
+    bound = q.step[:, None] / 2 + 2e-3 * (np.abs(b.tile) + np.abs(q.lo[:, None])) + 1e-6
+    assert np.all(np.abs(normalized - b.tile) <= bound)
+
+
+@given(kv_tiles(group_size=128, head_dim=64, batch=1), st.sampled_from([0.1, 0.5, 2.0, 3.0, 30.0]))
+def test_scaling_the_input_scales_the_output(sample, c: float) -> None:
+    # Float rounding of c * x can flip a code at a rounding tie or the choice of best
+    # iteration; the difference stays far below the quantization error itself.
+    k, v = sample.k, sample.v
+    base = dequantize_tiles(quantize_tiles(k, v, "kvarn_k4v4_g128"), "kvarn_k4v4_g128", 64)
+    scaled = dequantize_tiles(quantize_tiles(c * k, c * v, "kvarn_k4v4_g128"), "kvarn_k4v4_g128", 64)
+    for exact, a, b in zip((k, v), base, scaled):
+        quant_error = relative_error(exact[0], a[0])
+        assert relative_error(c * a, b) <= 0.05 * quant_error
+
+
+def test_deterministic_and_batched_equals_single() -> None:
+    rng = np.random.default_rng(3)
+    k, v = rng.standard_normal((2, 4, 128, 128)).astype(np.float32)
+    one = quantize_tiles(k, v, "kvarn_k4v2_g128")
+    np.testing.assert_array_equal(one, quantize_tiles(k, v, "kvarn_k4v2_g128"))
+    for i in range(4):
+        np.testing.assert_array_equal(one[i], quantize_tiles(k[i], v[i], "kvarn_k4v2_g128"))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("kind", ["zero", "constant", "outlier_1e4", "outlier_fp16_max"])
+def test_adversarial_tiles_reconstruct_finite(preset: str, kind: str) -> None:
+    p = get_preset(preset)
+    rng = np.random.default_rng(4)
+    k = np.zeros((p.group_size, 128), np.float32)
+    v = np.zeros_like(k)
+    if kind == "constant":
+        k[:], v[:] = 2.5, -1.25
+    elif kind.startswith("outlier"):
+        k = rng.standard_normal(k.shape).astype(np.float32)
+        v = rng.standard_normal(k.shape).astype(np.float32)
+        big = 1e4 if kind == "outlier_1e4" else float(np.finfo(np.float16).max)
+        k[7, 3] = big
+        v[9, 100] = -big
+    k_hat, v_hat = dequantize_tiles(quantize_tiles(k, v, p), p, 128)
+    assert np.isfinite(k_hat).all() and np.isfinite(v_hat).all()
+    if kind == "zero":
+        np.testing.assert_array_equal(k_hat, k)
+        np.testing.assert_array_equal(v_hat, v)
+    elif kind == "constant":
+        # the folded fp16 zero point cancels against code * scale: a few % at 2 bits
+        np.testing.assert_allclose(k_hat, k, rtol=0.05)
+        np.testing.assert_allclose(v_hat, v, rtol=0.05)
+    elif p.key_bits >= 4:
+        assert abs(k_hat[7, 3] - k[7, 3]) < 0.05 * abs(k[7, 3])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_names_tile_and_position(bad: float) -> None:
+    k = np.zeros((3, 128, 64), np.float32)
+    v = np.zeros_like(k)
+    v[2, 17, 5] = bad
+    with pytest.raises(ValueError, match=r"v tile \(2,\) holds .* at token 17, channel 5"):
+        quantize_tiles(k, v, "kvarn_k4v2_g128")
+
+
+def test_shape_errors() -> None:
+    k = np.zeros((64, 64), np.float32)
+    with pytest.raises(ValueError, match="hold 128 tokens, got 64"):
+        quantize_tiles(k, k, "kvarn_k4v2_g128")
+    with pytest.raises(ValueError, match="one shape"):
+        quantize_tiles(k, k[:32], "kvarn_k4v2_g64")
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        quantize_tiles(np.zeros((64, 32)), np.zeros((64, 32)), "kvarn_k4v2_g64")
+    with pytest.raises(ValueError, match=r"records must be uint8 \[\.\.\., 3840\]"):
+        decode_tiles(np.zeros((2, 100), np.uint8), "kvarn_k4v2_g64", 64)
+
+
+def test_codes_unpack_consistently() -> None:
+    k = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+    rec = encode_tiles(k, k, "kvarn_k4v2_g64")
+    f = read_fields(rec, "kvarn_k4v2_g64", 64)
+    raw = rec[: 64 * 32].reshape(64, 32)
+    np.testing.assert_array_equal(unpack(raw, 4, 64), f.k_codes)
