@@ -44,9 +44,19 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     """CPU tests of all four packages; kernels run in Triton's interpreter."""
     _install_all(session)
-    session.env.update({"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci", "CUDA_VISIBLE_DEVICES": ""})
+    session.env.update(
+        {"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci", "CUDA_VISIBLE_DEVICES": ""}
+    )
     session.run(
-        "pytest", "-m", "not gpu", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
+        "pytest",
+        "-m",
+        "not gpu",
+        "-n",
+        "2",
+        "--dist",
+        "loadfile",
+        "-p",
+        "no:cacheprovider",
         *(session.posargs or [f"{p}/tests" for p in (MATH, KERNELS, VLLM, EVAL)]),
     )
 
@@ -95,5 +105,11 @@ def bench(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """GPU tests (run on the H200)."""
     _install_all(session)
-    session.run("pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                *(session.posargs or [f"{p}/tests" for p in (MATH, KERNELS, VLLM, EVAL)]))
+    session.run(
+        "pytest",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        *(session.posargs or [f"{p}/tests" for p in (MATH, KERNELS, VLLM, EVAL)]),
+    )

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvarn_math.hadamard import fwht, hadamard_matrix, random_signs, rotate, unrotate
 
 powers = st.sampled_from([1, 2, 4, 8, 16, 64, 128, 256, 512])
@@ -35,7 +34,9 @@ def test_fwht_is_self_inverse_and_keeps_float32(size: int, seed: int) -> None:
 
 
 @given(st.sampled_from([8, 64, 128]), st.integers(0, 2**31), st.integers(0, 2**31))
-def test_random_sign_rotation_inverts_and_preserves_dot_products(size: int, seed: int, data_seed: int) -> None:
+def test_random_sign_rotation_inverts_and_preserves_dot_products(
+    size: int, seed: int, data_seed: int
+) -> None:
     signs = random_signs(size, seed)
     np.testing.assert_array_equal(signs, random_signs(size, seed))
     assert set(np.unique(signs)) <= {-1.0, 1.0}

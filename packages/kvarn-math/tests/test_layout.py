@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 from hypothesis import given
-
 from kvarn_math.layout import (
     FIELD_ALIGNMENT,
     PRESETS,
@@ -30,7 +29,9 @@ def test_fields_are_contiguous_aligned_and_unpadded(name: str, head_dim: int) ->
     p = get_preset(name)
     lay = tile_layout(p, head_dim)
     g, d = p.group_size, head_dim
-    expected = d * g * p.key_bits // 8 + (2 * d + g) * 2 + g * d * p.value_bits // 8 + (d + 2 * g) * 2
+    expected = (
+        d * g * p.key_bits // 8 + (2 * d + g) * 2 + g * d * p.value_bits // 8 + (d + 2 * g) * 2
+    )
     assert lay.tile_bytes == expected
     offset = 0
     for f in lay.fields:

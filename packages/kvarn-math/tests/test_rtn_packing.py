@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvarn_math.packing import pack, packed_size, unpack
 from kvarn_math.rtn import dequantize_rows, quantize_rows
 
@@ -18,7 +17,9 @@ def test_pack_unpack_is_identity(bits: int, length: int, seed: int) -> None:
 
 
 def test_packing_is_little_end_first() -> None:
-    np.testing.assert_array_equal(pack(np.array([1, 2, 3, 4, 5, 6, 7, 8]) % 16, 4), [0x21, 0x43, 0x65, 0x87])
+    np.testing.assert_array_equal(
+        pack(np.array([1, 2, 3, 4, 5, 6, 7, 8]) % 16, 4), [0x21, 0x43, 0x65, 0x87]
+    )
     np.testing.assert_array_equal(pack(np.array([1, 2, 3, 0, 3, 3, 3, 3]), 2), [0b00111001, 0xFF])
     three = pack(np.arange(8), 3)  # 0 | 1<<3 | 2<<6 | 3<<9 | ... little-endian 24-bit word
     word = sum(i << (3 * i) for i in range(8))

@@ -2,14 +2,19 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvarn_math.hadamard import rotate
 from kvarn_math.layout import PRESETS, get_preset
 from kvarn_math.metrics import relative_error, sqnr_db
 from kvarn_math.packing import unpack
 from kvarn_math.rtn import quantize_rows
 from kvarn_math.testing import kv_tiles, presets
-from kvarn_math.tile import decode_tiles, dequantize_tiles, encode_tiles, quantize_tiles, read_fields
+from kvarn_math.tile import (
+    decode_tiles,
+    dequantize_tiles,
+    encode_tiles,
+    quantize_tiles,
+    read_fields,
+)
 from kvarn_math.varnorm import variance_normalize
 
 # SQNR floors (dB) per bit width on the drawn distributions; 4-bit RTN sits near 20 dB.
@@ -48,7 +53,9 @@ def test_scaling_the_input_scales_the_output(sample, c: float) -> None:
     # iteration; the difference stays far below the quantization error itself.
     k, v = sample.k, sample.v
     base = dequantize_tiles(quantize_tiles(k, v, "kvarn_k4v4_g128"), "kvarn_k4v4_g128", 64)
-    scaled = dequantize_tiles(quantize_tiles(c * k, c * v, "kvarn_k4v4_g128"), "kvarn_k4v4_g128", 64)
+    scaled = dequantize_tiles(
+        quantize_tiles(c * k, c * v, "kvarn_k4v4_g128"), "kvarn_k4v4_g128", 64
+    )
     for exact, a, b in zip((k, v), base, scaled):
         quant_error = relative_error(exact[0], a[0])
         assert relative_error(c * a, b) <= 0.05 * quant_error

@@ -2,7 +2,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvarn_math.testing import kv_tiles
 from kvarn_math.varnorm import LOG_SCALE_CLIP, imbalance, tile_rms, variance_normalize
 
@@ -47,7 +46,11 @@ def test_scale_equivariance_of_the_balanced_tile() -> None:
 
 
 def test_batched_equals_one_by_one() -> None:
-    x = np.random.default_rng(2).standard_normal((3, 32, 16)).astype(np.float32) * [[[1.0]], [[10.0]], [[0.01]]]
+    x = np.random.default_rng(2).standard_normal((3, 32, 16)).astype(np.float32) * [
+        [[1.0]],
+        [[10.0]],
+        [[0.01]],
+    ]
     whole = variance_normalize(x)
     for i in range(3):
         one = variance_normalize(x[i])
@@ -59,7 +62,11 @@ def test_batched_equals_one_by_one() -> None:
 def test_degenerate_tiles_stay_finite(kind: str) -> None:
     x = np.zeros((64, 64), np.float32) if kind == "zero" else np.full((64, 64), 3.5, np.float32)
     b = variance_normalize(x)
-    assert np.isfinite(b.tile).all() and np.isfinite(b.row_scale).all() and np.isfinite(b.col_scale).all()
+    assert (
+        np.isfinite(b.tile).all()
+        and np.isfinite(b.row_scale).all()
+        and np.isfinite(b.col_scale).all()
+    )
 
 
 def test_bad_arguments() -> None:

@@ -22,7 +22,13 @@ from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import Preset, get_preset, tile_layout
 from kvarn_math.tile import check_finite, decode_tiles, quantize_tiles
 
-__all__ = ["QuantizedSequence", "quantize_sequence", "dense_kv", "reference_attention", "dense_attention"]
+__all__ = [
+    "QuantizedSequence",
+    "quantize_sequence",
+    "dense_kv",
+    "reference_attention",
+    "dense_attention",
+]
 
 F32 = npt.NDArray[np.float32]
 
@@ -51,7 +57,7 @@ class QuantizedSequence:
     def num_tokens(self) -> int:
         """Total tokens ``T``."""
         first = 0 if self.first_k is None else self.first_k.shape[0]
-        return first + self.records.shape[0] * self.preset.group_size + self.tail_k.shape[0]
+        return int(first + self.records.shape[0] * self.preset.group_size + self.tail_k.shape[0])
 
 
 def quantize_sequence(
@@ -68,7 +74,9 @@ def quantize_sequence(
     k_arr = np.asarray(k, dtype=np.float32)
     v_arr = np.asarray(v, dtype=np.float32)
     if k_arr.shape != v_arr.shape or k_arr.ndim != 3:
-        raise ValueError(f"k and v must be [T, H_kv, D] of one shape, got {k_arr.shape}, {v_arr.shape}")
+        raise ValueError(
+            f"k and v must be [T, H_kv, D] of one shape, got {k_arr.shape}, {v_arr.shape}"
+        )
     t, h, d = k_arr.shape
     tile_layout(p, d)
     g = p.group_size
@@ -152,7 +160,8 @@ def dense_attention(
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", probs, v_full).astype(np.float32)
+    out: F32 = np.einsum("hqk,khd->qhd", probs, v_full).astype(np.float32)
+    return out
 
 
 def reference_attention(

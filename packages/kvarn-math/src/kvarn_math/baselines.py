@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import Preset, get_preset, tile_layout
-from kvarn_math.rtn import check_bits, dequantize_rows, quantize_rows
+from kvarn_math.rtn import check_bits, quantize_rows
 from kvarn_math.tile import dequantize_tiles, quantize_tiles
 
 __all__ = [
@@ -208,7 +208,8 @@ def fp8_e4m3_round(x: npt.ArrayLike) -> F32:
     exp = np.floor(np.log2(np.maximum(mag, 2.0**-6)))
     step = 2.0 ** (exp - 3)
     rounded = np.rint(mag / step) * step
-    return (np.sign(a) * np.minimum(rounded, 448.0)).astype(np.float32)
+    out: F32 = (np.sign(a) * np.minimum(rounded, 448.0)).astype(np.float32)
+    return out
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,9 @@ class KVarN(Method):
     def roundtrip(self, k: npt.ArrayLike, v: npt.ArrayLike) -> tuple[F32, F32]:
         ka, va = _check_kv(k, v, self.group_size)
         d = ka.shape[-1]
-        records = quantize_tiles(_tiles(ka, self.group_size), _tiles(va, self.group_size), self.preset)
+        records = quantize_tiles(
+            _tiles(ka, self.group_size), _tiles(va, self.group_size), self.preset
+        )
         k_hat, v_hat = dequantize_tiles(records, self.preset, d)
         return _untiles(k_hat), _untiles(v_hat)
 

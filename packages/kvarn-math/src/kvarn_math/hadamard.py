@@ -43,7 +43,8 @@ def hadamard_matrix(size: int) -> npt.NDArray[np.float64]:
     h = np.ones((1, 1), dtype=np.float64)
     while h.shape[0] < size:
         h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(size)
+    out: npt.NDArray[np.float64] = h / np.sqrt(size)
+    return out
 
 
 def fwht(x: npt.ArrayLike, axis: int = -1) -> npt.NDArray[np.floating]:

@@ -29,7 +29,7 @@ A paged cache block holds one record per KV head: ``[num_kv_heads, tile_bytes]``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -82,12 +82,16 @@ class Preset:
             )
         expected = f"kvarn_k{self.key_bits}v{self.value_bits}_g{self.group_size}"
         if self.name != expected:
-            raise ValueError(f"preset name must be {expected!r} for its settings, got {self.name!r}")
+            raise ValueError(
+                f"preset name must be {expected!r} for its settings, got {self.name!r}"
+            )
 
     @classmethod
     def from_bits(cls, key_bits: int, value_bits: int, group_size: int) -> Preset:
         """Build a (possibly unregistered) preset from its settings."""
-        return cls(f"kvarn_k{key_bits}v{value_bits}_g{group_size}", key_bits, value_bits, group_size)
+        return cls(
+            f"kvarn_k{key_bits}v{value_bits}_g{group_size}", key_bits, value_bits, group_size
+        )
 
 
 PRESETS: dict[str, Preset] = {
@@ -207,15 +211,25 @@ class TileLayout:
         return num_kv_heads * self.tile_bytes
 
 
-@lru_cache(maxsize=None)
+@cache
 def _layout(preset: Preset, head_dim: int) -> TileLayout:
     d, g = head_dim, preset.group_size
     specs: list[tuple[str, str, tuple[int, ...], int]] = [
-        ("k_codes", "uint8", (d, packed_size(g, preset.key_bits)), d * packed_size(g, preset.key_bits)),
+        (
+            "k_codes",
+            "uint8",
+            (d, packed_size(g, preset.key_bits)),
+            d * packed_size(g, preset.key_bits),
+        ),
         ("k_scale", "float16", (d,), _FP16_BYTES * d),
         ("k_zero", "float16", (d,), _FP16_BYTES * d),
         ("k_token_scale", "float16", (g,), _FP16_BYTES * g),
-        ("v_codes", "uint8", (g, packed_size(d, preset.value_bits)), g * packed_size(d, preset.value_bits)),
+        (
+            "v_codes",
+            "uint8",
+            (g, packed_size(d, preset.value_bits)),
+            g * packed_size(d, preset.value_bits),
+        ),
         ("v_channel_scale", "float16", (d,), _FP16_BYTES * d),
         ("v_scale", "float16", (g,), _FP16_BYTES * g),
         ("v_zero", "float16", (g,), _FP16_BYTES * g),
@@ -238,9 +252,7 @@ def tile_layout(preset: str | Preset, head_dim: int) -> TileLayout:
     """
     p = get_preset(preset)
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim must be one of {SUPPORTED_HEAD_DIMS} for KVarN, got {head_dim}"
-        )
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS} for KVarN, got {head_dim}")
     return _layout(p, head_dim)
 
 

@@ -16,7 +16,9 @@ __all__ = [
 ]
 
 
-def _pair(ref: npt.ArrayLike, approx: npt.ArrayLike) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+def _pair(
+    ref: npt.ArrayLike, approx: npt.ArrayLike
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     a = np.asarray(ref, dtype=np.float64)
     b = np.asarray(approx, dtype=np.float64)
     if a.shape != b.shape:
@@ -96,7 +98,8 @@ def log_softmax(logits: npt.ArrayLike, axis: int = -1) -> npt.NDArray[np.float64
     """Numerically stable log-softmax in float64."""
     x = np.asarray(logits, dtype=np.float64)
     x = x - x.max(axis=axis, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=axis, keepdims=True))
+    out: npt.NDArray[np.float64] = x - np.log(np.exp(x).sum(axis=axis, keepdims=True))
+    return out
 
 
 def kl_divergence(ref_logits: npt.ArrayLike, approx_logits: npt.ArrayLike, axis: int = -1) -> float:

@@ -34,7 +34,7 @@ def pack(codes: npt.ArrayLike, bits: int) -> npt.NDArray[np.uint8]:
             f"codes must lie in [0, {2**bits}) for {bits}-bit packing, "
             f"got values in [{arr.min()}, {arr.max()}]"
         )
-    groups = arr.astype(np.uint64).reshape(*arr.shape[:-1], -1, 8)
+    groups = arr.astype(np.uint64).reshape(*arr.shape[:-1], arr.shape[-1] // 8, 8)
     shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits)).astype(np.uint64)
     words = np.bitwise_or.reduce(groups << shifts, axis=-1)
     word_bytes = words.astype("<u8").view(np.uint8).reshape(*words.shape, 8)

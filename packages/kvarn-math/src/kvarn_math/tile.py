@@ -179,23 +179,22 @@ def read_fields(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> 
         return np.ascontiguousarray(rec[..., f.offset : f.end])
 
     def half(name: str) -> npt.NDArray[np.float16]:
-        return raw(name).view(np.float16).reshape(*lead, -1)
+        f = lay.field(name)
+        return raw(name).view(np.float16).reshape(*lead, *f.shape)
 
     return TileFields(
-        k_codes=unpack(raw("k_codes").reshape(*lead, d, -1), p.key_bits, g),
+        k_codes=unpack(raw("k_codes").reshape(*lead, *lay.field("k_codes").shape), p.key_bits, g),
         k_scale=half("k_scale"),
         k_zero=half("k_zero"),
         k_token_scale=half("k_token_scale"),
-        v_codes=unpack(raw("v_codes").reshape(*lead, g, -1), p.value_bits, d),
+        v_codes=unpack(raw("v_codes").reshape(*lead, *lay.field("v_codes").shape), p.value_bits, d),
         v_channel_scale=half("v_channel_scale"),
         v_scale=half("v_scale"),
         v_zero=half("v_zero"),
     )
 
 
-def decode_tiles(
-    records: npt.ArrayLike, preset: str | Preset, head_dim: int
-) -> tuple[F32, F32]:
+def decode_tiles(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> tuple[F32, F32]:
     """Decode records to K and V in the rotated frame.
 
     Args:

@@ -74,7 +74,8 @@ class Balanced:
 
 def _apply(x: F32, log_r: F32, log_c: F32) -> F32:
     scale = np.exp(log_r)[..., :, None] * np.exp(log_c)[..., None, :]
-    return (x / scale).astype(np.float32)
+    out: F32 = (x / scale).astype(np.float32)
+    return out
 
 
 def imbalance(tile: npt.ArrayLike) -> F32:
@@ -84,7 +85,8 @@ def imbalance(tile: npt.ArrayLike) -> F32:
     std_r = x.std(axis=-1, ddof=1, dtype=np.float32)
     ratio_c = std_c.max(axis=-1) / np.maximum(std_c.min(axis=-1), np.float32(_IMBALANCE_MIN))
     ratio_r = std_r.max(axis=-1) / np.maximum(std_r.min(axis=-1), np.float32(_IMBALANCE_MIN))
-    return (ratio_c + ratio_r).astype(np.float32)
+    out: F32 = (ratio_c + ratio_r).astype(np.float32)
+    return out
 
 
 def tile_rms(tile: npt.ArrayLike) -> F32:

@@ -110,7 +110,9 @@ def kv_sequences(
     h, d = value(num_kv_heads), value(head_dim)
     dist = draw(st.sampled_from(DISTRIBUTIONS))
     seed = draw(st.integers(0, 2**32 - 1))
-    return KVSample(make_kv((t, h, d), dist, seed), make_kv((t, h, d), "gaussian", seed + 1), dist, seed)
+    return KVSample(
+        make_kv((t, h, d), dist, seed), make_kv((t, h, d), "gaussian", seed + 1), dist, seed
+    )
 
 
 def register_profiles() -> None:
@@ -118,7 +120,9 @@ def register_profiles() -> None:
 
     The profile in ``HYPOTHESIS_PROFILE`` is loaded (default ``ci``).
     """
-    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    common = dict(
+        deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    )
     settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **common)  # type: ignore[arg-type]
     settings.register_profile("dev", max_examples=50, **common)  # type: ignore[arg-type]
     settings.register_profile("nightly", max_examples=1000, **common)  # type: ignore[arg-type]
