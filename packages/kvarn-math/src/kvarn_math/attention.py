@@ -66,7 +66,8 @@ def quantize_sequence(
     """Store a sequence the way the cache does.
 
     Args:
-        k, v: ``[T, H_kv, D]`` original-frame keys and values.
+        k: ``[T, H_kv, D]`` original-frame keys.
+        v: ``[T, H_kv, D]`` original-frame values.
         preset: the cache preset.
         keep_first_tile: keep tokens ``[0, G)`` exact (only when ``T >= G``).
     """
@@ -126,8 +127,9 @@ def dense_attention(
 
     Args:
         q: ``[T_q, H_q, D]``; query ``i`` sits at position ``T - T_q + i``.
-        k, v: ``[T, H_kv, D]``; ``H_q`` a multiple of ``H_kv`` (query head ``h`` reads KV head
+        k: ``[T, H_kv, D]``; ``H_q`` a multiple of ``H_kv`` (query head ``h`` reads KV head
             ``h // (H_q / H_kv)``).
+        v: ``[T, H_kv, D]``.
         scale: softmax scale, default ``1 / sqrt(D)``.
         sliding_window: if set, a query at position ``p`` sees keys ``(p - window, p]``.
 

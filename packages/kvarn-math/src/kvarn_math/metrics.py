@@ -80,7 +80,10 @@ def attention_output_error(
 
     Args:
         q: ``[..., T_q, D]`` queries.
-        k, v, k_hat, v_hat: ``[..., T, D]`` exact and reconstructed keys and values.
+        k: ``[..., T, D]`` exact keys.
+        v: ``[..., T, D]`` exact values.
+        k_hat: ``[..., T, D]`` reconstructed keys.
+        v_hat: ``[..., T, D]`` reconstructed values.
         scale: softmax scale, default ``1 / sqrt(D)``.
     """
 

@@ -230,7 +230,10 @@ def quantize_tiles(
     """Rotate (Hadamard over channels) and encode tiles in the original frame.
 
     Args:
-        k, v: ``[..., G, D]`` original-frame keys (after RoPE) and values.
+        k: ``[..., G, D]`` original-frame keys (after RoPE).
+        v: ``[..., G, D]`` original-frame values.
+        preset: preset name or :class:`Preset`.
+        iterations: variance-normalization sweeps.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records.
