@@ -1,0 +1,41 @@
+"""kvarn-kernels: Triton kernels for KVarN quantize-on-write and attention over a quantized cache.
+
+Importing this package never initializes CUDA and never imports vLLM.
+"""
+
+from kvarn_kernels.attention import choose_num_splits, decode_attention, multi_query_attention
+from kvarn_kernels.cache import (
+    allocate_cache,
+    allocate_staging,
+    cache_shape,
+    staging_bytes,
+    staging_shape,
+)
+from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
+from kvarn_kernels.plan import StorePlan, plan_store
+from kvarn_kernels.quantize import encode_tiles, quantize_tiles, store_kv
+from kvarn_kernels.rotation import rotate, unrotate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StorePlan",
+    "__version__",
+    "allocate_cache",
+    "allocate_staging",
+    "cache_shape",
+    "choose_num_splits",
+    "decode_attention",
+    "decode_tiles",
+    "dequantize",
+    "dequantize_tiles",
+    "encode_tiles",
+    "multi_query_attention",
+    "plan_store",
+    "quantize_tiles",
+    "rotate",
+    "staging_bytes",
+    "staging_shape",
+    "store_kv",
+    "unrotate",
+]

@@ -1,0 +1,131 @@
+"""Triton building blocks shared by the ops: Walsh-Hadamard butterflies, bit (un)packing, math.
+
+Everything here is ``@triton.jit`` device code or a host constant; nothing touches CUDA at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+try:  # libdevice gives correctly rounded exp/log/rint on the GPU; the interpreter lacks it
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - every supported Triton has it
+    libdevice = None
+
+__all__ = ["INTERPRET", "PRECISE_MATH", "fwht_rows", "unpack_rows", "pack_rows", "exp_f32", "log_f32", "rint_f32"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Use libdevice's exp/log/rint when compiling for the GPU (closest to NumPy); the interpreter
+# runs NumPy's own functions through tl.exp/tl.log, and the magic-number rint is exact there.
+PRECISE_MATH = (not INTERPRET) and libdevice is not None
+
+
+@triton.jit
+def _butterfly(x, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    # One radix-2 stage with half-width H on every row: (a, b) -> (a + b, a - b), the same
+    # operations in the same order as kvarn_math.hadamard.fwht, so fp32 results are bit-exact.
+    x4 = tl.reshape(x, [R, D // (2 * H), 2, H])
+    x4 = tl.permute(x4, (0, 1, 3, 2))
+    a, b = tl.split(x4)
+    y = tl.join(a + b, a - b)
+    y = tl.permute(y, (0, 1, 3, 2))
+    return tl.reshape(y, [R, D])
+
+
+@triton.jit
+def fwht_rows(x, R: tl.constexpr, D: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of every row of ``x`` ``[R, D]`` (fp32), D <= 512."""
+    if D > 1:
+        x = _butterfly(x, R, D, 1)
+    if D > 2:
+        x = _butterfly(x, R, D, 2)
+    if D > 4:
+        x = _butterfly(x, R, D, 4)
+    if D > 8:
+        x = _butterfly(x, R, D, 8)
+    if D > 16:
+        x = _butterfly(x, R, D, 16)
+    if D > 32:
+        x = _butterfly(x, R, D, 32)
+    if D > 64:
+        x = _butterfly(x, R, D, 64)
+    if D > 128:
+        x = _butterfly(x, R, D, 128)
+    if D > 256:
+        x = _butterfly(x, R, D, 256)
+    return x
+
+
+@triton.jit
+def exp_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def log_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def rint_f32(x, PRECISE: tl.constexpr):
+    """Round half to even (valid for |x| < 2**22 on the interpreter path)."""
+    if PRECISE:
+        return libdevice.rint(x)
+    else:
+        return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def unpack_rows(ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
+    """Load ``ROWS`` packed rows (``LEN`` codes of ``BITS`` bits each) -> int32 ``[ROWS, LEN]``.
+
+    Packing (kvarn_math.packing): code ``i`` of a group of 8 sits at bit ``BITS * i`` of the
+    group's little-endian ``BITS``-byte word.  For 1/2/4/8 bits a byte holds whole codes, so
+    the row is one contiguous (vectorizable) byte load, expanded by shifts; other widths
+    assemble each group's word from ``BITS`` byte planes.
+    """
+    rows = tl.arange(0, ROWS)[:, None]
+    if BITS == 8:
+        cols = tl.arange(0, LEN)[None, :]
+        return tl.load(ptr + rows * row_stride + cols).to(tl.int32)
+    elif (BITS == 1) or (BITS == 2) or (BITS == 4):
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = LEN // PER
+        cols = tl.arange(0, NB)[None, :]
+        raw = tl.load(ptr + rows * row_stride + cols).to(tl.int32)  # [ROWS, NB]
+        shifts = tl.arange(0, PER) * BITS
+        codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(codes, [ROWS, LEN])
+    else:
+        NG: tl.constexpr = LEN // 8
+        groups = tl.arange(0, NG)[None, :]
+        word = tl.zeros([ROWS, NG], dtype=tl.int64)
+        for i in tl.static_range(BITS):
+            plane = tl.load(ptr + rows * row_stride + groups * BITS + i).to(tl.int64)
+            word = word | (plane << (8 * i))
+        shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
+        codes = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(codes.to(tl.int32), [ROWS, LEN])
+
+
+@triton.jit
+def pack_rows(codes, ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
+    """Store int32 codes ``[ROWS, LEN]`` packed as kvarn_math.packing does."""
+    NG: tl.constexpr = LEN // 8
+    grouped = tl.reshape(codes.to(tl.int64), [ROWS, NG, 8])
+    shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
+    word = tl.sum(grouped << shifts[None, None, :], axis=2)  # disjoint bits: sum == or
+    rows = tl.arange(0, ROWS)[:, None]
+    groups = tl.arange(0, NG)[None, :]
+    for i in tl.static_range(BITS):
+        byte = ((word >> (8 * i)) & 255).to(tl.uint8)
+        tl.store(ptr + rows * row_stride + groups * BITS + i, byte)

@@ -1,0 +1,253 @@
+"""Launchers of attention over the quantized paged cache."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+from kvarn_math.layout import Preset, TileLayout
+
+from kvarn_kernels._guards import (
+    MODEL_DTYPES,
+    check_cache,
+    check_preset,
+    check_same_device,
+    check_staging,
+    check_tensor,
+)
+from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
+
+__all__ = ["decode_attention", "multi_query_attention", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+_MAX_GROUP = 16
+_ATTENTION_HEAD_DIMS = (64, 128, 256)
+_MAX_SPLITS = 64
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_chunks: int, device: torch.device
+) -> int:
+    """Split-K factor: enough programs to fill the GPU (~4 per SM), at least 4 chunks each."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = max(1, num_seqs * num_kv_heads)
+    want = -(-4 * sms // programs)
+    return int(max(1, min(want, max(1, max_chunks // 4), _MAX_SPLITS)))
+
+
+def _check_common(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    staging: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    preset: str | Preset,
+    num_seqs: int,
+) -> tuple[TileLayout, int]:
+    check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
+    _, num_q_heads, head_dim = query.shape
+    if head_dim not in _ATTENTION_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {_ATTENTION_HEAD_DIMS} for attention, got {head_dim}")
+    p, layout = check_preset(preset, head_dim)
+    check_cache(kv_cache, layout)
+    num_kv_heads = kv_cache.shape[1]
+    check_staging(staging, layout, num_kv_heads)
+    if staging.dtype != query.dtype:
+        raise ValueError(f"staging dtype must equal query dtype {query.dtype}, got {staging.dtype}")
+    if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= _MAX_GROUP:
+        raise ValueError(
+            f"query heads must be 1..{_MAX_GROUP} times the {num_kv_heads} KV heads, got {num_q_heads}"
+        )
+    if p.key_bits not in (1, 2, 4, 8) and p.group_size < 128:
+        raise ValueError(f"{p.key_bits}-bit keys need G=128 in attention, got {p.name}")
+    if p.value_bits not in (1, 2, 4, 8) and head_dim < 128:
+        raise ValueError(f"{p.value_bits}-bit values need head_dim >= 128, got {head_dim}")
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
+    if block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table must have >= {num_seqs} rows, got {list(block_table.shape)}")
+    for name, t in (("seq_lens", seq_lens), ("quantized_lens", quantized_lens), ("staging_slots", staging_slots)):
+        check_tensor(name, t, dtype=torch.int32, shape=(num_seqs,), contiguous=True)
+    check_same_device(
+        query=query, kv_cache=kv_cache, staging=staging, block_table=block_table,
+        seq_lens=seq_lens, quantized_lens=quantized_lens, staging_slots=staging_slots,
+    )
+    return layout, num_kv_heads
+
+
+def _run(
+    query: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    max_query_len: int,
+    kv_cache: torch.Tensor,
+    staging: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    layout: TileLayout,
+    num_kv_heads: int,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+    num_splits: int | None,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, d = query.shape
+    num_seqs = seq_lens.shape[0]
+    p = layout.preset
+    g = p.group_size
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        check_tensor("out", out, dtype=query.dtype, shape=tuple(query.shape), last_dim_contiguous=True)
+        check_same_device(query=query, out=out)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    max_chunks = block_table.shape[1] + staging.shape[2] // g
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device)
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
+    group = num_q_heads // num_kv_heads
+    block_h = _next_pow2(group)
+    decode = query_start_loc is None
+    block_q = 1 if decode else max(1, min(_next_pow2(max_query_len), 64 // block_h))
+    block_m = max(16, block_q * block_h)
+    num_qblocks = 1 if decode else triton.cdiv(max(max_query_len, 1), block_q)
+    fp32 = query.dtype == torch.float32
+
+    acc = torch.empty((num_tokens, num_q_heads, num_splits, d), dtype=torch.float32, device=query.device)
+    ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
+    off = layout.offsets
+    rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
+    attention_partial_kernel[(num_seqs, num_kv_heads, num_qblocks * num_splits)](
+        query, query.stride(0), query.stride(1),
+        qstart,
+        kv_cache, kv_cache.view(torch.float16), kv_cache.stride(0), kv_cache.stride(1),
+        staging, staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
+        block_table, block_table.stride(0),
+        seq_lens, quantized_lens, staging_slots,
+        acc, ml, num_q_heads,
+        float(scale) * _LOG2E, 0 if sliding_window is None else sliding_window, rsqrt_d,
+        G=g, D=d, SG=staging.shape[2], KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits,
+        GROUP=group, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m,
+        SPLITS=num_splits, DECODE=decode, FP32=fp32,
+        OFF_KC=off["k_codes"], OFF_KS=off["k_scale"], OFF_KZ=off["k_zero"],
+        OFF_KT=off["k_token_scale"], OFF_VC=off["v_codes"], OFF_VCS=off["v_channel_scale"],
+        OFF_VS=off["v_scale"], OFF_VZ=off["v_zero"],
+    )
+    qend = qstart if decode else qstart[num_seqs:]
+    attention_combine_kernel[(num_tokens, num_kv_heads)](
+        acc, ml, num_q_heads,
+        out, out.stride(0), out.stride(1),
+        qend, rsqrt_d,
+        D=d, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
+        BLOCK_S=_next_pow2(num_splits), DECODE=decode,
+        num_warps=4,
+    )
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    staging: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    preset: str | Preset,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: one query token per sequence over its quantized tiles and staging.
+
+    Args:
+        query: ``[B, Hq, D]`` fp16/bf16/fp32, original frame (rotated inside the kernel).
+        kv_cache: uint8 ``[num_blocks, Hkv, tile_bytes]``.
+        staging: ``[num_slots, 2, S*G, Hkv, D]`` in query's dtype.
+        block_table: int32 ``[B, max_blocks]``: tile ``t`` of sequence ``b`` is block ``[b, t]``.
+        seq_lens: int32 ``[B]`` tokens of each sequence (the query is the last one).
+        quantized_lens: int32 ``[B]`` tokens in quantized tiles (multiple of G); the rest
+            ``[quantized_len, seq_len)`` is read from ``staging[slot, :, p % (S*G)]``.
+        staging_slots: int32 ``[B]``.
+        preset: the cache preset.
+        scale: softmax scale (usually ``1 / sqrt(D)``).
+        sliding_window: keys ``(seq_len - 1 - W, seq_len - 1]`` only.
+        out: optional ``[B, Hq, D]`` output (query's dtype).
+        num_splits: split-K factor; ``None`` picks one from the batch and the table width.
+
+    Returns:
+        ``[B, Hq, D]`` in the original frame, query's dtype.
+    """
+    check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3)
+    layout, num_kv_heads = _check_common(
+        query, kv_cache, staging, block_table, seq_lens, quantized_lens, staging_slots, preset,
+        query.shape[0],
+    )
+    return _run(
+        query, None, 1, kv_cache, staging, block_table, seq_lens, quantized_lens, staging_slots,
+        layout, num_kv_heads, scale, sliding_window, out, num_splits,
+    )
+
+
+def multi_query_attention(
+    query: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache: torch.Tensor,
+    staging: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    preset: str | Preset,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of several query tokens per sequence over the cache.
+
+    Sequence ``b``'s queries are rows ``[query_start_loc[b], query_start_loc[b+1])`` of
+    ``query`` ``[num_q_tokens, Hq, D]`` and are its last ``n_b`` positions; their own K/V must
+    already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
+    int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
+    are left untouched.
+
+    Returns:
+        ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
+    """
+    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, contiguous=True)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("query_start_loc must have B+1 >= 1 entries, got 0")
+    layout, num_kv_heads = _check_common(
+        query, kv_cache, staging, block_table, seq_lens, quantized_lens, staging_slots, preset,
+        num_seqs,
+    )
+    check_same_device(query=query, query_start_loc=query_start_loc)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    return _run(
+        query, query_start_loc, max_query_len, kv_cache, staging, block_table, seq_lens,
+        quantized_lens, staging_slots, layout, num_kv_heads, scale, sliding_window, out, num_splits,
+    )

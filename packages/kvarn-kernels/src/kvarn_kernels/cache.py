@@ -1,0 +1,95 @@
+"""Shapes and allocation of the paged cache and the staging area (pure Python, no CUDA at import).
+
+One layer's cache is ``kv_cache`` uint8 ``[num_blocks, num_kv_heads, tile_bytes]`` (a block is one
+tile of ``G`` tokens of one sequence for every KV head, in kvarn-math's record format) plus the
+staging area ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` in the model dtype, rotated frame, that
+holds the tokens of each request's open tile(s); position ``p`` of a request lives at
+``staging[slot, :, p % (S*G)]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvarn_math.layout import Preset, tile_layout
+
+__all__ = [
+    "cache_shape",
+    "allocate_cache",
+    "staging_shape",
+    "staging_bytes",
+    "allocate_staging",
+]
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def cache_shape(
+    num_blocks: int, num_kv_heads: int, head_dim: int, preset: str | Preset
+) -> tuple[int, int, int]:
+    """``(num_blocks, num_kv_heads, tile_bytes)`` of one layer's paged cache."""
+    lay = tile_layout(preset, head_dim)
+    return (_positive("num_blocks", num_blocks), _positive("num_kv_heads", num_kv_heads), lay.tile_bytes)
+
+
+def allocate_cache(
+    num_blocks: int,
+    num_kv_heads: int,
+    head_dim: int,
+    preset: str | Preset,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """A zeroed uint8 cache ``[num_blocks, num_kv_heads, tile_bytes]``."""
+    shape = cache_shape(num_blocks, num_kv_heads, head_dim, preset)
+    return torch.zeros(shape, dtype=torch.uint8, device=device)
+
+
+def staging_shape(
+    num_slots: int,
+    num_kv_heads: int,
+    head_dim: int,
+    preset: str | Preset,
+    staging_tiles: int = 1,
+) -> tuple[int, int, int, int, int]:
+    """``(num_slots, 2, S*G, num_kv_heads, head_dim)``; ``S = staging_tiles`` (2 with spec decode)."""
+    lay = tile_layout(preset, head_dim)
+    _positive("staging_tiles", staging_tiles)
+    return (
+        _positive("num_slots", num_slots),
+        2,
+        staging_tiles * lay.group_size,
+        _positive("num_kv_heads", num_kv_heads),
+        head_dim,
+    )
+
+
+def staging_bytes(
+    num_slots: int,
+    num_kv_heads: int,
+    head_dim: int,
+    preset: str | Preset,
+    dtype: torch.dtype,
+    staging_tiles: int = 1,
+) -> int:
+    """Bytes of one layer's staging area (multiply by the number of layers for the budget)."""
+    numel = 1
+    for s in staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles):
+        numel *= s
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_staging(
+    num_slots: int,
+    num_kv_heads: int,
+    head_dim: int,
+    preset: str | Preset,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    staging_tiles: int = 1,
+) -> torch.Tensor:
+    """A zeroed staging area of :func:`staging_shape`."""
+    shape = staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles)
+    return torch.zeros(shape, dtype=dtype, device=device)

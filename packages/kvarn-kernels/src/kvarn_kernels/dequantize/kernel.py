@@ -1,0 +1,57 @@
+"""Triton kernel: tile records back to dense K and V."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn_kernels._triton import fwht_rows, unpack_rows
+
+__all__ = ["dequantize_kernel"]
+
+
+@triton.jit
+def dequantize_kernel(
+    cache_u8_ptr, cache_f16_ptr, stride_cb, stride_ch,
+    block_ids_ptr,
+    k_out_ptr, v_out_ptr, stride_ot, stride_oh,
+    rsqrt_d,
+    G: tl.constexpr, D: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
+    UNROTATE: tl.constexpr,
+):
+    """One program = one tile of one KV head -> ``G`` rows of ``k_out`` / ``v_out``.
+
+    ``K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * k_token_scale[t]``,
+    ``V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * v_channel_scale[d]``.
+    """
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.load(block_ids_ptr + i).to(tl.int64)
+    rec = block * stride_cb + head.to(tl.int64) * stride_ch
+    u8 = cache_u8_ptr + rec
+    f16 = cache_f16_ptr + rec // 2
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+
+    k_codes = unpack_rows(u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS).to(tl.float32)  # [D, G]
+    k_scale = tl.load(f16 + OFF_KS // 2 + d).to(tl.float32)
+    k_zero = tl.load(f16 + OFF_KZ // 2 + d).to(tl.float32)
+    k_tok = tl.load(f16 + OFF_KT // 2 + g).to(tl.float32)
+    k = (k_codes * k_scale[:, None] + k_zero[:, None]) * k_tok[None, :]
+    k = tl.trans(k)  # [G, D]
+
+    v_codes = unpack_rows(u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS).to(tl.float32)
+    v_chan = tl.load(f16 + OFF_VCS // 2 + d).to(tl.float32)
+    v_scale = tl.load(f16 + OFF_VS // 2 + g).to(tl.float32)
+    v_zero = tl.load(f16 + OFF_VZ // 2 + g).to(tl.float32)
+    v = (v_codes * v_scale[:, None] + v_zero[:, None]) * v_chan[None, :]
+
+    if UNROTATE:
+        k = fwht_rows(k, G, D) * rsqrt_d
+        v = fwht_rows(v, G, D) * rsqrt_d
+    rows = (i * G + g).to(tl.int64)
+    offs = rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + d[None, :]
+    tl.store(k_out_ptr + offs, k.to(k_out_ptr.dtype.element_ty))
+    tl.store(v_out_ptr + offs, v.to(v_out_ptr.dtype.element_ty))

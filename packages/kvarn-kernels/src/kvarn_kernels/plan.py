@@ -1,0 +1,238 @@
+"""The per-step store plan: which fresh tokens go to staging, which tiles are quantized.
+
+Computed once per step on the host (pure NumPy), moved to the GPU once, used by every layer's
+:func:`kvarn_kernels.store_kv`.  For each request, with ``G`` the tile size and ``S*G`` the staging
+positions per slot:
+
+* ``q_before`` (``num_quantized``): tokens already in quantized tiles, a multiple of ``G``;
+* ``q_after = max(q_before, floor(num_committed / G) * G)``: a tile is quantized in the first step
+  in which all its tokens are committed, so a rejected speculative token never reaches a record;
+* tiles ``[q_before / G, q_after / G)`` are quantized this step: token ``p`` of such a tile comes
+  from staging when ``p < num_cached`` (written by an earlier step), else from the fresh batch;
+* fresh tokens at positions ``p >= q_after`` are written to ``staging[slot, :, p % (S*G)]``;
+* afterwards staging holds ``[q_after, seq_len)``, which must fit: ``seq_len - q_after <= S*G``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from kvarn_math.layout import Preset, get_preset
+
+__all__ = ["StorePlan", "plan_store", "TILE_FIELDS", "WRITE_FIELDS"]
+
+TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
+WRITE_FIELDS = ("token_index", "slot", "staging_pos")
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What :func:`kvarn_kernels.store_kv` does in one step (int32 tensors, host or device).
+
+    Attributes:
+        tiles: int32 ``[max_tiles, 5]``: ``block_id`` (-1 = padding, skipped), ``slot``,
+            ``start_pos`` (position of the tile's first token), ``num_staged`` (its first
+            ``num_staged`` tokens come from staging), ``fresh_index`` (batch row of its first
+            fresh token; the others follow contiguously).
+        writes: int32 ``[max_writes, 3]``: ``token_index`` (-1 = padding), ``slot``,
+            ``staging_pos`` (``p % (S*G)``).
+        seq_lens: int32 ``[B]``, ``num_cached + num_new``.
+        quantized_lens: int32 ``[B]``, tokens in quantized tiles after the step (attention's
+            ``quantized_lens``; the next step's ``num_quantized``).
+        num_tiles: real entries of ``tiles``.
+        num_writes: real entries of ``writes``.
+        group_size: ``G`` of the preset it was planned for.
+        staging_tiles: ``S``.
+    """
+
+    tiles: torch.Tensor
+    writes: torch.Tensor
+    seq_lens: torch.Tensor
+    quantized_lens: torch.Tensor
+    num_tiles: int
+    num_writes: int
+    group_size: int
+    staging_tiles: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> StorePlan:
+        """The same plan with every tensor on ``device`` (pin the host tensors for async copies)."""
+        return replace(
+            self,
+            tiles=self.tiles.to(device, non_blocking=non_blocking),
+            writes=self.writes.to(device, non_blocking=non_blocking),
+            seq_lens=self.seq_lens.to(device, non_blocking=non_blocking),
+            quantized_lens=self.quantized_lens.to(device, non_blocking=non_blocking),
+        )
+
+
+def _ints(name: str, values: object, length: int | None = None) -> IntArray:
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host (plan_store runs on the CPU), got {values.device}")
+        values = values.numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} shape {arr.shape}")
+    if length is not None and arr.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries (one per request), got {arr.shape[0]}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got {arr.min()}")
+    return arr.astype(np.int64)
+
+
+def plan_store(
+    num_cached: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
+    num_new: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
+    num_committed: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor | None,
+    staging_slots: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor,
+    block_table: Sequence[Sequence[int]] | npt.NDArray[np.integer] | torch.Tensor,
+    preset: str | Preset,
+    *,
+    staging_tiles: int = 1,
+    num_quantized: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor | None = None,
+    query_start_loc: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor | None = None,
+    max_tiles: int | None = None,
+    max_writes: int | None = None,
+) -> StorePlan:
+    """Plan one step's store for a batch of ``B`` requests (host only, no GPU work).
+
+    Args:
+        num_cached: ``[B]`` tokens of each request written before the step (cache + staging).
+        num_new: ``[B]`` fresh tokens of each request in this step's ``key``/``value`` batch.
+        num_committed: ``[B]`` tokens that can never be rejected after the step, in
+            ``[num_cached, num_cached + num_new]``; ``None``: all of them (no speculation).
+        staging_slots: ``[B]`` each request's staging slot.
+        block_table: ``[B, max_blocks]`` host ints; tile ``t`` of request ``b`` is block
+            ``block_table[b, t]``.
+        preset: the cache preset (gives ``G``).
+        staging_tiles: ``S``; staging holds ``S*G`` positions per slot.
+        num_quantized: ``[B]`` tokens in quantized tiles before the step (multiple of ``G``);
+            ``None``: ``floor(num_cached / G) * G``, right without speculative decoding.  With
+            it, pass the previous step's ``quantized_lens``.
+        query_start_loc: ``[B+1]`` first batch row of each request's fresh tokens; default
+            ``cumsum(num_new)`` with a leading 0.
+        max_tiles, max_writes: pad ``tiles``/``writes`` to this many rows (fixed shapes for
+            CUDA graphs); padding rows hold -1 and are skipped.
+
+    Returns:
+        :class:`StorePlan` with CPU tensors (call ``.to(device)``).
+
+    Raises:
+        ValueError: on inconsistent inputs, a missing block-table entry, staging overflow
+            (``seq_len - quantized_len > S*G``) or padding smaller than the real count.
+    """
+    p = get_preset(preset)
+    g = p.group_size
+    if not isinstance(staging_tiles, int) or staging_tiles < 1:
+        raise ValueError(f"staging_tiles must be a positive int, got {staging_tiles!r}")
+    sg = staging_tiles * g
+    cached = _ints("num_cached", num_cached)
+    b = cached.shape[0]
+    new = _ints("num_new", num_new, b)
+    total = cached + new
+    committed = total.copy() if num_committed is None else _ints("num_committed", num_committed, b)
+    slots = _ints("staging_slots", staging_slots, b)
+    if isinstance(block_table, torch.Tensor):
+        if block_table.device.type != "cpu":
+            raise ValueError(f"block_table must be on the host for plan_store, got {block_table.device}")
+        table = block_table.numpy()
+    else:
+        table = np.asarray(block_table)
+    if table.ndim != 2 or table.shape[0] < b:
+        raise ValueError(f"block_table must be [B={b}, max_blocks] ints, got shape {table.shape}")
+    quant = cached // g * g if num_quantized is None else _ints("num_quantized", num_quantized, b)
+    if query_start_loc is None:
+        qstart = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
+    else:
+        qstart = _ints("query_start_loc", query_start_loc, b + 1)
+        if np.any(qstart[1:] - qstart[:-1] < new):
+            raise ValueError("query_start_loc must leave num_new rows for every request")
+
+    bad = np.flatnonzero((committed < cached) | (committed > total))
+    if bad.size:
+        i = bad[0]
+        raise ValueError(
+            f"num_committed[{i}] must lie in [num_cached, num_cached + num_new] = "
+            f"[{cached[i]}, {total[i]}], got {committed[i]}"
+        )
+    bad = np.flatnonzero((quant % g != 0) | (quant > cached))
+    if bad.size:
+        i = bad[0]
+        raise ValueError(
+            f"num_quantized[{i}] must be a multiple of G={g} and <= num_cached={cached[i]}, "
+            f"got {quant[i]}"
+        )
+    bad = np.flatnonzero(cached - quant > sg)
+    if bad.size:
+        i = bad[0]
+        raise ValueError(
+            f"request {i}: {cached[i] - quant[i]} cached tokens are not quantized, more than the "
+            f"{sg} staging positions (S*G) could hold"
+        )
+    q_after = np.maximum(quant, committed // g * g)
+    bad = np.flatnonzero(total - q_after > sg)
+    if bad.size:
+        i = bad[0]
+        raise ValueError(
+            f"request {i}: after the step {total[i] - q_after[i]} tokens would be unquantized "
+            f"(seq_len {total[i]}, quantized {q_after[i]}), more than the {sg} staging positions "
+            f"(S*G = {staging_tiles}*{g}); raise staging_tiles"
+        )
+
+    tile_rows: list[tuple[int, int, int, int, int]] = []
+    write_parts: list[IntArray] = []
+    for i in range(b):
+        first, last = int(quant[i]) // g, int(q_after[i]) // g
+        if last > table.shape[1]:
+            raise ValueError(
+                f"request {i} needs {last} blocks but block_table has {table.shape[1]} columns"
+            )
+        for t in range(first, last):
+            start = t * g
+            staged = min(max(int(cached[i]) - start, 0), g)
+            fresh = int(qstart[i]) + start + staged - int(cached[i]) if staged < g else 0
+            block = int(table[i, t])
+            if block < 0:
+                raise ValueError(f"request {i}: block_table[{i}, {t}] is {block}, a tile needs a block")
+            tile_rows.append((block, int(slots[i]), start, staged, fresh))
+        lo = max(int(cached[i]), int(q_after[i]))
+        if lo < total[i]:
+            pos = np.arange(lo, int(total[i]), dtype=np.int64)
+            rows = np.empty((pos.size, 3), dtype=np.int64)
+            rows[:, 0] = qstart[i] + pos - cached[i]
+            rows[:, 1] = slots[i]
+            rows[:, 2] = pos % sg
+            write_parts.append(rows)
+
+    tiles = np.asarray(tile_rows, dtype=np.int64).reshape(-1, 5)
+    writes = np.concatenate(write_parts) if write_parts else np.zeros((0, 3), dtype=np.int64)
+    tiles = _pad("max_tiles", tiles, max_tiles)
+    writes = _pad("max_writes", writes, max_writes)
+    if max(int(np.abs(tiles).max(initial=0)), int(np.abs(writes).max(initial=0))) >= 2**31:
+        raise ValueError("plan entries exceed int32 (positions or token indices >= 2**31)")
+    return StorePlan(
+        tiles=torch.from_numpy(tiles.astype(np.int32)),
+        writes=torch.from_numpy(writes.astype(np.int32)),
+        seq_lens=torch.from_numpy(total.astype(np.int32)),
+        quantized_lens=torch.from_numpy(q_after.astype(np.int32)),
+        num_tiles=len(tile_rows),
+        num_writes=sum(w.shape[0] for w in write_parts),
+        group_size=g,
+        staging_tiles=staging_tiles,
+    )
+
+
+def _pad(name: str, rows: IntArray, size: int | None) -> IntArray:
+    if size is None:
+        return rows
+    if size < rows.shape[0]:
+        raise ValueError(f"{name}={size} is smaller than the {rows.shape[0]} entries of this step")
+    out = np.full((size, rows.shape[1]), -1, dtype=np.int64)
+    out[: rows.shape[0]] = rows
+    return out

@@ -1,0 +1,202 @@
+"""Triton kernels of the store: quantize completed tiles, write open tokens to staging."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvarn_kernels._triton import exp_f32, fwht_rows, log_f32, pack_rows, rint_f32
+
+__all__ = ["quantize_tiles_kernel", "stage_tokens_kernel"]
+
+_FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _std(x, AXIS: tl.constexpr, N: tl.constexpr):
+    # NumPy's x.std(axis, ddof=1): mean = sum / n, then sum of squared deviations / (n - 1).
+    mean = tl.div_rn(tl.sum(x, axis=AXIS), N * 1.0)
+    if AXIS == 0:
+        dev = x - mean[None, :]
+    else:
+        dev = x - mean[:, None]
+    return tl.sqrt_rn(tl.div_rn(tl.sum(dev * dev, axis=AXIS), N - 1.0))
+
+
+@triton.jit
+def _imbalance(x, R: tl.constexpr, C: tl.constexpr):
+    std_c = _std(x, 0, R)
+    std_r = _std(x, 1, C)
+    ratio_c = tl.div_rn(tl.max(std_c, axis=0), tl.maximum(tl.min(std_c, axis=0), 1e-8))
+    ratio_r = tl.div_rn(tl.max(std_r, axis=0), tl.maximum(tl.min(std_r, axis=0), 1e-8))
+    return ratio_c + ratio_r
+
+
+@triton.jit
+def _apply(x, log_r, log_c, PRECISE: tl.constexpr):
+    scale = exp_f32(log_r, PRECISE)[:, None] * exp_f32(log_c, PRECISE)[None, :]
+    return tl.div_rn(x, scale)
+
+
+@triton.jit
+def _variance_normalize(raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE: tl.constexpr):
+    """kvarn_math.varnorm.variance_normalize of one tile ``[R, C]`` fp32.
+
+    Returns ``(balanced [R, C], row_scale [R], col_scale [C])``.
+    """
+    ms = tl.div_rn(tl.sum(tl.sum(raw * raw, axis=1), axis=0), R * C * 1.0)
+    rms = tl.sqrt_rn(ms)
+    rms = tl.where(rms > 0, rms, 1.0)
+    x = tl.div_rn(raw, rms)
+    log_r = tl.zeros([R], dtype=tl.float32)
+    log_c = tl.zeros([C], dtype=tl.float32)
+    best = _imbalance(x, R, C)
+    best_r = log_r
+    best_c = log_c
+    for _ in range(ITERS):
+        cur = _apply(x, log_r, log_c, PRECISE)
+        std_c = tl.minimum(tl.maximum(_std(cur, 0, R), 1e-3), 1e3)
+        log_c = tl.minimum(tl.maximum(log_c + log_f32(std_c, PRECISE), -0.3), 10.0)
+        cur = _apply(x, log_r, log_c, PRECISE)
+        std_r = tl.minimum(tl.maximum(_std(cur, 1, C), 1e-3), 1e3)
+        log_r = tl.minimum(tl.maximum(log_r + log_f32(std_r, PRECISE), -0.3), 10.0)
+        score = _imbalance(_apply(x, log_r, log_c, PRECISE), R, C)
+        better = score < best
+        best = tl.where(better, score, best)
+        best_r = tl.where(better, log_r, best_r)
+        best_c = tl.where(better, log_c, best_c)
+    balanced = _apply(x, best_r, best_c, PRECISE)
+    return balanced, exp_f32(best_r, PRECISE) * rms, exp_f32(best_c, PRECISE)
+
+
+@triton.jit
+def _rtn_rows(b, BITS: tl.constexpr, PRECISE: tl.constexpr):
+    """kvarn_math.rtn.quantize_rows: returns ``(codes int32 [R, C], step [R], lo [R])``."""
+    levels = (1 << BITS) - 1.0
+    lo = tl.min(b, axis=1)
+    step = tl.div_rn(tl.max(b, axis=1) - lo, levels)
+    safe = tl.where(step > 0, step, 1.0)
+    scaled = tl.div_rn(b - lo[:, None], safe[:, None])
+    codes = tl.minimum(tl.maximum(rint_f32(scaled, PRECISE), 0.0), levels)
+    codes = tl.where(step[:, None] > 0, codes, 0.0)
+    return codes.to(tl.int32), step, lo
+
+
+@triton.jit
+def _fp16(x):
+    return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _load_tile(
+    fresh_ptr, stride_ft, stride_fh,
+    stage_ptr, stride_ss, stride_sp,
+    head, slot, start, num_staged, fresh_index, rsqrt_d,
+    G: tl.constexpr, D: tl.constexpr, SG: tl.constexpr, FRESH_ROTATED: tl.constexpr,
+):
+    """The tile's ``G`` rotated tokens ``[G, D]`` fp32, as rounded to the staging dtype."""
+    t = tl.arange(0, G)
+    d = tl.arange(0, D)
+    from_stage = t < num_staged
+    spos = ((start + t) % SG).to(tl.int64)
+    stage_off = slot.to(tl.int64) * stride_ss + spos[:, None] * stride_sp + d[None, :]
+    staged = tl.load(stage_ptr + stage_off, mask=from_stage[:, None], other=0.0).to(tl.float32)
+    row = (fresh_index + t - num_staged).to(tl.int64)
+    fresh_off = row[:, None] * stride_ft + head.to(tl.int64) * stride_fh + d[None, :]
+    fresh = tl.load(fresh_ptr + fresh_off, mask=(~from_stage)[:, None], other=0.0).to(tl.float32)
+    if not FRESH_ROTATED:
+        fresh = fwht_rows(fresh, G, D) * rsqrt_d
+        # Round exactly as the staging write does, so a token quantizes the same way whether it
+        # reached its tile through staging or straight from the batch.
+        fresh = fresh.to(stage_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(from_stage[:, None], staged, fresh)
+
+
+@triton.jit
+def quantize_tiles_kernel(
+    key_ptr, stride_kt, stride_kh,
+    value_ptr, stride_vt, stride_vh,
+    stage_ptr, stride_ss, stride_skv, stride_sp, stride_sh,
+    cache_u8_ptr, cache_f16_ptr, stride_cb, stride_ch,
+    tiles_ptr,
+    rsqrt_d,
+    G: tl.constexpr, D: tl.constexpr, SG: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, ITERS: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
+    FRESH_ROTATED: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """One program = one tile of one KV head: gather, rotate, normalize, round, pack, store.
+
+    ``tiles`` rows: ``block_id, slot, start_pos, num_staged, fresh_index`` (block -1: skip).
+    Byte offsets ``stride_cb``/``stride_ch`` of ``cache_u8``; ``cache_f16`` aliases it.
+    """
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    meta = tiles_ptr + tile * 5
+    block = tl.load(meta)
+    if block >= 0:
+        slot = tl.load(meta + 1)
+        start = tl.load(meta + 2)
+        num_staged = tl.load(meta + 3)
+        fresh_index = tl.load(meta + 4)
+        rec = block.to(tl.int64) * stride_cb + head.to(tl.int64) * stride_ch
+        u8 = cache_u8_ptr + rec
+        f16 = cache_f16_ptr + rec // 2
+        g = tl.arange(0, G)
+        d = tl.arange(0, D)
+        stage_k = stage_ptr + head.to(tl.int64) * stride_sh
+        stage_v = stage_k + stride_skv
+
+        # Keys: the tile as [D, G] (rows are channels), quantized per channel over tokens.
+        k = _load_tile(key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp,
+                       head, slot, start, num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED)
+        kb, k_row, k_col = _variance_normalize(tl.trans(k), D, G, ITERS, PRECISE)
+        k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
+        pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
+        tl.store(f16 + OFF_KS // 2 + d, _fp16(k_step * k_row))
+        tl.store(f16 + OFF_KZ // 2 + d, _fp16(k_lo * k_row))
+        tl.store(f16 + OFF_KT // 2 + g, _fp16(k_col))
+
+        # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
+        v = _load_tile(value_ptr, stride_vt, stride_vh, stage_v, stride_ss, stride_sp,
+                       head, slot, start, num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED)
+        vb, v_row, v_col = _variance_normalize(v, G, D, ITERS, PRECISE)
+        v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)
+        pack_rows(v_codes, u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)
+        tl.store(f16 + OFF_VCS // 2 + d, _fp16(v_col))
+        tl.store(f16 + OFF_VS // 2 + g, _fp16(v_step * v_row))
+        tl.store(f16 + OFF_VZ // 2 + g, _fp16(v_lo * v_row))
+
+
+@triton.jit
+def stage_tokens_kernel(
+    key_ptr, stride_kt, stride_kh,
+    value_ptr, stride_vt, stride_vh,
+    stage_ptr, stride_ss, stride_skv, stride_sp, stride_sh,
+    writes_ptr, num_rows,
+    rsqrt_d,
+    D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Rotate ``BLOCK_T`` fresh tokens of one KV head and write them to their staging positions.
+
+    ``writes`` rows: ``token_index, slot, staging_pos`` (token -1: skip).
+    """
+    pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    r = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = r < num_rows
+    token = tl.load(writes_ptr + r * 3, mask=in_range, other=-1)
+    live = token >= 0
+    slot = tl.load(writes_ptr + r * 3 + 1, mask=live, other=0).to(tl.int64)
+    pos = tl.load(writes_ptr + r * 3 + 2, mask=live, other=0).to(tl.int64)
+    tok = token.to(tl.int64)
+    d = tl.arange(0, D)
+    mask = live[:, None]
+    dst = stage_ptr + slot[:, None] * stride_ss + pos[:, None] * stride_sp + head * stride_sh + d[None, :]
+    k = tl.load(key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0)
+    k = fwht_rows(k.to(tl.float32), BLOCK_T, D) * rsqrt_d
+    tl.store(dst, k.to(stage_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + tok[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0)
+    v = fwht_rows(v.to(tl.float32), BLOCK_T, D) * rsqrt_d
+    tl.store(dst + stride_skv, v.to(stage_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,194 @@
+"""Launchers of the store: :func:`store_kv` (paged, per layer) and dense tile quantization."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+from kvarn_math.layout import Preset, TileLayout
+from kvarn_math.varnorm import DEFAULT_ITERATIONS
+
+from kvarn_kernels._guards import (
+    MODEL_DTYPES,
+    check_cache,
+    check_preset,
+    check_same_device,
+    check_staging,
+    check_tensor,
+)
+from kvarn_kernels._triton import PRECISE_MATH
+from kvarn_kernels.plan import StorePlan
+from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
+
+__all__ = ["store_kv", "quantize_tiles", "encode_tiles"]
+
+_STAGE_BLOCK_T = 16
+
+
+def _num_warps(layout: TileLayout) -> int:
+    # A [G, D] fp32 tile lives in registers several times over during normalization.
+    elems = layout.group_size * layout.head_dim
+    return 4 if elems <= 8192 else 8 if elems <= 16384 else 16
+
+
+def _check_iterations(iterations: int) -> int:
+    if not isinstance(iterations, int) or iterations < 0:
+        raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
+    return iterations
+
+
+def _launch_quantize(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    staging: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tiles: torch.Tensor,
+    layout: TileLayout,
+    iterations: int,
+    fresh_rotated: bool,
+) -> None:
+    if tiles.shape[0] == 0:
+        return
+    p, d = layout.preset, layout.head_dim
+    off = layout.offsets
+    cache_f16 = kv_cache.view(torch.float16)
+    grid = (tiles.shape[0], kv_cache.shape[1])
+    quantize_tiles_kernel[grid](
+        key, key.stride(0), key.stride(1),
+        value, value.stride(0), value.stride(1),
+        staging, staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
+        kv_cache, cache_f16, kv_cache.stride(0), kv_cache.stride(1),
+        tiles,
+        float(np.float32(1.0 / math.sqrt(d))),
+        G=p.group_size, D=d, SG=staging.shape[2],
+        KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits, ITERS=iterations,
+        OFF_KC=off["k_codes"], OFF_KS=off["k_scale"], OFF_KZ=off["k_zero"],
+        OFF_KT=off["k_token_scale"], OFF_VC=off["v_codes"], OFF_VCS=off["v_channel_scale"],
+        OFF_VS=off["v_scale"], OFF_VZ=off["v_zero"],
+        FRESH_ROTATED=fresh_rotated, PRECISE=PRECISE_MATH,
+        num_warps=_num_warps(layout),
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    staging: torch.Tensor,
+    plan: StorePlan,
+    preset: str | Preset,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> None:
+    """Store one layer's fresh K/V of a step: quantize completed tiles, stage the rest.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32, original frame
+            (after RoPE); last dim contiguous, other strides free.
+        kv_cache: uint8 ``[num_blocks, num_kv_heads, tile_bytes]``, written in place.
+        staging: ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` rotated frame, written in place.
+        plan: this step's :func:`kvarn_kernels.plan_store` result, on the cache's device.
+        preset: the cache preset.
+        iterations: variance-normalization sweeps (kvarn-math's default 8).
+
+    Launch order: tiles are quantized first (they may read staged tokens whose positions the
+    fresh tokens of this step reuse), then the fresh tokens are written to staging.
+    """
+    check_tensor("key", key, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    check_tensor("value", value, dtype=key.dtype, shape=tuple(key.shape), last_dim_contiguous=True)
+    p, layout = check_preset(preset, head_dim)
+    check_cache(kv_cache, layout, num_kv_heads)
+    check_staging(staging, layout, num_kv_heads, plan.staging_tiles)
+    if plan.group_size != p.group_size:
+        raise ValueError(
+            f"plan was made for G={plan.group_size}, preset {p.name} has G={p.group_size}"
+        )
+    check_tensor("plan.tiles", plan.tiles, dtype=torch.int32, shape=(None, 5), contiguous=True)
+    check_tensor("plan.writes", plan.writes, dtype=torch.int32, shape=(None, 3), contiguous=True)
+    check_same_device(
+        kv_cache=kv_cache, key=key, value=value, staging=staging,
+        plan_tiles=plan.tiles, plan_writes=plan.writes,
+    )
+    _check_iterations(iterations)
+    _launch_quantize(key, value, staging, kv_cache, plan.tiles, layout, iterations, False)
+    rows = plan.writes.shape[0]
+    if rows:
+        grid = (triton.cdiv(rows, _STAGE_BLOCK_T), num_kv_heads)
+        stage_tokens_kernel[grid](
+            key, key.stride(0), key.stride(1),
+            value, value.stride(0), value.stride(1),
+            staging, staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
+            plan.writes, rows,
+            float(np.float32(1.0 / math.sqrt(head_dim))),
+            D=head_dim, BLOCK_T=_STAGE_BLOCK_T,
+            num_warps=4,
+        )
+
+
+def _dense(
+    k: torch.Tensor, v: torch.Tensor, preset: str | Preset, iterations: int, rotated: bool
+) -> torch.Tensor:
+    kname, vname = ("k_rot", "v_rot") if rotated else ("k", "v")
+    check_tensor(kname, k, dtype=MODEL_DTYPES)
+    if k.dim() < 2:
+        raise ValueError(f"{kname} must be [..., G, D], got shape {list(k.shape)}")
+    check_tensor(vname, v, dtype=k.dtype, shape=tuple(k.shape))
+    check_same_device(**{kname: k, vname: v})
+    g, d = k.shape[-2:]
+    p, layout = check_preset(preset, d)
+    if g != p.group_size:
+        raise ValueError(f"{p.name} tiles hold {p.group_size} tokens, got {g} (shape {list(k.shape)})")
+    _check_iterations(iterations)
+    lead = tuple(k.shape[:-2])
+    n = math.prod(lead)
+    records = torch.empty((n, 1, layout.tile_bytes), dtype=torch.uint8, device=k.device)
+    if n:
+        k_flat = k.reshape(n * g, 1, d).contiguous()
+        v_flat = v.reshape(n * g, 1, d).contiguous()
+        ids = torch.arange(n, dtype=torch.int32)
+        tiles = torch.stack(
+            [ids, torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros_like(ids), ids * g], 1
+        ).to(k.device)
+        # The staging operand is never read (num_staged = 0); it only fixes the rounding dtype.
+        staging = k_flat.view(n * g, 1, 1, 1, d)[:1].expand(1, 2, g, 1, d)
+        _launch_quantize(k_flat, v_flat, staging, records, tiles, layout, iterations, rotated)
+    return records.reshape(*lead, layout.tile_bytes)
+
+
+def quantize_tiles(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    preset: str | Preset,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> torch.Tensor:
+    """Rotate and encode dense tiles (``kvarn_math.quantize_tiles`` on the GPU).
+
+    Args:
+        k, v: ``[..., G, D]`` original-frame keys (after RoPE) and values, fp16/bf16/fp32.
+        preset: the preset; ``G`` must be its group size.
+        iterations: variance-normalization sweeps.
+
+    Returns:
+        uint8 ``[..., tile_bytes]`` records.  The rotated tokens are rounded to ``k.dtype``
+        before quantizing, exactly as :func:`store_kv` does through its staging area.
+    """
+    return _dense(k, v, preset, iterations, rotated=False)
+
+
+def encode_tiles(
+    k_rot: torch.Tensor,
+    v_rot: torch.Tensor,
+    preset: str | Preset,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> torch.Tensor:
+    """Encode dense tiles already in the rotated frame (``kvarn_math.encode_tiles``).
+
+    Args:
+        k_rot, v_rot: ``[..., G, D]`` rotated keys and values.
+
+    Returns:
+        uint8 ``[..., tile_bytes]`` records.
+    """
+    return _dense(k_rot, v_rot, preset, iterations, rotated=True)
