@@ -1,0 +1,253 @@
+"""The one place that touches vLLM's private symbols, behind a version gate.
+
+Everything here is checked against vLLM 0.26.0 (the newest release pinned to torch
+2.11.0). :data:`SUPPORTED` is the range in which the private symbols below are known to
+exist with the shape this module expects; outside it :func:`check_version` refuses to
+patch anything, with a message saying so. Each function is used by exactly one entry of
+the ledger in :mod:`kvarn_vllm.patches`.
+
+Nothing here imports vLLM at module import time: importing ``kvarn_vllm`` stays cheap
+and never initializes CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from typing import Any
+
+__all__ = [
+    "SUPPORTED",
+    "UnsupportedVllmVersion",
+    "add_torch_dtypes",
+    "calling_layer_name",
+    "check_version",
+    "clear_cli_kwargs_cache",
+    "is_wrapped",
+    "vllm_version",
+    "widen_cache_dtype_literal",
+    "wrap_attention_kv_cache_spec",
+    "wrap_backend_selection",
+    "wrap_v2_runner_attn_preparation",
+]
+
+SUPPORTED = ((0, 26, 0), (0, 27, 0))
+"""Half-open range of vLLM versions whose private symbols this module was checked against."""
+
+_WRAPPED = "__kvarn_wrapped__"
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The installed vLLM is outside :data:`SUPPORTED`."""
+
+
+def _parse(version: str) -> tuple[int, int, int]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits))
+        if not piece.isdigit():
+            break
+    while len(parts) < 3:
+        parts.append(0)
+    return parts[0], parts[1], parts[2]
+
+
+def vllm_version() -> str:
+    """The installed vLLM version, read from package metadata (no vLLM import)."""
+    return metadata.version("vllm")
+
+
+def check_version(version: str | None = None) -> tuple[int, int, int]:
+    """Raise :class:`UnsupportedVllmVersion` unless ``version`` is in :data:`SUPPORTED`."""
+    version = vllm_version() if version is None else version
+    parsed = _parse(version)
+    low, high = SUPPORTED
+    if not (low <= parsed < high):
+        raise UnsupportedVllmVersion(
+            f"kvarn-vllm patches vLLM private symbols checked against vLLM "
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}; found vLLM {version}. "
+            "Install vllm==0.26.0 or a kvarn-vllm release made for your vLLM."
+        )
+    return parsed
+
+
+def is_wrapped(obj: Any) -> bool:
+    """True when ``obj`` is one of this module's wrappers."""
+    return getattr(obj, _WRAPPED, False)
+
+
+def _mark(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(wrapper, _WRAPPED, True)
+    wrapper.__kvarn_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+# --- kv_cache_dtype values -------------------------------------------------------------
+
+
+def widen_cache_dtype_literal(names: Iterable[str]) -> tuple[str, ...]:
+    """Add ``names`` to vLLM's closed ``CacheDType`` Literal and revalidate its users.
+
+    ``vllm.config.cache.CacheDType`` is one ``typing.Literal`` object imported by name into
+    about twenty modules (the selector's assertion, argparse choices, pydantic schemas).
+    Its ``__args__`` is extended in place so every holder sees the new values; the
+    pydantic dataclasses whose compiled schemas embed it are rebuilt.
+
+    Returns:
+        The Literal's values after the change.
+    """
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config import cache as cache_module
+    from vllm.config.cache import CacheConfig
+
+    literal = cache_module.CacheDType
+    current = tuple(literal.__args__)
+    added = tuple(n for n in names if n not in current)
+    if added:
+        literal.__args__ = current + added
+        rebuild_dataclass(CacheConfig, force=True)
+        from vllm.config.speculative import SpeculativeConfig
+
+        rebuild_dataclass(SpeculativeConfig, force=True)
+    return tuple(literal.__args__)
+
+
+def clear_cli_kwargs_cache() -> None:
+    """Drop vLLM's memoized argparse kwargs so ``--kv-cache-dtype`` choices are rebuilt."""
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    if arg_utils is not None:  # not imported yet: nothing memoized to drop
+        arg_utils._compute_kwargs.cache_clear()
+
+
+def add_torch_dtypes(names: Iterable[str], torch_dtype: Any) -> None:
+    """Map each of ``names`` to ``torch_dtype`` in ``STR_DTYPE_TO_TORCH_DTYPE``."""
+    from vllm.utils import torch_utils
+
+    for name in names:
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(name, torch_dtype)
+
+
+# --- backend selection -----------------------------------------------------------------
+
+
+SelectFn = Callable[[Any, Any, "int | None"], "type | None"]
+
+
+def wrap_backend_selection(select: SelectFn) -> bool:
+    """Route attention-backend selection through ``select`` first.
+
+    ``vllm.v1.attention.selector.get_attn_backend`` calls the module-global
+    ``_cached_get_attn_backend(backend, attn_selector_config, num_heads)``; the wrapper
+    calls ``select(backend, attn_selector_config, num_heads)`` and falls back to vLLM's own
+    selection when it returns None.
+
+    Returns:
+        True when the wrapper was installed now, False when it already was.
+    """
+    from vllm.v1.attention import selector
+
+    original = selector._cached_get_attn_backend
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def _cached_get_attn_backend(backend, attn_selector_config, num_heads=None):
+        chosen = select(backend, attn_selector_config, num_heads)
+        if chosen is not None:
+            return chosen
+        return original(backend, attn_selector_config, num_heads)
+
+    selector._cached_get_attn_backend = _mark(_cached_get_attn_backend, original)
+    return True
+
+
+def calling_layer_name() -> str | None:
+    """The ``prefix`` of the attention layer whose ``__init__`` is on the call stack.
+
+    Used only to name the layer in start-up errors raised during backend selection.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "__init__":
+                prefix = frame.f_locals.get("prefix")
+                owner = frame.f_locals.get("self")
+                if isinstance(prefix, str) and owner is not None and hasattr(owner, "forward"):
+                    return prefix
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+# --- KV cache spec ---------------------------------------------------------------------
+
+
+SpecFn = Callable[[Any, Any], Any]
+
+
+def wrap_attention_kv_cache_spec(make_spec: SpecFn) -> bool:
+    """Let ``make_spec(layer, vllm_config)`` answer ``Attention.get_kv_cache_spec`` first.
+
+    vLLM 0.26 has no hook for a backend to declare its page size (0.28 adds
+    ``AttentionBackend.customize_spec``); the layer builds a ``FullAttentionSpec`` from
+    dtype and head size. ``make_spec`` returns None for layers it does not own.
+    """
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    original = Attention.get_kv_cache_spec
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = make_spec(self, vllm_config)
+        if spec is not None:
+            return spec
+        return original(self, vllm_config)
+
+    Attention.get_kv_cache_spec = _mark(get_kv_cache_spec, original)
+    return True
+
+
+# --- model runner V2: request-stable indices -------------------------------------------
+
+
+StepFn = Callable[[Any], None]
+
+
+def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepFn) -> bool:
+    """Report each step's ``InputBatch`` to kvarn before attention metadata is built.
+
+    vLLM 0.26's ``CommonAttentionMetadata`` carries no request identity (0.33 adds
+    ``req_idx``). The V2 runner's ``InputBatch.idx_mapping_np`` maps batch rows to
+    request-state rows that stay fixed for a request's life; kvarn keys staging slots
+    by it. ``GPUModelRunner.prepare_attn`` / ``prepare_dummy_attn`` run right before
+    ``model_state.prepare_attn`` builds the metadata in ``execute_model``.
+    """
+    module_name = "vllm.v1.worker.gpu.model_runner"
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    runner_cls = module.GPUModelRunner
+    original_real = runner_cls.prepare_attn
+    if is_wrapped(original_real):
+        return False
+    original_dummy = runner_cls.prepare_dummy_attn
+
+    @functools.wraps(original_real)
+    def prepare_attn(self, input_batch):
+        on_real_batch(input_batch)
+        return original_real(self, input_batch)
+
+    @functools.wraps(original_dummy)
+    def prepare_dummy_attn(self, input_batch):
+        on_dummy_batch(input_batch)
+        return original_dummy(self, input_batch)
+
+    runner_cls.prepare_attn = _mark(prepare_attn, original_real)
+    runner_cls.prepare_dummy_attn = _mark(prepare_dummy_attn, original_dummy)
+    return True

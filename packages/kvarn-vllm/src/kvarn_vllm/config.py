@@ -1,0 +1,115 @@
+"""Preset parsing: a ``--kv-cache-dtype`` string to a frozen :class:`KvarnConfig`.
+
+The cache format itself (bits, tile size, record bytes) is owned by
+:mod:`kvarn_math.layout`; this module only maps vLLM's ``kv_cache_dtype`` string onto a
+preset and carries the serving-side settings that go with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Preset, get_preset
+
+__all__ = [
+    "KVARN_PREFIX",
+    "SERVED_HEAD_DIMS",
+    "KvarnConfig",
+    "is_kvarn_dtype",
+    "parse_kv_cache_dtype",
+    "preset_names",
+]
+
+KVARN_PREFIX = "kvarn_"
+# kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
+SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
+
+
+def preset_names() -> tuple[str, ...]:
+    """Every preset name vLLM should accept as ``kv_cache_dtype``, default first."""
+    rest = sorted(name for name in PRESETS if name != DEFAULT_PRESET)
+    return (DEFAULT_PRESET, *rest)
+
+
+def is_kvarn_dtype(kv_cache_dtype: object) -> bool:
+    """True when ``kv_cache_dtype`` names a KVarN format (known or not)."""
+    return isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith(KVARN_PREFIX)
+
+
+@dataclass(frozen=True)
+class KvarnConfig:
+    """The serving configuration of one KVarN cache.
+
+    Attributes:
+        preset: the cache format (bits and tile size ``G``).
+        staging_tiles: open tiles of staging per request ``S`` (1 without speculative
+            decoding; a verify step can spill into the next tile otherwise).
+    """
+
+    preset: Preset
+    staging_tiles: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.preset, Preset):
+            raise ValueError(f"preset must be a kvarn_math Preset, got {self.preset!r}")
+        if not isinstance(self.staging_tiles, int) or self.staging_tiles < 1:
+            raise ValueError(f"staging_tiles must be an int >= 1, got {self.staging_tiles!r}")
+
+    @property
+    def name(self) -> str:
+        """The ``kv_cache_dtype`` string, e.g. ``kvarn_k4v2_g128``."""
+        return self.preset.name
+
+    @property
+    def block_size(self) -> int:
+        """vLLM block size in tokens: one block is one tile, ``G``."""
+        return self.preset.group_size
+
+    @property
+    def staging_tokens(self) -> int:
+        """Tokens of staging per request and layer, ``S * G``."""
+        return self.staging_tiles * self.preset.group_size
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError unless the dense backend serves ``head_dim``."""
+        if head_dim not in SERVED_HEAD_DIMS:
+            raise ValueError(
+                f"head_dim must be one of {SERVED_HEAD_DIMS} for {self.name}, got {head_dim}"
+            )
+
+
+def staging_tiles_for(num_speculative_tokens: int | None, group_size: int) -> int:
+    """``S``: tiles of staging a request needs, given the speculative tokens per step.
+
+    A verify step writes ``1 + k`` positions; the committed prefix never moves back past
+    the last full tile, so the open tile plus ``ceil(k / G)`` more cover every write.
+    """
+    k = num_speculative_tokens or 0
+    if k < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+    return 1 + -(-k // group_size)
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: str, *, num_speculative_tokens: int | None = None
+                         ) -> KvarnConfig:
+    """Parse a ``kvarn_*`` ``kv_cache_dtype`` into a :class:`KvarnConfig`.
+
+    Raises:
+        ValueError: when the string is not a kvarn preset, naming the presets accepted.
+    """
+    if not is_kvarn_dtype(kv_cache_dtype):
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(preset_names())} for KVarN, "
+            f"got {kv_cache_dtype!r}"
+        )
+    try:
+        preset = get_preset(kv_cache_dtype)
+    except ValueError:
+        raise ValueError(
+            f"unknown KVarN kv_cache_dtype {kv_cache_dtype!r}; expected one of "
+            f"{', '.join(preset_names())}"
+        ) from None
+    return KvarnConfig(
+        preset=preset,
+        staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
+    )

@@ -1,0 +1,200 @@
+"""The attention implementation of one layer: store, then attend, per kind of row.
+
+Where the modes differ on purpose (the docs say so too):
+
+* a prompt's first chunk (nothing cached) attends its own K/V **exactly** (vLLM's Triton
+  varlen kernel), as the published fork does;
+* every other query reads the cache as this step's store left it: complete tiles
+  quantized, the open tile from staging (exact, rotated frame). So a chunked-prefill
+  continuation or a prefix-cache hit sees quantized tiles where an unchunked prefill
+  of the same prompt saw exact K/V.
+
+Staging for the open tiles (``[num_slots, 2, S*G, num_kv_heads, head_dim]``, model dtype)
+is allocated here, in ``__init__``: vLLM builds the model before it profiles memory, so
+the staging is counted as model memory and the KV cache is sized from what is left.
+``num_slots`` is ``max_num_seqs``: every running request owns a slot and concurrency is
+never capped below what the user asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvarn_vllm.config import parse_kv_cache_dtype
+
+__all__ = ["KvarnAttentionImpl", "staging_report"]  # noqa: F822 (built lazily)
+
+logger = logging.getLogger("kvarn_vllm")
+
+_STAGING: dict[str, Any] = {"bytes": 0, "layers": 0, "slots": 0, "tokens": 0, "logged": False}
+
+
+def staging_report() -> dict[str, Any]:
+    """Staging allocated in this process so far: total bytes, layers, slots, tokens/slot."""
+    return {k: v for k, v in _STAGING.items() if k != "logged"}
+
+
+def log_staging_once() -> None:
+    """Log the staging total once per process (called by the metadata builder)."""
+    if _STAGING["logged"] or not _STAGING["layers"]:
+        return
+    _STAGING["logged"] = True
+    logger.info(
+        "kvarn: staging for open tiles: %d slots (max_num_seqs, no concurrency cap) x %d "
+        "tokens x %d layers = %.3f GiB, allocated at model build so vLLM's memory profiling "
+        "counts it; lower --max-num-seqs to shrink it.",
+        _STAGING["slots"], _STAGING["tokens"], _STAGING["layers"],
+        _STAGING["bytes"] / 2**30,
+    )
+
+
+def _make_impl_class() -> type:
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+    from kvarn_vllm import kernels
+
+    class KvarnAttentionImpl(AttentionImpl):
+        """Dense/GQA attention over a KVarN cache for one layer."""
+
+        def __init__(self, num_heads: int, head_size: int, scale: float,
+                     num_kv_heads: int | None, alibi_slopes: list[float] | None,
+                     sliding_window: int | None, kv_cache_dtype: str,
+                     logits_soft_cap: float | None = None,
+                     attn_type: str = AttentionType.DECODER,
+                     kv_sharing_target_layer_name: str | None = None,
+                     **extra: Any) -> None:
+            vllm_config = get_current_vllm_config()
+            spec = vllm_config.speculative_config
+            self.config = parse_kv_cache_dtype(
+                kv_cache_dtype,
+                num_speculative_tokens=getattr(spec, "num_speculative_tokens", None),
+            )
+            self.preset = self.config.preset
+            self.num_heads = num_heads
+            self.head_size = head_size
+            self.scale = float(scale)
+            self.num_kv_heads = num_kv_heads or num_heads
+            self.kv_cache_dtype = kv_cache_dtype
+            self.sliding_window = sliding_window
+            self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+            unsupported = []
+            if alibi_slopes is not None:
+                unsupported.append("ALiBi slopes")
+            if logits_soft_cap:
+                unsupported.append(f"logits soft-capping ({logits_soft_cap})")
+            if attn_type != AttentionType.DECODER:
+                unsupported.append(f"attention type {attn_type!r}")
+            if extra.get("sinks") is not None:
+                unsupported.append("attention sinks")
+            if unsupported:
+                raise ValueError(
+                    f"{kv_cache_dtype} cannot serve a layer with {', '.join(unsupported)}; "
+                    "serve this model with kv_cache_dtype auto or fp8"
+                )
+            self.config.check_head_dim(head_size)
+            self.staging = None
+            if kv_sharing_target_layer_name is None:
+                dtype = vllm_config.model_config.dtype if vllm_config.model_config else (
+                    torch.get_default_dtype())
+                num_slots = int(vllm_config.scheduler_config.max_num_seqs)
+                # Model build runs under `with torch.device(target)`: this lands on the GPU.
+                self.staging = kernels.allocate_staging(
+                    num_slots, self.num_kv_heads, head_size, self.preset, dtype,
+                    torch.get_default_device(), staging_tiles=self.config.staging_tiles)
+                _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
+                _STAGING["layers"] += 1
+                _STAGING["slots"] = num_slots
+                _STAGING["tokens"] = self.config.staging_tokens
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
+                    output_scale=None, output_block_scale=None):
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError(
+                    "fused output quantization is not supported by kvarn-vllm")
+            assert output is not None, "kvarn-vllm writes into vLLM's output buffer"
+            if attn_metadata is None:
+                return output.fill_(0)  # profiling run without metadata
+            md = attn_metadata
+            n = md.num_actual_tokens
+            staging = self.staging
+            if staging is None:  # shares the KV cache (and staging) of an earlier layer
+                target = layer.kv_sharing_target_layer_name
+                staging = _shared_staging(target)
+            if md.plan is not None and key is not None and value is not None:
+                kernels.store_kv(key[:n], value[:n], kv_cache, staging, md.plan, self.preset)
+            window = self.sliding_window
+            if md.decode is not None:
+                g = md.decode
+                if g.token_index is None:
+                    kernels.decode_attention(
+                        query[: md.num_reqs], kv_cache, staging, g.block_table, g.seq_lens,
+                        g.quantized_lens, g.staging_slots, self.preset, self.scale,
+                        sliding_window=window, out=output[: md.num_reqs])
+                else:
+                    res = kernels.decode_attention(
+                        query.index_select(0, g.token_index), kv_cache, staging,
+                        g.block_table, g.seq_lens, g.quantized_lens, g.staging_slots,
+                        self.preset, self.scale, sliding_window=window)
+                    output.index_copy_(0, g.token_index, res)
+            if md.fresh is not None:
+                self._fresh(md.fresh, query, key, value, output, n)
+            if md.context is not None:
+                g = md.context
+                q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+                res = kernels.multi_query_attention(
+                    q, g.query_start_loc, kv_cache, staging, g.block_table, g.seq_lens,
+                    g.quantized_lens, g.staging_slots, self.preset, self.scale,
+                    sliding_window=window, max_query_len=g.max_query_len,
+                    out=output[:n] if g.token_index is None else None)
+                if g.token_index is not None:
+                    output.index_copy_(0, g.token_index, res)
+            return output
+
+        def _fresh(self, g, query, key, value, output, n):
+            """Exact causal attention of a first chunk over its own K/V (original frame)."""
+            from vllm.v1.attention.ops.triton_prefill_attention import context_attention_fwd
+
+            if key is None or value is None:
+                raise ValueError("a KV-sharing layer cannot run a prompt's first chunk: it "
+                                 "has no K/V of its own")
+            whole = g.token_index is None
+            if whole:
+                q, k, v, o = query[:n], key[:n], value[:n], output[:n]
+            else:
+                idx = g.token_index
+                q, k, v = (t.index_select(0, idx) for t in (query, key, value))
+                o = torch.empty_like(q)
+            lens = g.query_start_loc[1:] - g.query_start_loc[:-1]
+            window = self.sliding_window
+            context_attention_fwd(
+                q, k, v, o, g.query_start_loc[:-1], lens, g.max_query_len, is_causal=True,
+                softmax_scale=self.scale,
+                sliding_window_q=None if window is None else window - 1,
+            )
+            if not whole:
+                output.index_copy_(0, g.token_index, o)
+
+    KvarnAttentionImpl.__module__ = __name__
+    return KvarnAttentionImpl
+
+
+def _shared_staging(target_layer_name: str) -> Any:
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().no_compile_layers[target_layer_name].impl.staging
+
+
+_IMPL: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _IMPL
+    if name == "KvarnAttentionImpl":
+        if _IMPL is None:
+            _IMPL = _make_impl_class()
+            globals()["KvarnAttentionImpl"] = _IMPL
+        return _IMPL
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

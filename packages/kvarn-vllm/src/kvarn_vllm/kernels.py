@@ -1,0 +1,76 @@
+"""The calls into kvarn-kernels, in one place (its README is the contract).
+
+Imported lazily by the metadata builder and the attention implementation, so that
+``import kvarn_vllm`` and ``register()`` do not import Triton or touch CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+__all__ = [
+    "allocate_staging",
+    "decode_attention",
+    "kernels_module",
+    "multi_query_attention",
+    "plan_store",
+    "staging_bytes",
+    "store_kv",
+]
+
+_REQUIRED = ("plan_store", "store_kv", "decode_attention", "multi_query_attention",
+             "allocate_staging", "staging_bytes")
+
+
+@functools.cache
+def kernels_module() -> ModuleType:
+    """``kvarn_kernels``, checked for every entry point kvarn-vllm calls.
+
+    Raises:
+        ImportError: naming what is missing, when kvarn-kernels is absent or too old.
+    """
+    try:
+        import kvarn_kernels
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "kvarn-vllm needs kvarn-kernels (pip install kvarn-kernels); "
+            f"importing it failed: {exc}"
+        ) from exc
+    missing = [name for name in _REQUIRED if not hasattr(kvarn_kernels, name)]
+    if missing:
+        raise ImportError(
+            f"kvarn-kernels {getattr(kvarn_kernels, '__version__', '?')} lacks {missing}, "
+            "which kvarn-vllm calls; install a matching kvarn-kernels"
+        )
+    return kvarn_kernels
+
+
+def plan_store(*args, **kwargs):
+    """``kvarn_kernels.plan_store`` (host, once per step)."""
+    return kernels_module().plan_store(*args, **kwargs)
+
+
+def store_kv(*args, **kwargs):
+    """``kvarn_kernels.store_kv`` (per layer)."""
+    return kernels_module().store_kv(*args, **kwargs)
+
+
+def decode_attention(*args, **kwargs):
+    """``kvarn_kernels.decode_attention`` (per layer)."""
+    return kernels_module().decode_attention(*args, **kwargs)
+
+
+def multi_query_attention(*args, **kwargs):
+    """``kvarn_kernels.multi_query_attention`` (per layer)."""
+    return kernels_module().multi_query_attention(*args, **kwargs)
+
+
+def allocate_staging(*args, **kwargs):
+    """``kvarn_kernels.allocate_staging`` (once per layer, at model build)."""
+    return kernels_module().allocate_staging(*args, **kwargs)
+
+
+def staging_bytes(*args, **kwargs):
+    """``kvarn_kernels.staging_bytes``."""
+    return kernels_module().staging_bytes(*args, **kwargs)

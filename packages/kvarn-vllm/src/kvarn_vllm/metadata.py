@@ -1,0 +1,396 @@
+"""Per-step planning: the metadata builder (once per step and KV cache group, not per layer).
+
+Each step the builder
+
+1. takes every request's staging slot from the V2 model runner's request-state row
+   (``InputBatch.idx_mapping``: fixed for a request's life, reused after it finishes or
+   is preempted; see :mod:`kvarn_vllm.patches`), so a slot is never shared by two live
+   requests and needs no bookkeeping here;
+2. calls ``kvarn_kernels.plan_store`` once (host NumPy) for the whole batch;
+3. splits the rows into three kinds, each served by one attention call per layer:
+
+   * ``decode``: one new token after cached ones -> ``decode_attention`` over the cache;
+   * ``fresh``: a prompt's first chunk with nothing cached -> exact causal attention over
+     the fresh K/V (vLLM's Triton varlen kernel), as the published fork does;
+   * ``context``: a chunk after cached tokens (chunked prefill continuation, prefix-cache
+     hit) -> ``multi_query_attention`` over the cache, after this step's store;
+
+4. copies everything the kernels read into persistent device buffers with one host to
+   device copy, so full CUDA graphs of uniform decode batches replay with fresh values.
+
+The block ids of the tiles to quantize are resolved on the device: ``plan_store`` sees a
+host table of *encoded* positions ``row * max_blocks + tile`` (vLLM 0.26 keeps block
+tables on the GPU only), and the builder gathers the real ids from the device block
+table. Nothing here synchronizes with the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from kvarn_vllm.config import KvarnConfig, parse_kv_cache_dtype
+
+__all__ = [
+    "STEP",
+    "BatchSplit",
+    "KvarnMetadata",
+    "KvarnMetadataBuilder",  # noqa: F822 (built lazily, see __getattr__)
+    "StepRecord",
+    "encoded_block_table",
+    "split_rows",
+]
+
+logger = logging.getLogger("kvarn_vllm")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the model runner reported for the step being prepared.
+
+    Attributes:
+        serial: increases by one per report.
+        num_reqs: real (unpadded) requests in the batch.
+        slots: ``[num_reqs]`` int32, request-state row of each batch row (staging slot);
+            None for a dummy (profiling, warm-up, capture) batch.
+    """
+
+    serial: int
+    num_reqs: int
+    slots: np.ndarray | None
+
+
+class _StepChannel:
+    """Hand-off from the runner hook to the builders of one worker process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._record = StepRecord(serial=0, num_reqs=0, slots=None)
+
+    def report_real(self, input_batch: Any) -> None:
+        num_reqs = int(input_batch.num_reqs)
+        slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int32).copy()
+        with self._lock:
+            self._record = StepRecord(self._record.serial + 1, num_reqs, slots)
+
+    def report_dummy(self, input_batch: Any) -> None:
+        with self._lock:
+            self._record = StepRecord(self._record.serial + 1, int(input_batch.num_reqs), None)
+
+    @property
+    def record(self) -> StepRecord:
+        with self._lock:
+            return self._record
+
+
+STEP = _StepChannel()
+
+
+def encoded_block_table(num_reqs: int, max_blocks: int) -> np.ndarray:
+    """``[num_reqs, max_blocks]`` int32 with entry ``row * max_blocks + tile``.
+
+    Handed to ``plan_store`` as the host block table; the builder maps the codes back to
+    block ids through the device block table.
+    """
+    if num_reqs * max_blocks >= 2**31:
+        raise ValueError(
+            f"num_reqs * max_blocks must fit int32, got {num_reqs} * {max_blocks}"
+        )
+    return np.arange(num_reqs * max_blocks, dtype=np.int32).reshape(num_reqs, max_blocks)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """Batch rows by how their queries attend (see the module docstring).
+
+    Attributes:
+        decode, fresh, context: row indices (int32) of each kind, in batch order.
+        uniform: the single kind every row has, or None for a mixed batch.
+    """
+
+    decode: np.ndarray
+    fresh: np.ndarray
+    context: np.ndarray
+    uniform: str | None
+
+
+def split_rows(num_cached: np.ndarray, num_new: np.ndarray) -> BatchSplit:
+    """Classify rows: ``decode`` (1 new token after cached ones), ``fresh`` (nothing
+    cached), ``context`` (several new tokens after cached ones). Rows with no new token
+    (CUDA-graph padding) count as decode rows: they read nothing and write nothing."""
+    num_cached = np.asarray(num_cached)
+    num_new = np.asarray(num_new)
+    if num_cached.shape != num_new.shape:
+        raise ValueError(f"num_cached and num_new must match, got {num_cached.shape} and "
+                         f"{num_new.shape}")
+    if (num_cached < 0).any() or (num_new < 0).any():
+        raise ValueError("num_cached and num_new must be >= 0")
+    fresh_mask = (num_cached == 0) & (num_new > 0)
+    decode_mask = ~fresh_mask & (num_new <= 1)
+    context_mask = ~fresh_mask & ~decode_mask
+    rows = np.arange(num_new.shape[0], dtype=np.int32)
+    parts = {"decode": rows[decode_mask], "fresh": rows[fresh_mask],
+             "context": rows[context_mask]}
+    nonempty = [k for k, v in parts.items() if v.size]
+    uniform = nonempty[0] if len(nonempty) == 1 else None
+    return BatchSplit(uniform=uniform, **parts)
+
+
+@dataclass
+class RowGroup:
+    """Device tensors for one kind of rows (absent kinds are None in the metadata).
+
+    Attributes:
+        rows: ``[n]`` int32 batch rows, or None when the group is the whole batch.
+        token_index: ``[t]`` int64 rows of query/key/value/output, or None (whole batch).
+        query_start_loc: ``[n + 1]`` int32 within the gathered tokens.
+        seq_lens, quantized_lens, staging_slots: ``[n]`` int32.
+        block_table: ``[n, max_blocks]`` int32.
+        max_query_len, max_seq_len: host ints.
+    """
+
+    rows: Any
+    token_index: Any
+    query_start_loc: Any
+    seq_lens: Any
+    quantized_lens: Any
+    staging_slots: Any
+    block_table: Any
+    max_query_len: int
+    max_seq_len: int
+    num_tokens: int
+
+
+@dataclass
+class KvarnMetadata:
+    """Attention metadata of one step for the layers of one KV cache group.
+
+    Attributes:
+        num_reqs, num_actual_tokens: batch size and real tokens.
+        plan: the ``StorePlan`` (device tensors, real block ids), or None for a dummy
+            batch (profiling/warm-up: nothing is written, attention runs on fresh K/V).
+        decode, fresh, context: the three kinds of rows (:class:`RowGroup` or None).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    plan: Any
+    decode: RowGroup | None
+    fresh: RowGroup | None
+    context: RowGroup | None
+
+
+def _make_builder_class() -> type:
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
+
+    class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+        """Plans each step once for every KVarN layer of a KV cache group."""
+
+        # Full CUDA graphs for batches of single-token decodes: every tensor the kernels
+        # read lives in a persistent buffer at a fixed offset, refreshed by build().
+        _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            import torch
+
+            from kvarn_vllm import patches
+
+            preset_name = getattr(kv_cache_spec, "kvarn_preset", "")
+            spec_cfg = vllm_config.speculative_config
+            if spec_cfg is not None:
+                raise ValueError(
+                    "kvarn-vllm does not serve speculative decoding yet (layers "
+                    f"{layer_names[:2]}...); run without --speculative-config or with "
+                    "kv_cache_dtype auto"
+                )
+            if not vllm_config.use_v2_model_runner:
+                raise ValueError(
+                    "kvarn-vllm needs vLLM's V2 model runner, which gives each running "
+                    "request a fixed row for its staging slot; this configuration fell back "
+                    "to the V1 runner (see the 'Model Runner V2 does not yet support' log "
+                    "line). Set VLLM_USE_V2_MODEL_RUNNER=1 or remove the feature named there."
+                )
+            patches.apply_worker_patches()
+            self.config: KvarnConfig = parse_kv_cache_dtype(preset_name)
+            self.preset = self.config.preset
+            sched = vllm_config.scheduler_config
+            self.max_num_reqs = int(sched.max_num_seqs)
+            self.max_num_tokens = int(sched.max_num_batched_tokens)
+            group = self.preset.group_size
+            # A step completes at most one tile per request plus one per G fresh tokens.
+            self.max_tiles = self.max_num_tokens // group + self.max_num_reqs
+            self.max_writes = self.max_num_tokens
+            r, t = self.max_num_reqs, self.max_num_tokens
+            # One int32 buffer, fixed regions: plan tiles, plan writes, per-row vectors.
+            self._layout = {
+                "tiles": (0, self.max_tiles * 5),
+                "writes": (self.max_tiles * 5, self.max_writes * 3),
+            }
+            offset = self.max_tiles * 5 + self.max_writes * 3
+            for name, size in (("seq_lens", r), ("quantized_lens", r), ("slots", r),
+                               ("qsl", r + 1)):
+                self._layout[name] = (offset, size)
+                offset += size
+            for kind in ("decode", "fresh", "context"):
+                for name, size in (("rows", r), ("qsl", r + 1), ("tokens", t)):
+                    self._layout[f"{kind}_{name}"] = (offset, size)
+                    offset += size
+            self._device_buf = torch.zeros(offset, dtype=torch.int32, device=device)
+            self._pin = torch.cuda.is_available() and device.type == "cuda"
+            self._last_serial = -1
+            self._init_reorder_batch_threshold(1)
+
+        def _view(self, buf, name: str, n: int, cols: int = 1):
+            start, size = self._layout[name]
+            if n * cols > size:
+                raise ValueError(f"{name} needs {n * cols} entries, buffer holds {size}")
+            view = buf[start:start + n * cols]
+            return view.view(n, cols) if cols > 1 else view
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            import torch
+
+            from kvarn_vllm import kernels
+
+            cam = common_attn_metadata
+            num_reqs = int(cam.num_reqs)
+            qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int32)
+            num_new = np.diff(qsl).astype(np.int32)
+            if cam.seq_lens_cpu_upper_bound is not None:
+                seq_lens = cam.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int32)
+            else:
+                seq_lens = cam.seq_lens.cpu()[:num_reqs].numpy().astype(np.int32)
+            record = STEP.record
+            dummy = record.slots is None or record.serial == self._last_serial
+            self._last_serial = record.serial
+            slots = np.zeros(num_reqs, dtype=np.int32)
+            if not dummy:
+                real = min(record.num_reqs, num_reqs)
+                slots[:real] = record.slots[:real]
+                if (slots >= self.max_num_reqs).any():
+                    raise ValueError(f"staging slot out of range: {slots.max()} >= "
+                                     f"{self.max_num_reqs}")
+            if dummy:
+                # Profiling/warm-up: the K/V are throwaway; attend them exactly, store nothing.
+                seq_lens = num_new.copy()
+            num_cached = seq_lens - num_new
+            block_table = cam.block_table_tensor[:num_reqs]
+            max_blocks = int(block_table.shape[1])
+
+            host = np.zeros(self._device_buf.numel(), dtype=np.int32)
+            plan = None
+            if dummy:
+                quantized = np.zeros(num_reqs, dtype=np.int32)
+            else:
+                uniform_decode = bool((num_new == 1).all())
+                plan = kernels.plan_store(
+                    num_cached, num_new, None, slots,
+                    encoded_block_table(num_reqs, max_blocks), self.preset,
+                    staging_tiles=self.config.staging_tiles,
+                    query_start_loc=qsl,
+                    max_tiles=num_reqs if uniform_decode else None,
+                    max_writes=num_reqs if uniform_decode else None,
+                )
+                quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
+                n_tiles, n_writes = plan.tiles.shape[0], plan.writes.shape[0]
+                s, _ = self._layout["tiles"]
+                host[s:s + n_tiles * 5] = np.asarray(plan.tiles, dtype=np.int32).reshape(-1)
+                s, _ = self._layout["writes"]
+                host[s:s + n_writes * 3] = np.asarray(plan.writes, dtype=np.int32).reshape(-1)
+            for name, values in (("seq_lens", seq_lens), ("quantized_lens", quantized),
+                                 ("slots", slots), ("qsl", qsl)):
+                s, _ = self._layout[name]
+                host[s:s + values.size] = values
+
+            split = split_rows(num_cached, num_new)
+            group_hosts = {}
+            for kind in ("decode", "fresh", "context"):
+                rows = getattr(split, kind)
+                if not rows.size:
+                    continue
+                starts, lens = qsl[rows], num_new[rows]
+                tokens = (np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
+                          if lens.sum() else np.zeros(0, dtype=np.int64))
+                sub_qsl = np.zeros(rows.size + 1, dtype=np.int32)
+                np.cumsum(lens, out=sub_qsl[1:])
+                for name, values in (("rows", rows), ("qsl", sub_qsl), ("tokens", tokens)):
+                    s, _ = self._layout[f"{kind}_{name}"]
+                    host[s:s + values.size] = values
+                group_hosts[kind] = (rows, sub_qsl, int(tokens.size),
+                                     int(lens.max()), int(seq_lens[rows].max()))
+
+            # One host -> device copy for everything the kernels read this step.
+            used = self._used_prefix(plan, num_reqs, group_hosts)
+            src = torch.from_numpy(host[:used])
+            if self._pin:
+                src = src.pin_memory()
+            self._device_buf[:used].copy_(src, non_blocking=True)
+            buf = self._device_buf
+
+            dev_seq = self._view(buf, "seq_lens", num_reqs)
+            dev_quant = self._view(buf, "quantized_lens", num_reqs)
+            dev_slots = self._view(buf, "slots", num_reqs)
+            dev_plan = None
+            if plan is not None:
+                tiles = self._view(buf, "tiles", plan.tiles.shape[0], 5)
+                writes = self._view(buf, "writes", plan.writes.shape[0], 3)
+                if tiles.shape[0]:
+                    # Encoded (row * max_blocks + tile) -> block id, on the device.
+                    flat = block_table.reshape(-1)
+                    code = tiles[:, 0]
+                    ids = flat[code.clamp(min=0).long()].to(torch.int32)
+                    tiles[:, 0] = torch.where(code >= 0, ids, code)
+                dev_plan = replace(plan, tiles=tiles, writes=writes, seq_lens=dev_seq,
+                                   quantized_lens=dev_quant)
+
+            groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None,
+                                                   "context": None}
+            for kind, (rows, _sub_qsl, n_tokens, max_q, max_s) in group_hosts.items():
+                whole = split.uniform == kind
+                if whole:
+                    groups[kind] = RowGroup(
+                        rows=None, token_index=None,
+                        query_start_loc=self._view(buf, "qsl", num_reqs + 1),
+                        seq_lens=dev_seq, quantized_lens=dev_quant, staging_slots=dev_slots,
+                        block_table=block_table, max_query_len=max_q, max_seq_len=max_s,
+                        num_tokens=n_tokens)
+                    continue
+                dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
+                groups[kind] = RowGroup(
+                    rows=dev_rows,
+                    token_index=self._view(buf, f"{kind}_tokens", n_tokens).long(),
+                    query_start_loc=self._view(buf, f"{kind}_qsl", rows.size + 1),
+                    seq_lens=dev_seq[dev_rows], quantized_lens=dev_quant[dev_rows],
+                    staging_slots=dev_slots[dev_rows], block_table=block_table[dev_rows],
+                    max_query_len=max_q, max_seq_len=max_s, num_tokens=n_tokens)
+            return KvarnMetadata(num_reqs=num_reqs, num_actual_tokens=int(cam.num_actual_tokens),
+                                 plan=dev_plan, **groups)
+
+        def _used_prefix(self, plan, num_reqs: int, group_hosts: dict) -> int:
+            # Copy only up to the last region this step uses.
+            ends = [self._layout["qsl"][0] + num_reqs + 1]
+            for kind, (rows, _, n_tokens, _, _) in group_hosts.items():
+                ends.append(self._layout[f"{kind}_tokens"][0] + n_tokens)
+                ends.append(self._layout[f"{kind}_qsl"][0] + rows.size + 1)
+            return max(ends)
+
+    KvarnMetadataBuilder.__module__ = __name__
+    return KvarnMetadataBuilder
+
+
+_BUILDER: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _BUILDER
+    if name == "KvarnMetadataBuilder":
+        if _BUILDER is None:
+            _BUILDER = _make_builder_class()
+            globals()["KvarnMetadataBuilder"] = _BUILDER
+        return _BUILDER
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,216 @@
+"""The patch ledger: every change to vLLM behaviour that is not a public extension point.
+
+Each entry says why it exists, how it works and when it can go. All of them touch private
+vLLM symbols only through :mod:`kvarn_vllm.compat`, and are applied only when
+:func:`kvarn_vllm.compat.check_version` accepts the installed vLLM. Applying is
+idempotent: a second call finds the wrappers in place and does nothing.
+
+Public extension points used besides the ledger (no patching): the
+``vllm.general_plugins`` entry point, and ``register_backend(AttentionBackendEnum.CUSTOM,
+...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvarn_vllm import compat
+from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype, preset_names
+
+__all__ = ["LEDGER", "Patch", "applied", "apply_process_patches", "apply_worker_patches"]
+
+logger = logging.getLogger("kvarn_vllm")
+
+
+@dataclass
+class Patch:
+    """One ledger entry.
+
+    Attributes:
+        name: short identifier.
+        target: the vLLM symbol(s) changed.
+        why: what breaks without it.
+        how: what the patch does.
+        remove_when: the vLLM release (or condition) that makes it unnecessary.
+        scope: ``process`` (every process, at ``register()``) or ``worker`` (applied by the
+            metadata builder, in GPU workers only).
+        apply: does it; idempotent.
+    """
+
+    name: str
+    target: str
+    why: str
+    how: str
+    remove_when: str
+    scope: str
+    apply: Callable[[], object] = field(repr=False)
+
+
+# --- the hooks the patches install ------------------------------------------------------
+
+
+def _select_backend(selected_backend, cfg, num_heads):
+    """Backend selection for ``kvarn_*`` dtypes; None leaves others to vLLM."""
+    if not is_kvarn_dtype(cfg.kv_cache_dtype):
+        return None
+    from kvarn_vllm.backend import backend_class, unsupported_reasons
+
+    config = parse_kv_cache_dtype(cfg.kv_cache_dtype)
+    layer = compat.calling_layer_name() or "<unknown layer>"
+    name = getattr(selected_backend, "name", selected_backend)
+    if selected_backend is not None and name != "CUSTOM":
+        raise ValueError(
+            f"attention layer {layer!r}: kv_cache_dtype={config.name} is read only by the "
+            f"kvarn backend, but --attention-backend {name} was requested. Drop "
+            "--attention-backend (kvarn selects its backend itself) or pass CUSTOM."
+        )
+    reasons = unsupported_reasons(cfg, config.preset)
+    if reasons:
+        raise ValueError(
+            f"kvarn-vllm cannot serve attention layer {layer!r} with kv_cache_dtype="
+            f"{config.name}: {'; '.join(reasons)}. To serve this model, use "
+            "kv_cache_dtype auto or fp8 (or fix the setting named above)."
+        )
+    return backend_class(config.name)
+
+
+def _make_spec(layer, vllm_config):
+    """``Attention.get_kv_cache_spec`` for layers with a ``kvarn_*`` dtype; else None."""
+    if not is_kvarn_dtype(getattr(layer, "kv_cache_dtype", None)):
+        return None
+    from kvarn_vllm.spec import make_layer_spec
+
+    if layer.attn_type in ("encoder_only", "encoder"):
+        return None  # vLLM gives these no KV cache; keep its answer
+    cache_config = vllm_config.cache_config
+    model_config = vllm_config.model_config
+    config = parse_kv_cache_dtype(layer.kv_cache_dtype)
+    where = f"attention layer {layer.layer_name!r} ({config.name})"
+    if cache_config.kv_cache_dtype_skip_layers:
+        raise ValueError(
+            f"{where}: --kv-cache-dtype-skip-layers is not supported with KVarN yet (mixed "
+            "page formats in one pool); remove it"
+        )
+    if model_config is not None and getattr(model_config, "is_hybrid", False):
+        raise ValueError(
+            f"{where}: hybrid (Mamba/linear-attention) models are not served by kvarn-vllm "
+            "yet: vLLM 0.26 aligns their pages from bf16 sizes. Use kv_cache_dtype auto or fp8"
+        )
+    block_size = cache_config.block_size
+    try:
+        return make_layer_spec(
+            config, block_size=block_size, num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size, head_size_v=layer.head_size_v,
+            sliding_window=layer.sliding_window)
+    except ValueError as exc:
+        hint = ""
+        if cache_config.user_specified_block_size and block_size != config.block_size:
+            hint = (f" --block-size {block_size} was given; drop it (kvarn sets the block "
+                    f"size to the tile) or pass --block-size {config.block_size}")
+        raise ValueError(f"{where}: {exc}.{hint}") from None
+
+
+def _widen_cache_dtype():
+    import torch
+
+    names = preset_names()
+    compat.widen_cache_dtype_literal(names)
+    compat.add_torch_dtypes(names, torch.uint8)
+    compat.clear_cli_kwargs_cache()
+
+
+def _install_step_hook():
+    from kvarn_vllm.metadata import STEP
+
+    compat.wrap_v2_runner_attn_preparation(STEP.report_real, STEP.report_dummy)
+
+
+LEDGER: tuple[Patch, ...] = (
+    Patch(
+        name="kv-cache-dtype-values",
+        target="vllm.config.cache.CacheDType (Literal), CacheConfig/SpeculativeConfig "
+        "pydantic schemas, vllm.engine.arg_utils._compute_kwargs cache, "
+        "vllm.utils.torch_utils.STR_DTYPE_TO_TORCH_DTYPE",
+        why="vLLM 0.26 closes kv_cache_dtype to a typing.Literal: argparse choices, "
+        "pydantic validation and the selector's assertion all reject an unknown name, and "
+        "Attention.__init__ maps the name to a torch dtype through a fixed dict.",
+        how="Extend the Literal's __args__ in place with the kvarn_* preset names (every "
+        "module holding it sees them, so --help lists them), rebuild the two pydantic "
+        "dataclasses that embed it, drop the memoized argparse kwargs, and map each name "
+        "to torch.uint8.",
+        remove_when="vLLM >= 0.33: register_kv_cache_dtype() does all of this publicly.",
+        scope="process",
+        apply=_widen_cache_dtype,
+    ),
+    Patch(
+        name="backend-selection",
+        target="vllm.v1.attention.selector._cached_get_attn_backend",
+        why="vLLM 0.26 picks a CUDA backend from a fixed priority list with no place for an "
+        "out-of-tree backend; without this a kvarn dtype finds no valid backend, or the user "
+        "needs a second flag (--attention-backend CUSTOM).",
+        how="Wrap the module-level function: for kvarn_* dtypes return the preset's backend "
+        "class, or raise a start-up error naming the layer, the reason and the fix "
+        "(MLA, sinks, head_dim, dtype, conflicting --block-size or --attention-backend). "
+        "Every other dtype goes to vLLM unchanged.",
+        remove_when="vLLM lets a registered KV-cache dtype choose its attention backend "
+        "(not yet in 0.33; a platform plugin is the alternative).",
+        scope="process",
+        apply=lambda: compat.wrap_backend_selection(_select_backend),
+    ),
+    Patch(
+        name="kv-cache-spec",
+        target="vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec",
+        why="vLLM 0.26 derives the page size from dtype and head size; a tile record "
+        "(kvarn_math.layout) is neither, so pages would be sized wrong.",
+        how="Wrap the method: for layers whose kv_cache_dtype is kvarn_* return "
+        "KvarnFullAttentionSpec / KvarnSlidingWindowSpec (uint8, page = num_kv_heads * "
+        "tile_bytes, block_size = G); also refuse skip-layers and hybrid models clearly.",
+        remove_when="vLLM >= 0.28: AttentionBackend.customize_spec (state_content_bytes).",
+        scope="process",
+        apply=lambda: compat.wrap_attention_kv_cache_spec(_make_spec),
+    ),
+    Patch(
+        name="request-rows",
+        target="vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_attn / "
+        "prepare_dummy_attn",
+        why="Staging for open tiles must follow a request across steps; vLLM 0.26's "
+        "CommonAttentionMetadata carries no request identity.",
+        how="Wrap both methods to hand the step's InputBatch.idx_mapping_np (request-state "
+        "rows, fixed for a request's life) to kvarn's builder before vLLM builds metadata.",
+        remove_when="vLLM >= 0.33: CommonAttentionMetadata.req_idx.",
+        scope="worker",
+        apply=_install_step_hook,
+    ),
+)
+
+_lock = threading.Lock()
+_applied: set[str] = set()
+
+
+def applied() -> frozenset[str]:
+    """Names of the ledger entries applied in this process."""
+    return frozenset(_applied)
+
+
+def _apply(scope: str) -> None:
+    with _lock:
+        for patch in LEDGER:
+            if patch.scope == scope and patch.name not in _applied:
+                patch.apply()
+                _applied.add(patch.name)
+                logger.debug("kvarn: applied patch %s", patch.name)
+
+
+def apply_process_patches() -> None:
+    """Apply the ``process`` entries (called by ``register()``)."""
+    compat.check_version()
+    _apply("process")
+
+
+def apply_worker_patches() -> None:
+    """Apply the ``worker`` entries (called by the metadata builder in GPU workers)."""
+    compat.check_version()
+    _apply("worker")

@@ -1,0 +1,130 @@
+"""KV cache specs whose page size comes from kvarn-math's tile layout.
+
+One vLLM block is one tile of ``G`` tokens of one sequence for every KV head of a layer:
+``num_kv_heads`` records of ``tile_bytes`` each (see :mod:`kvarn_math.layout`). The spec
+declares ``dtype=torch.uint8`` and that page size; the backend's ``get_kv_cache_shape``
+gives the matching ``[num_blocks, num_kv_heads, tile_bytes]`` view.
+
+The classes are defined lazily (they subclass vLLM's spec dataclasses, and importing
+vLLM is not cheap); :func:`spec_classes` returns them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import Any
+
+from kvarn_math.layout import tile_layout
+
+from kvarn_vllm.config import KvarnConfig
+
+__all__ = ["kvarn_page_bytes", "make_layer_spec", "spec_classes"]
+
+
+def kvarn_page_bytes(config: KvarnConfig, block_size: int, num_kv_heads: int,
+                     head_size: int) -> int:
+    """Bytes of one vLLM block of ``block_size`` tokens for one layer.
+
+    Raises:
+        ValueError: if ``block_size`` is not a whole number of tiles.
+    """
+    group = config.preset.group_size
+    if block_size < 1 or block_size % group:
+        raise ValueError(
+            f"block_size must be a positive multiple of the {config.name} tile ({group} "
+            f"tokens), got {block_size}"
+        )
+    layout = tile_layout(config.preset, head_size)
+    return (block_size // group) * layout.page_bytes(num_kv_heads)
+
+
+@functools.cache
+def spec_classes() -> tuple[type, type]:
+    """``(KvarnFullAttentionSpec, KvarnSlidingWindowSpec)``, built on first use."""
+    from dataclasses import dataclass
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    def _page(spec: Any) -> int:
+        layout = tile_layout(spec.kvarn_preset, spec.head_size)
+        tiles = spec.block_size // layout.group_size
+        return tiles * spec.num_kv_heads * layout.tile_bytes
+
+    @dataclass(frozen=True, kw_only=True)
+    class KvarnFullAttentionSpec(FullAttentionSpec):
+        """Full attention over a KVarN cache: ``num_kv_heads * tile_bytes`` per tile."""
+
+        kvarn_preset: str = ""
+
+        @property
+        def real_page_size_bytes(self) -> int:
+            return _page(self)
+
+        @classmethod
+        def merge(cls, specs):
+            merged = super().merge(specs)
+            presets = {s.kvarn_preset for s in specs}
+            if len(presets) != 1:
+                raise ValueError(f"one KV cache group mixes KVarN presets {sorted(presets)}")
+            return replace(merged, kvarn_preset=specs[0].kvarn_preset)
+
+    @dataclass(frozen=True, kw_only=True)
+    class KvarnSlidingWindowSpec(SlidingWindowSpec):
+        """Sliding-window attention over a KVarN cache (same page as full attention)."""
+
+        kvarn_preset: str = ""
+
+        @property
+        def real_page_size_bytes(self) -> int:
+            return _page(self)
+
+    # Pickled across processes (engine core <- workers): give them importable names.
+    for cls in (KvarnFullAttentionSpec, KvarnSlidingWindowSpec):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+        globals()[cls.__name__] = cls
+    return KvarnFullAttentionSpec, KvarnSlidingWindowSpec
+
+
+def __getattr__(name: str) -> Any:
+    # Unpickling in a fresh process looks the classes up by name before anything built them.
+    if name in ("KvarnFullAttentionSpec", "KvarnSlidingWindowSpec"):
+        full, sliding = spec_classes()
+        return full if name == "KvarnFullAttentionSpec" else sliding
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def make_layer_spec(config: KvarnConfig, *, block_size: int, num_kv_heads: int,
+                    head_size: int, head_size_v: int, sliding_window: int | None) -> Any:
+    """The spec of one decoder attention layer served from a KVarN cache.
+
+    Raises:
+        ValueError: for a head size the format does not serve, K and V head sizes that
+            differ, or a ``block_size`` other than the preset's tile.
+    """
+    import torch
+
+    config.check_head_dim(head_size)
+    if head_size_v != head_size:
+        raise ValueError(
+            f"{config.name} stores K and V tiles of one head_dim; got head_size {head_size} "
+            f"and head_size_v {head_size_v}"
+        )
+    if block_size != config.block_size:
+        raise ValueError(
+            f"block_size must equal the {config.name} tile size {config.block_size} "
+            f"(one vLLM block is one tile), got {block_size}"
+        )
+    full_cls, sliding_cls = spec_classes()
+    common = dict(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        head_size_v=head_size_v,
+        dtype=torch.uint8,
+        kvarn_preset=config.name,
+    )
+    if sliding_window is not None:
+        return sliding_cls(sliding_window=sliding_window, **common)
+    return full_cls(**common)
