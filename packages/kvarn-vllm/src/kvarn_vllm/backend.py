@@ -149,6 +149,7 @@ def _base_class() -> type:
             return False
 
     KvarnAttentionBackend.__module__ = __name__
+    KvarnAttentionBackend.__qualname__ = "KvarnAttentionBackend"
     return KvarnAttentionBackend
 
 

@@ -178,6 +178,7 @@ def _make_impl_class() -> type:
                 output.index_copy_(0, g.token_index, o)
 
     KvarnAttentionImpl.__module__ = __name__
+    KvarnAttentionImpl.__qualname__ = "KvarnAttentionImpl"
     return KvarnAttentionImpl
 
 

@@ -26,6 +26,7 @@ table. Nothing here synchronizes with the GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -88,6 +89,13 @@ class _StepChannel:
 
 
 STEP = _StepChannel()
+
+
+@functools.lru_cache(maxsize=4)
+def _encoded_table(max_blocks: int, max_reqs: int) -> np.ndarray:
+    table = encoded_block_table(max_reqs, max_blocks)
+    table.flags.writeable = False
+    return table
 
 
 def encoded_block_table(num_reqs: int, max_blocks: int) -> np.ndarray:
@@ -253,79 +261,97 @@ def _make_builder_class() -> type:
             return view.view(n, cols) if cols > 1 else view
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            record = STEP.record
+            fresh_step = record.slots is not None and record.serial != self._last_serial
+            self._last_serial = record.serial
+            return self._build(common_attn_metadata, record if fresh_step else None)
+
+        def build_for_cudagraph_capture(self, common_attn_metadata):
+            # The same buffers, shapes and kernels as a real step of single-token decodes
+            # of this batch size; the plan is all padding, so nothing is written.
+            return self._build(common_attn_metadata, None, capture=True)
+
+        def _build(self, cam, record: StepRecord | None, capture: bool = False):
             import torch
 
             from kvarn_vllm import kernels
 
-            cam = common_attn_metadata
             num_reqs = int(cam.num_reqs)
             qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int32)
             num_new = np.diff(qsl).astype(np.int32)
             if cam.seq_lens_cpu_upper_bound is not None:
                 seq_lens = cam.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int32)
-            else:
-                seq_lens = cam.seq_lens.cpu()[:num_reqs].numpy().astype(np.int32)
-            record = STEP.record
-            dummy = record.slots is None or record.serial == self._last_serial
-            self._last_serial = record.serial
+            else:  # not reached with the V2 runner, which always passes the host copy
+                seq_lens = cam.seq_lens[:num_reqs].cpu().numpy().astype(np.int32)
             slots = np.zeros(num_reqs, dtype=np.int32)
-            if not dummy:
+            if record is not None:
                 real = min(record.num_reqs, num_reqs)
                 slots[:real] = record.slots[:real]
-                if (slots >= self.max_num_reqs).any():
-                    raise ValueError(f"staging slot out of range: {slots.max()} >= "
-                                     f"{self.max_num_reqs}")
-            if dummy:
-                # Profiling/warm-up: the K/V are throwaway; attend them exactly, store nothing.
+                if slots.size and slots.max() >= self.max_num_reqs:
+                    raise ValueError(f"staging slot {slots.max()} out of range: the V2 runner "
+                                     f"has {self.max_num_reqs} request rows")
+            elif capture:
+                seq_lens = np.minimum(num_new, 1).astype(np.int32)
+            else:
+                # Profiling/warm-up batch: throwaway K/V, attended exactly, nothing stored.
                 seq_lens = num_new.copy()
             num_cached = seq_lens - num_new
             block_table = cam.block_table_tensor[:num_reqs]
             max_blocks = int(block_table.shape[1])
+            uniform_decode = bool(num_reqs) and bool((num_new <= 1).all())
 
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
             plan = None
-            if dummy:
-                quantized = np.zeros(num_reqs, dtype=np.int32)
-            else:
-                uniform_decode = bool((num_new == 1).all())
+            quantized = np.zeros(num_reqs, dtype=np.int32)
+            if record is not None or capture:
                 plan = kernels.plan_store(
-                    num_cached, num_new, None, slots,
-                    encoded_block_table(num_reqs, max_blocks), self.preset,
-                    staging_tiles=self.config.staging_tiles,
+                    num_cached if record is not None else np.zeros(num_reqs, np.int32),
+                    num_new if record is not None else np.zeros(num_reqs, np.int32),
+                    None, slots, _encoded_table(max_blocks, self.max_num_reqs)[:num_reqs],
+                    self.preset, staging_tiles=self.config.staging_tiles,
                     query_start_loc=qsl,
                     max_tiles=num_reqs if uniform_decode else None,
                     max_writes=num_reqs if uniform_decode else None,
                 )
-                quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
-                n_tiles, n_writes = plan.tiles.shape[0], plan.writes.shape[0]
-                s, _ = self._layout["tiles"]
-                host[s:s + n_tiles * 5] = np.asarray(plan.tiles, dtype=np.int32).reshape(-1)
-                s, _ = self._layout["writes"]
-                host[s:s + n_writes * 3] = np.asarray(plan.writes, dtype=np.int32).reshape(-1)
+                if record is not None:
+                    quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
+                for name, values in (("tiles", plan.tiles), ("writes", plan.writes)):
+                    s, _ = self._layout[name]
+                    flat = np.asarray(values, dtype=np.int32).reshape(-1)
+                    host[s:s + flat.size] = flat
             for name, values in (("seq_lens", seq_lens), ("quantized_lens", quantized),
                                  ("slots", slots), ("qsl", qsl)):
                 s, _ = self._layout[name]
                 host[s:s + values.size] = values
 
-            split = split_rows(num_cached, num_new)
+            if capture or (record is not None and uniform_decode):
+                rows = np.arange(num_reqs, dtype=np.int32)
+                empty = np.zeros(0, dtype=np.int32)
+                split = BatchSplit(decode=rows, fresh=empty, context=empty, uniform="decode")
+            else:
+                split = split_rows(num_cached, num_new)
             group_hosts = {}
             for kind in ("decode", "fresh", "context"):
                 rows = getattr(split, kind)
                 if not rows.size:
                     continue
                 starts, lens = qsl[rows], num_new[rows]
-                tokens = (np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
-                          if lens.sum() else np.zeros(0, dtype=np.int64))
-                sub_qsl = np.zeros(rows.size + 1, dtype=np.int32)
-                np.cumsum(lens, out=sub_qsl[1:])
-                for name, values in (("rows", rows), ("qsl", sub_qsl), ("tokens", tokens)):
-                    s, _ = self._layout[f"{kind}_{name}"]
-                    host[s:s + values.size] = values
-                group_hosts[kind] = (rows, sub_qsl, int(tokens.size),
-                                     int(lens.max()), int(seq_lens[rows].max()))
+                if split.uniform == kind:
+                    n_tokens = int(qsl[-1])
+                else:
+                    tokens = (np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
+                              if lens.sum() else np.zeros(0, dtype=np.int32))
+                    sub_qsl = np.zeros(rows.size + 1, dtype=np.int32)
+                    np.cumsum(lens, out=sub_qsl[1:])
+                    for name, values in (("rows", rows), ("qsl", sub_qsl), ("tokens", tokens)):
+                        s, _ = self._layout[f"{kind}_{name}"]
+                        host[s:s + values.size] = values
+                    n_tokens = int(tokens.size)
+                group_hosts[kind] = (rows, n_tokens, int(lens.max(initial=0)),
+                                     int(seq_lens[rows].max(initial=0)))
 
             # One host -> device copy for everything the kernels read this step.
-            used = self._used_prefix(plan, num_reqs, group_hosts)
+            used = self._used_prefix(num_reqs, group_hosts, split.uniform)
             src = torch.from_numpy(host[:used])
             if self._pin:
                 src = src.pin_memory()
@@ -350,9 +376,8 @@ def _make_builder_class() -> type:
 
             groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None,
                                                    "context": None}
-            for kind, (rows, _sub_qsl, n_tokens, max_q, max_s) in group_hosts.items():
-                whole = split.uniform == kind
-                if whole:
+            for kind, (rows, n_tokens, max_q, max_s) in group_hosts.items():
+                if split.uniform == kind:
                     groups[kind] = RowGroup(
                         rows=None, token_index=None,
                         query_start_loc=self._view(buf, "qsl", num_reqs + 1),
@@ -371,15 +396,16 @@ def _make_builder_class() -> type:
             return KvarnMetadata(num_reqs=num_reqs, num_actual_tokens=int(cam.num_actual_tokens),
                                  plan=dev_plan, **groups)
 
-        def _used_prefix(self, plan, num_reqs: int, group_hosts: dict) -> int:
+        def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:
             # Copy only up to the last region this step uses.
-            ends = [self._layout["qsl"][0] + num_reqs + 1]
-            for kind, (rows, _, n_tokens, _, _) in group_hosts.items():
-                ends.append(self._layout[f"{kind}_tokens"][0] + n_tokens)
-                ends.append(self._layout[f"{kind}_qsl"][0] + rows.size + 1)
-            return max(ends)
+            end = self._layout["qsl"][0] + num_reqs + 1
+            for kind, (_rows, n_tokens, _, _) in group_hosts.items():
+                if kind != uniform:
+                    end = max(end, self._layout[f"{kind}_tokens"][0] + n_tokens)
+            return end
 
     KvarnMetadataBuilder.__module__ = __name__
+    KvarnMetadataBuilder.__qualname__ = "KvarnMetadataBuilder"
     return KvarnMetadataBuilder
 
 

@@ -1,0 +1,89 @@
+"""Preset parsing: kv_cache_dtype strings to a frozen KvarnConfig, and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kvarn_math.layout import DEFAULT_PRESET, PRESETS
+from kvarn_vllm.config import (
+    KvarnConfig,
+    is_kvarn_dtype,
+    parse_kv_cache_dtype,
+    preset_names,
+    staging_tiles_for,
+)
+
+
+def test_preset_names_cover_every_kvarn_math_preset_default_first():
+    names = preset_names()
+    assert names[0] == DEFAULT_PRESET
+    assert sorted(names) == sorted(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parse_every_preset(name):
+    cfg = parse_kv_cache_dtype(name)
+    assert cfg.name == name
+    assert cfg.preset is PRESETS[name]
+    assert cfg.block_size == PRESETS[name].group_size
+    assert cfg.staging_tiles == 1
+    assert cfg.staging_tokens == cfg.block_size
+
+
+def test_config_is_frozen():
+    cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.staging_tiles = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bad", ["kvarn_k9v9_g128", "kvarn_k4v2_g32", "kvarn_", "kvarn_k4v2"])
+def test_unknown_kvarn_name_lists_expected(bad):
+    with pytest.raises(ValueError) as err:
+        parse_kv_cache_dtype(bad)
+    msg = str(err.value)
+    assert repr(bad) in msg
+    assert DEFAULT_PRESET in msg and "kvarn_k4v4_g64" in msg
+
+
+@pytest.mark.parametrize("bad", ["auto", "fp8", "", "KVARN_K4V2_G128"])
+def test_non_kvarn_dtype_rejected(bad):
+    assert not is_kvarn_dtype(bad)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        parse_kv_cache_dtype(bad)
+
+
+def test_is_kvarn_dtype_type_safe():
+    assert is_kvarn_dtype("kvarn_k4v2_g128")
+    assert not is_kvarn_dtype(None)
+    assert not is_kvarn_dtype(128)
+
+
+def test_staging_tiles_for_speculation():
+    assert staging_tiles_for(None, 128) == 1
+    assert staging_tiles_for(0, 128) == 1
+    assert staging_tiles_for(1, 128) == 2
+    assert staging_tiles_for(128, 128) == 2
+    assert staging_tiles_for(129, 128) == 3
+    assert parse_kv_cache_dtype("kvarn_k4v2_g64", num_speculative_tokens=3).staging_tiles == 2
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        staging_tiles_for(-1, 128)
+
+
+def test_config_validation():
+    preset = PRESETS["kvarn_k4v2_g128"]
+    with pytest.raises(ValueError, match="staging_tiles"):
+        KvarnConfig(preset=preset, staging_tiles=0)
+    with pytest.raises(ValueError, match="Preset"):
+        KvarnConfig(preset="kvarn_k4v2_g128")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_served_head_dims(head_dim):
+    parse_kv_cache_dtype("kvarn_k4v2_g128").check_head_dim(head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 512])
+def test_unserved_head_dims(head_dim):
+    with pytest.raises(ValueError, match=f"got {head_dim}"):
+        parse_kv_cache_dtype("kvarn_k4v2_g128").check_head_dim(head_dim)

@@ -1,0 +1,95 @@
+"""Registration: entry point, idempotence, version gate, no CUDA at import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+from kvarn_vllm import compat, patches, plugin
+
+
+def test_entry_point_is_discoverable():
+    eps = metadata.entry_points(group="vllm.general_plugins")
+    kvarn = [ep for ep in eps if ep.name == "kvarn"]
+    assert len(kvarn) == 1
+    assert kvarn[0].value == "kvarn_vllm.plugin:register"
+    assert kvarn[0].load() is plugin.register
+
+
+def test_vllm_plugin_loader_finds_it():
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    loaded = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert loaded.get("kvarn") is plugin.register
+
+
+def test_register_is_idempotent(registered):
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention import selector
+
+    before = (selector._cached_get_attn_backend, Attention.get_kv_cache_spec)
+    args_before = len(__import__("vllm.config.cache", fromlist=["x"]).CacheDType.__args__)
+    plugin.register()
+    plugin.register()
+    patches.apply_process_patches()
+    assert (selector._cached_get_attn_backend, Attention.get_kv_cache_spec) == before
+    # Wrapped once: the wrapper's original is vLLM's own function.
+    assert not compat.is_wrapped(selector._cached_get_attn_backend.__kvarn_original__)
+    assert not compat.is_wrapped(Attention.get_kv_cache_spec.__kvarn_original__)
+    assert len(__import__("vllm.config.cache", fromlist=["x"]).CacheDType.__args__) == args_before
+    assert plugin.registered()
+    assert {p.name for p in patches.LEDGER if p.scope == "process"} <= patches.applied()
+
+
+def test_custom_backend_registered(registered):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CUSTOM.get_path().startswith("kvarn_vllm.backend.")
+    cls = AttentionBackendEnum.CUSTOM.get_class()
+    assert cls.get_name() == "CUSTOM"
+    assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
+
+
+def test_ledger_entries_are_documented():
+    assert len({p.name for p in patches.LEDGER}) == len(patches.LEDGER)
+    for p in patches.LEDGER:
+        assert p.target and p.why and p.how and p.remove_when
+        assert p.scope in ("process", "worker")
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.26.2.dev5+gabc", "0.26.0rc1"])
+def test_version_gate_accepts(version):
+    compat.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.27.0", "0.33.0", "1.0.0"])
+def test_version_gate_refuses(version):
+    with pytest.raises(compat.UnsupportedVllmVersion, match=version):
+        compat.check_version(version)
+
+
+def test_installed_vllm_is_supported():
+    compat.check_version()
+
+
+def test_import_and_register_leave_cuda_alone():
+    """In a fresh interpreter: import is vLLM-free; register() never initializes CUDA."""
+    code = (
+        "import sys, torch\n"
+        "import kvarn_vllm\n"
+        "assert 'vllm' not in sys.modules, 'importing kvarn_vllm imported vllm'\n"
+        "assert 'triton' not in sys.modules, 'importing kvarn_vllm imported triton'\n"
+        "import vllm.platforms as P\n"
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "P._current_platform = CpuPlatform()\n"
+        "kvarn_vllm.register(); kvarn_vllm.register()\n"
+        "assert 'kvarn_kernels' not in sys.modules, 'register imported the kernels'\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("OK")
