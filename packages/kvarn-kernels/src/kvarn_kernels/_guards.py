@@ -12,11 +12,11 @@ from kvarn_math.layout import Preset, TileLayout, get_preset, tile_layout
 
 __all__ = [
     "MODEL_DTYPES",
-    "check_preset",
-    "check_tensor",
-    "check_same_device",
     "check_cache",
+    "check_preset",
+    "check_same_device",
     "check_staging",
+    "check_tensor",
 ]
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

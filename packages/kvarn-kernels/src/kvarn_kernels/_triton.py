@@ -15,12 +15,24 @@ try:  # libdevice gives correctly rounded exp/log/rint on the GPU; the interpret
 except ImportError:  # pragma: no cover - every supported Triton has it
     libdevice = None
 
-__all__ = ["INTERPRET", "PRECISE_MATH", "fwht_rows", "unpack_rows", "pack_rows", "exp_f32", "log_f32", "rint_f32"]
+__all__ = [
+    "INTERPRET",
+    "PRECISE_MATH",
+    "dot_lowp",
+    "exp_f32",
+    "fwht_rows",
+    "log_f32",
+    "pack_rows",
+    "rint_f32",
+    "round_to",
+    "unpack_rows",
+]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Use libdevice's exp/log/rint when compiling for the GPU (closest to NumPy); the interpreter
 # runs NumPy's own functions through tl.exp/tl.log, and the magic-number rint is exact there.
 PRECISE_MATH = (not INTERPRET) and libdevice is not None
+_INTERP: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -129,3 +141,32 @@ def pack_rows(codes, ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BIT
     for i in tl.static_range(BITS):
         byte = ((word >> (8 * i)) & 255).to(tl.uint8)
         tl.store(ptr + rows * row_stride + groups * BITS + i, byte)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype``, nearest even (as the GPU's cast does).
+
+    The interpreter's plain fp32 -> bf16 cast truncates, so there the rounding is done on the bits.
+    """
+    if dtype == tl.float32:
+        return x
+    elif _INTERP and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def dot_lowp(a, b):
+    """``tl.dot`` of 16-bit operands with fp32 accumulation.
+
+    The interpreter multiplies bf16 tensors as raw uint16, so there the (exactly representable)
+    operands are widened to fp32 first: the same products, accumulated in fp32.
+    """
+    if _INTERP and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)

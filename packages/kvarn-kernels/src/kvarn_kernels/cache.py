@@ -13,11 +13,11 @@ import torch
 from kvarn_math.layout import Preset, tile_layout
 
 __all__ = [
-    "cache_shape",
     "allocate_cache",
-    "staging_shape",
-    "staging_bytes",
     "allocate_staging",
+    "cache_shape",
+    "staging_bytes",
+    "staging_shape",
 ]
 
 

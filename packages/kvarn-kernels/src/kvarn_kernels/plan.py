@@ -23,7 +23,7 @@ import numpy.typing as npt
 import torch
 from kvarn_math.layout import Preset, get_preset
 
-__all__ = ["StorePlan", "plan_store", "TILE_FIELDS", "WRITE_FIELDS"]
+__all__ = ["TILE_FIELDS", "WRITE_FIELDS", "StorePlan", "plan_store"]
 
 TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
 WRITE_FIELDS = ("token_index", "slot", "staging_pos")

@@ -1,5 +1,9 @@
 """Attention over the quantized paged cache: decode (split-K) and multi-query (causal)."""
 
-from kvarn_kernels.attention.launch import choose_num_splits, decode_attention, multi_query_attention
+from kvarn_kernels.attention.launch import (
+    choose_num_splits,
+    decode_attention,
+    multi_query_attention,
+)
 
 __all__ = ["choose_num_splits", "decode_attention", "multi_query_attention"]

@@ -19,9 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_kernels._triton import INTERPRET, fwht_rows, unpack_rows
+from kvarn_kernels._triton import INTERPRET, dot_lowp, fwht_rows, round_to, unpack_rows
 
-__all__ = ["attention_partial_kernel", "attention_combine_kernel"]
+__all__ = ["attention_combine_kernel", "attention_partial_kernel"]
 
 # A finite "minus infinity" for the running max, so exp2 of differences stays 0 or 1.
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
@@ -171,7 +171,7 @@ def attention_partial_kernel(
             if FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
-                s = tl.dot(q.to(k.dtype), tl.trans(k))
+                s = dot_lowp(q.to(k.dtype), tl.trans(k))
             vis = _visible(pos, qpos, window) & valid[None, :]
             s = tl.where(vis, s, float("-inf"))
             p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
@@ -179,7 +179,7 @@ def attention_partial_kernel(
             if FP32:
                 acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(p.to(v.dtype), v)
+                acc += dot_lowp(p.to(v.dtype), v)
 
         part = (tok * num_q_heads + head.to(tl.int64)) * SPLITS + split
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
@@ -220,4 +220,4 @@ def attention_combine_kernel(
         o = tl.sum(w[:, :, None] * acc, axis=1) / denom[:, None]
         o = fwht_rows(o, BLOCK_H, D) * rsqrt_d
         dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(dst, round_to(o, out_ptr.dtype.element_ty), mask=hmask[:, None])

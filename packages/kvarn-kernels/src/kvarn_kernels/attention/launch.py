@@ -19,7 +19,7 @@ from kvarn_kernels._guards import (
 )
 from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
 
-__all__ = ["decode_attention", "multi_query_attention", "choose_num_splits"]
+__all__ = ["choose_num_splits", "decode_attention", "multi_query_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_GROUP = 16

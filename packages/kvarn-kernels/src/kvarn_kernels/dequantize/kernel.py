@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_kernels._triton import fwht_rows, unpack_rows
+from kvarn_kernels._triton import fwht_rows, round_to, unpack_rows
 
 __all__ = ["dequantize_kernel"]
 
@@ -53,5 +53,5 @@ def dequantize_kernel(
         v = fwht_rows(v, G, D) * rsqrt_d
     rows = (i * G + g).to(tl.int64)
     offs = rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + d[None, :]
-    tl.store(k_out_ptr + offs, k.to(k_out_ptr.dtype.element_ty))
-    tl.store(v_out_ptr + offs, v.to(v_out_ptr.dtype.element_ty))
+    tl.store(k_out_ptr + offs, round_to(k, k_out_ptr.dtype.element_ty))
+    tl.store(v_out_ptr + offs, round_to(v, v_out_ptr.dtype.element_ty))

@@ -17,7 +17,7 @@ from kvarn_kernels._guards import (
 )
 from kvarn_kernels.dequantize.kernel import dequantize_kernel
 
-__all__ = ["dequantize", "decode_tiles", "dequantize_tiles"]
+__all__ = ["decode_tiles", "dequantize", "dequantize_tiles"]
 
 
 def _launch(

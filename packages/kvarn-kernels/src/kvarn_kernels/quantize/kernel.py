@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_kernels._triton import exp_f32, fwht_rows, log_f32, pack_rows, rint_f32
+from kvarn_kernels._triton import exp_f32, fwht_rows, log_f32, pack_rows, rint_f32, round_to
 
 __all__ = ["quantize_tiles_kernel", "stage_tokens_kernel"]
 
@@ -108,7 +108,7 @@ def _load_tile(
         fresh = fwht_rows(fresh, G, D) * rsqrt_d
         # Round exactly as the staging write does, so a token quantizes the same way whether it
         # reached its tile through staging or straight from the batch.
-        fresh = fresh.to(stage_ptr.dtype.element_ty).to(tl.float32)
+        fresh = round_to(fresh, stage_ptr.dtype.element_ty).to(tl.float32)
     return tl.where(from_stage[:, None], staged, fresh)
 
 
@@ -196,7 +196,7 @@ def stage_tokens_kernel(
     dst = stage_ptr + slot[:, None] * stride_ss + pos[:, None] * stride_sp + head * stride_sh + d[None, :]
     k = tl.load(key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0)
     k = fwht_rows(k.to(tl.float32), BLOCK_T, D) * rsqrt_d
-    tl.store(dst, k.to(stage_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, round_to(k, stage_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + tok[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0)
     v = fwht_rows(v.to(tl.float32), BLOCK_T, D) * rsqrt_d
-    tl.store(dst + stride_skv, v.to(stage_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_skv, round_to(v, stage_ptr.dtype.element_ty), mask=mask)

@@ -22,7 +22,7 @@ from kvarn_kernels._triton import PRECISE_MATH
 from kvarn_kernels.plan import StorePlan
 from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
 
-__all__ = ["store_kv", "quantize_tiles", "encode_tiles"]
+__all__ = ["encode_tiles", "quantize_tiles", "store_kv"]
 
 _STAGE_BLOCK_T = 16
 

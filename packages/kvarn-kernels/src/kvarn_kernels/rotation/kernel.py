@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_kernels._triton import fwht_rows
+from kvarn_kernels._triton import fwht_rows, round_to
 
 __all__ = ["rotate_rows_kernel"]
 
@@ -26,4 +26,4 @@ def rotate_rows_kernel(
     x = fwht_rows(x, BLOCK_R, D) * rsqrt_d
     if SIGNS_LAST:
         x = x * tl.load(signs_ptr + d)[None, :]
-    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, round_to(x, out_ptr.dtype.element_ty), mask=mask)

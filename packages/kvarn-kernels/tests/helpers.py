@@ -1,0 +1,112 @@
+"""Shared test helpers: building caches from kvarn-math records, NaN-filled buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from kvarn_math import QuantizedSequence, get_preset, quantize_sequence, rotate, tile_layout
+
+UNWRITTEN_BYTE = 0xFF  # fp16 0xFFFF is NaN: a kernel reading an unwritten record field sees NaN
+
+
+def nan_like_staging(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def unwritten_cache(num_blocks: int, num_kv_heads: int, tile_bytes: int, device: str) -> torch.Tensor:
+    return torch.full((num_blocks, num_kv_heads, tile_bytes), UNWRITTEN_BYTE, dtype=torch.uint8, device=device)
+
+
+@dataclass
+class PagedBatch:
+    """Sequences laid out in a paged cache + staging the way the plugin would."""
+
+    kv_cache: torch.Tensor
+    staging: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    quantized_lens: torch.Tensor
+    staging_slots: torch.Tensor
+    refs: list[QuantizedSequence]
+
+
+def build_paged(
+    seqs: list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]],
+    preset: str,
+    dtype: torch.dtype,
+    device: str,
+    staging_tiles: int = 1,
+    uncommitted: list[int] | None = None,
+    seed: int = 0,
+) -> PagedBatch:
+    """Quantize each sequence with kvarn-math, scatter its records into random blocks, stage the tail.
+
+    ``uncommitted[b]`` tokens at the end of sequence b are kept out of the tiles (as speculative
+    tokens would be), so the staging may hold more than G tokens when ``staging_tiles`` is 2.
+    The references returned hold exactly the records / tail the kernel will read.
+    """
+    p = get_preset(preset)
+    g = p.group_size
+    rng = np.random.default_rng(seed)
+    d = seqs[0][0].shape[-1]
+    h = seqs[0][0].shape[1]
+    lay = tile_layout(p, d)
+    sg = staging_tiles * g
+    refs = []
+    tiles_needed = []
+    for i, (k, v) in enumerate(seqs):
+        hold = 0 if uncommitted is None else uncommitted[i]
+        t = k.shape[0]
+        n_tiles = (t - hold) // g
+        q = quantize_sequence(k[: n_tiles * g], v[: n_tiles * g], p)
+        tail_k, tail_v = k[n_tiles * g :], v[n_tiles * g :]
+        if tail_k.shape[0] > sg:
+            raise ValueError("test setup: tail does not fit the staging")
+        refs.append(QuantizedSequence(p, d, q.records, tail_k.copy(), tail_v.copy()))
+        tiles_needed.append(n_tiles)
+    max_blocks = max(tiles_needed) + 2
+    num_blocks = sum(tiles_needed) + 3
+    perm = rng.permutation(num_blocks)
+    cache = unwritten_cache(num_blocks, h, lay.tile_bytes, "cpu")
+    table = np.full((len(seqs), max_blocks), -1, dtype=np.int32)
+    slots = rng.permutation(len(seqs) + 2)[: len(seqs)].astype(np.int32)
+    staging = nan_like_staging((len(seqs) + 2, 2, sg, h, d), dtype, "cpu")
+    used = 0
+    for i, ref in enumerate(refs):
+        for t in range(tiles_needed[i]):
+            blk = int(perm[used])
+            used += 1
+            table[i, t] = blk
+            cache[blk] = torch.from_numpy(ref.records[t])
+        start = tiles_needed[i] * g
+        for j in range(ref.tail_k.shape[0]):
+            pos = (start + j) % sg
+            staging[slots[i], 0, pos] = torch.from_numpy(rotate(ref.tail_k[j], axis=-1)).to(dtype)
+            staging[slots[i], 1, pos] = torch.from_numpy(rotate(ref.tail_v[j], axis=-1)).to(dtype)
+    seq_lens = np.array([k.shape[0] for k, _ in seqs], dtype=np.int32)
+    qlens = np.array(tiles_needed, dtype=np.int32) * g
+    return PagedBatch(
+        kv_cache=cache.to(device),
+        staging=staging.to(device),
+        block_table=torch.from_numpy(table).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        quantized_lens=torch.from_numpy(qlens).to(device),
+        staging_slots=torch.from_numpy(slots).to(device),
+        refs=refs,
+    )
+
+
+def staged_reference(ref: QuantizedSequence, dtype: torch.dtype) -> QuantizedSequence:
+    """The reference seeing the staged tail as rounded to ``dtype`` (then un-rotated in float64)."""
+    if dtype == torch.float32:
+        return ref
+    from kvarn_math import unrotate
+
+    def through(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        r = torch.from_numpy(rotate(x, axis=-1)).to(dtype).double().numpy()
+        return unrotate(r, axis=-1).astype(np.float32)
+
+    return QuantizedSequence(ref.preset, ref.head_dim, ref.records, through(ref.tail_k), through(ref.tail_v))
