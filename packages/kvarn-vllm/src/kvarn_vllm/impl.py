@@ -155,8 +155,6 @@ def _make_impl_class() -> type:
 
         def _fresh(self, g, query, key, value, output, n):
             """Exact causal attention of a first chunk over its own K/V (original frame)."""
-            from vllm.v1.attention.ops.triton_prefill_attention import context_attention_fwd
-
             if key is None or value is None:
                 raise ValueError("a KV-sharing layer cannot run a prompt's first chunk: it "
                                  "has no K/V of its own")
@@ -167,19 +165,60 @@ def _make_impl_class() -> type:
                 idx = g.token_index
                 q, k, v = (t.index_select(0, idx) for t in (query, key, value))
                 o = torch.empty_like(q)
-            lens = g.query_start_loc[1:] - g.query_start_loc[:-1]
             window = self.sliding_window
-            context_attention_fwd(
-                q, k, v, o, g.query_start_loc[:-1], lens, g.max_query_len, is_causal=True,
-                softmax_scale=self.scale,
-                sliding_window_q=None if window is None else window - 1,
-            )
+            if _vllm_has_triton():
+                from vllm.v1.attention.ops.triton_prefill_attention import (
+                    context_attention_fwd,
+                )
+
+                lens = g.query_start_loc[1:] - g.query_start_loc[:-1]
+                context_attention_fwd(
+                    q, k, v, o, g.query_start_loc[:-1], lens, g.max_query_len,
+                    is_causal=True, softmax_scale=self.scale,
+                    sliding_window_q=None if window is None else window - 1,
+                )
+            else:
+                exact_causal_attention(q, k, v, o, g.query_start_loc_host, self.scale, window)
             if not whole:
                 output.index_copy_(0, g.token_index, o)
 
     KvarnAttentionImpl.__module__ = __name__
     KvarnAttentionImpl.__qualname__ = "KvarnAttentionImpl"
     return KvarnAttentionImpl
+
+
+def _vllm_has_triton() -> bool:
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def exact_causal_attention(q: Any, k: Any, v: Any, out: Any, query_start_loc: Any,
+                           scale: float, sliding_window: int | None = None) -> Any:
+    """Causal attention of each sequence over its own tokens, in torch (reference path).
+
+    Used where vLLM's Triton kernels are unavailable (vLLM without a GPU driver), and by
+    the tests. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``, ``query_start_loc`` host
+    ints ``[B+1]``; writes ``out`` ``[T, Hq, D]``.
+    """
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(query_start_loc) - 1):
+        lo, hi = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if hi <= lo:
+            continue
+        qb = q[lo:hi].transpose(0, 1).float()
+        kb = k[lo:hi].transpose(0, 1).float().repeat_interleave(group, 0)
+        vb = v[lo:hi].transpose(0, 1).float().repeat_interleave(group, 0)
+        pos = torch.arange(hi - lo, device=q.device)
+        allowed = pos[:, None] >= pos[None, :]
+        if sliding_window is not None:
+            allowed &= pos[:, None] - pos[None, :] < sliding_window
+        scores = (qb @ kb.transpose(1, 2)) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[lo:hi] = (scores.softmax(-1) @ vb).transpose(0, 1).to(out.dtype)
+    return out
 
 
 def _shared_staging(target_layer_name: str) -> Any:

@@ -158,7 +158,8 @@ class RowGroup:
         query_start_loc: ``[n + 1]`` int32 within the gathered tokens.
         seq_lens, quantized_lens, staging_slots: ``[n]`` int32.
         block_table: ``[n, max_blocks]`` int32.
-        max_query_len, max_seq_len: host ints.
+        max_query_len, max_seq_len, num_tokens: host ints.
+        query_start_loc_host: ``[n + 1]`` int32 NumPy copy of ``query_start_loc``.
     """
 
     rows: Any
@@ -171,6 +172,7 @@ class RowGroup:
     max_query_len: int
     max_seq_len: int
     num_tokens: int
+    query_start_loc_host: Any = None
 
 
 @dataclass
@@ -338,6 +340,7 @@ def _make_builder_class() -> type:
                 starts, lens = qsl[rows], num_new[rows]
                 if split.uniform == kind:
                     n_tokens = int(qsl[-1])
+                    sub_qsl = qsl
                 else:
                     tokens = (np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
                               if lens.sum() else np.zeros(0, dtype=np.int32))
@@ -348,7 +351,7 @@ def _make_builder_class() -> type:
                         host[s:s + values.size] = values
                     n_tokens = int(tokens.size)
                 group_hosts[kind] = (rows, n_tokens, int(lens.max(initial=0)),
-                                     int(seq_lens[rows].max(initial=0)))
+                                     int(seq_lens[rows].max(initial=0)), sub_qsl)
 
             # One host -> device copy for everything the kernels read this step.
             used = self._used_prefix(num_reqs, group_hosts, split.uniform)
@@ -376,14 +379,14 @@ def _make_builder_class() -> type:
 
             groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None,
                                                    "context": None}
-            for kind, (rows, n_tokens, max_q, max_s) in group_hosts.items():
+            for kind, (rows, n_tokens, max_q, max_s, sub_qsl) in group_hosts.items():
                 if split.uniform == kind:
                     groups[kind] = RowGroup(
                         rows=None, token_index=None,
                         query_start_loc=self._view(buf, "qsl", num_reqs + 1),
                         seq_lens=dev_seq, quantized_lens=dev_quant, staging_slots=dev_slots,
                         block_table=block_table, max_query_len=max_q, max_seq_len=max_s,
-                        num_tokens=n_tokens)
+                        num_tokens=n_tokens, query_start_loc_host=sub_qsl)
                     continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
                 groups[kind] = RowGroup(
@@ -392,14 +395,15 @@ def _make_builder_class() -> type:
                     query_start_loc=self._view(buf, f"{kind}_qsl", rows.size + 1),
                     seq_lens=dev_seq[dev_rows], quantized_lens=dev_quant[dev_rows],
                     staging_slots=dev_slots[dev_rows], block_table=block_table[dev_rows],
-                    max_query_len=max_q, max_seq_len=max_s, num_tokens=n_tokens)
+                    max_query_len=max_q, max_seq_len=max_s, num_tokens=n_tokens,
+                    query_start_loc_host=sub_qsl)
             return KvarnMetadata(num_reqs=num_reqs, num_actual_tokens=int(cam.num_actual_tokens),
                                  plan=dev_plan, **groups)
 
         def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:
             # Copy only up to the last region this step uses.
             end = self._layout["qsl"][0] + num_reqs + 1
-            for kind, (_rows, n_tokens, _, _) in group_hosts.items():
+            for kind, (_rows, n_tokens, _, _, _) in group_hosts.items():
                 if kind != uniform:
                     end = max(end, self._layout[f"{kind}_tokens"][0] + n_tokens)
             return end
