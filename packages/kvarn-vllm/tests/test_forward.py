@@ -1,0 +1,208 @@
+"""The metadata builder and the layer's forward pass, end to end on CPU.
+
+Real vLLM ``Attention`` layer, real builder, real kvarn-kernels (Triton interpreter),
+a step sequence covering prefill, decode, mixed batches and a chunked-prefill
+continuation; outputs compared with exact attention over the same K/V.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kvarn_vllm import metadata as md
+from kvarn_vllm.impl import exact_causal_attention
+
+PRESET = "kvarn_k4v4_g64"
+G, HQ, HKV, D = 64, 4, 2, 64
+MAX_BLOCKS = 4
+
+
+def test_split_rows():
+    s = md.split_rows(np.array([10, 0, 5, 0, 7]), np.array([1, 30, 8, 0, 0]))
+    assert s.decode.tolist() == [0, 3, 4]
+    assert s.fresh.tolist() == [1]
+    assert s.context.tolist() == [2]
+    assert s.uniform is None
+    assert md.split_rows(np.array([3, 4]), np.array([1, 1])).uniform == "decode"
+    with pytest.raises(ValueError):
+        md.split_rows(np.array([1]), np.array([-1]))
+
+
+def test_encoded_block_table():
+    t = md.encoded_block_table(3, 5)
+    assert t.shape == (3, 5) and t[2, 4] == 14 and t.dtype == np.int32
+    with pytest.raises(ValueError, match="int32"):
+        md.encoded_block_table(2**16, 2**16)
+
+
+class Harness:
+    """One kvarn layer plus its builder, driven step by step like vLLM's V2 runner."""
+
+    def __init__(self, vllm_config_factory, monkeypatch):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        self.vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
+        self.vc.cache_config.block_size = G
+        torch.set_default_dtype(torch.float16)
+        try:
+            with set_current_vllm_config(self.vc):
+                self.layer = Attention(num_heads=HQ, head_size=D, scale=D**-0.5,
+                                       num_kv_heads=HKV, cache_config=self.vc.cache_config,
+                                       prefix="model.layers.0.self_attn.attn")
+        finally:
+            torch.set_default_dtype(torch.float32)
+        self.spec = self.layer.get_kv_cache_spec(self.vc)
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        builder_cls = self.layer.attn_backend.get_builder_cls()
+        self.builder = builder_cls(self.spec, [self.layer.layer_name], self.vc,
+                                   torch.device("cpu"))
+        num_blocks = 16
+        shape = self.layer.attn_backend.get_kv_cache_shape(num_blocks, G, HKV, D)
+        self.kv_cache = torch.zeros(shape, dtype=torch.uint8)
+        self.block_table = torch.zeros((4, MAX_BLOCKS), dtype=torch.int32)  # per slot
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> all K, V so far
+        gen = torch.Generator().manual_seed(0)
+        self.rand = lambda *s: torch.randn(*s, generator=gen).to(torch.float16)
+
+    def step(self, reqs):
+        """reqs: list of (slot, num_cached, num_new, blocks). Returns (metadata, q, out)."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        for slot, _, _, blocks in reqs:
+            self.block_table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        num_new = np.array([r[2] for r in reqs], dtype=np.int32)
+        seq = np.array([r[1] + r[2] for r in reqs], dtype=np.int32)
+        qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+        slots = np.array([r[0] for r in reqs], dtype=np.int32)
+        md.STEP.report_real(SimpleNamespace(num_reqs=len(reqs), idx_mapping_np=slots))
+        cam = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl), query_start_loc_cpu=torch.from_numpy(qsl),
+            seq_lens=torch.from_numpy(seq), num_reqs=len(reqs),
+            num_actual_tokens=int(qsl[-1]), max_query_len=int(num_new.max()),
+            max_seq_len=int(seq.max()), block_table_tensor=self.block_table[slots].contiguous(),
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            seq_lens_cpu_upper_bound=torch.from_numpy(seq))
+        meta = self.builder.build(0, cam)
+        n = int(qsl[-1])
+        q, k, v = self.rand(n, HQ, D), self.rand(n, HKV, D), self.rand(n, HKV, D)
+        for (slot, cached, new, _), lo in zip(reqs, qsl[:-1]):
+            old_k, old_v = self.kv.get(slot, (k[:0], v[:0]))
+            assert old_k.shape[0] == cached
+            self.kv[slot] = (torch.cat([old_k, k[lo:lo + new]]), torch.cat([old_v, v[lo:lo + new]]))
+        out = torch.full((n, HQ, D), float("nan"), dtype=torch.float16)
+        self.layer.impl.forward(self.layer, q, k, v, self.kv_cache, meta, output=out)
+        return meta, q, out, qsl
+
+    def exact(self, slot, q_rows, num_queries):
+        """Exact attention of the last ``num_queries`` positions of ``slot``'s sequence."""
+        k, v = self.kv[slot]
+        total = k.shape[0]
+        qk = torch.zeros(total, HQ, D, dtype=torch.float16)
+        qk[total - num_queries:] = q_rows
+        out = torch.zeros_like(qk)
+        exact_causal_attention(qk, k, v, out, [0, total], D**-0.5)
+        return out[total - num_queries:].float()
+
+
+    def quantized(self, slot, q_rows):
+        """kvarn-math's reference: the same sequence stored as tiles + open tail."""
+        from kvarn_math.attention import quantize_sequence, reference_attention
+
+        k, v = self.kv[slot]
+        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET)
+        return torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_steps_prefill_decode_mixed_chunked(vllm_config_factory, monkeypatch):
+    h = Harness(vllm_config_factory, monkeypatch)
+
+    # Step 1: two fresh prompts. Exact attention over their own K/V.
+    meta, q, out, qsl = h.step([(1, 0, 100, [3, 5]), (3, 0, 70, [7, 2])])
+    assert meta.fresh is not None and meta.decode is None and meta.context is None
+    assert meta.plan.num_tiles == 2  # tile 0 of both requests completes
+    assert sorted(meta.plan.tiles[:, 0].tolist()) == [3, 7]  # real block ids, on the device
+    for slot, (lo, hi) in ((1, (0, 100)), (3, (100, 170))):
+        assert _rel(out[lo:hi], h.exact(slot, q[lo:hi], hi - lo)) < 2e-3
+    assert h.kv_cache[3].any() and h.kv_cache[7].any() and not h.kv_cache[5].any()
+
+    # Step 2: both decode (uniform batch: one decode_attention call, padded plan).
+    meta, q, out, _ = h.step([(1, 100, 1, [3, 5]), (3, 70, 1, [7, 2])])
+    assert meta.decode is not None and meta.decode.token_index is None
+    assert meta.plan.tiles.shape[0] == 2 and meta.plan.writes.shape[0] == 2
+    for row, slot in enumerate((1, 3)):
+        got, ref = out[row:row + 1], h.quantized(slot, q[row:row + 1])
+        assert _rel(got, ref) < 0.02, _rel(got, ref)
+        # It did read quantized tiles: closer to the quantized reference than to exact.
+        assert _rel(got, ref) < 0.5 * _rel(got, h.exact(slot, q[row:row + 1], 1))
+
+    # Step 3: mixed: one decode, one new prompt's first chunk (fresh) in slot 0.
+    meta, q, out, qsl = h.step([(1, 101, 1, [3, 5]), (0, 0, 40, [9])])
+    assert meta.decode is not None and meta.fresh is not None
+    assert meta.decode.token_index is not None
+    assert _rel(out[0:1], h.quantized(1, q[0:1])) < 0.02
+    assert _rel(out[1:41], h.exact(0, q[1:41], 40)) < 2e-3
+
+    # Step 4: chunked-prefill continuation of slot 0 (40 cached, 50 new) next to a decode.
+    meta, q, out, qsl = h.step([(3, 71, 1, [7, 2]), (0, 40, 50, [9, 11])])
+    assert meta.context is not None
+    assert meta.plan.num_tiles == 1  # slot 0 completes its first tile (staged 40 + fresh 24)
+    assert meta.plan.tiles[0, 0].item() == 9
+    assert _rel(out[0:1], h.quantized(3, q[0:1])) < 0.02
+    err = _rel(out[1:51], h.quantized(0, q[1:51]))
+    assert err < 0.02, err
+    assert not torch.isnan(out).any()
+
+
+def test_capture_and_replay_share_buffers(vllm_config_factory, monkeypatch):
+    """A full CUDA graph captured on capture metadata reads the real step's values."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    h = Harness(vllm_config_factory, monkeypatch)
+    qsl = torch.arange(3, dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.ones(2, dtype=torch.int32),
+        num_reqs=2, num_actual_tokens=2, max_query_len=1, max_seq_len=1,
+        block_table_tensor=h.block_table[:2], slot_mapping=torch.zeros(2, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=torch.ones(2, dtype=torch.int32))
+    cap = h.builder.build_for_cudagraph_capture(cam)
+    assert (cap.plan.tiles[:, 0] == -1).all() and (cap.plan.writes[:, 0] == -1).all()
+    h.step([(1, 0, 70, [3, 5]), (2, 0, 10, [4])])
+    real, _, _, _ = h.step([(1, 70, 1, [3, 5]), (2, 10, 1, [4])])
+    for a, b in ((cap.plan.tiles, real.plan.tiles), (cap.plan.writes, real.plan.writes),
+                 (cap.decode.seq_lens, real.decode.seq_lens),
+                 (cap.decode.quantized_lens, real.decode.quantized_lens),
+                 (cap.decode.staging_slots, real.decode.staging_slots)):
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    assert real.decode.seq_lens.tolist() == [71, 11]
+    assert real.decode.staging_slots.tolist() == [1, 2]
+    assert real.decode.quantized_lens.tolist() == [64, 0]
+
+
+def test_dummy_batch_stores_nothing(vllm_config_factory, monkeypatch):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    h = Harness(vllm_config_factory, monkeypatch)
+    md.STEP.report_dummy(SimpleNamespace(num_reqs=1))
+    qsl = torch.tensor([0, 8], dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([8], dtype=torch.int32),
+        num_reqs=1, num_actual_tokens=8, max_query_len=8, max_seq_len=8,
+        block_table_tensor=h.block_table[:1], slot_mapping=torch.zeros(8, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=torch.tensor([8], dtype=torch.int32))
+    meta = h.builder.build(0, cam)
+    assert meta.plan is None and meta.fresh is not None
+    q, k, v = h.rand(8, HQ, D), h.rand(8, HKV, D), h.rand(8, HKV, D)
+    out = torch.empty(8, HQ, D, dtype=torch.float16)
+    before = h.layer.impl.staging.clone()
+    h.layer.impl.forward(h.layer, q, k, v, h.kv_cache, meta, output=out)
+    assert not h.kv_cache.any() and torch.equal(before, h.layer.impl.staging)
+    # A second build without a new runner report is also treated as a dummy batch.
+    assert h.builder.build(0, cam).plan is None
