@@ -99,12 +99,12 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     check_tensor("value", value, dtype=key.dtype, shape=tuple(key.shape), last_dim_contiguous=True)
     p, layout = check_preset(preset, head_dim)
-    check_cache(kv_cache, layout, num_kv_heads)
-    check_staging(staging, layout, num_kv_heads, plan.staging_tiles)
     if plan.group_size != p.group_size:
         raise ValueError(
             f"plan was made for G={plan.group_size}, preset {p.name} has G={p.group_size}"
         )
+    check_cache(kv_cache, layout, num_kv_heads)
+    check_staging(staging, layout, num_kv_heads, plan.staging_tiles)
     check_tensor("plan.tiles", plan.tiles, dtype=torch.int32, shape=(None, 5), contiguous=True)
     check_tensor("plan.writes", plan.writes, dtype=torch.int32, shape=(None, 3), contiguous=True)
     check_same_device(

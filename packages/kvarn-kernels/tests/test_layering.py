@@ -1,0 +1,55 @@
+"""Import hygiene (no CUDA initialization, no vLLM) and signature agreement with kvarn-math."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import kvarn_math
+import pytest
+
+import kvarn_kernels
+
+
+def test_import_does_not_initialize_cuda_or_import_vllm() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import kvarn_kernels, kvarn_kernels.bench
+        import torch
+        assert not torch.cuda.is_initialized(), "importing kvarn_kernels initialized CUDA"
+        bad = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
+        assert not bad, f"kvarn_kernels imported {bad}"
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
+def test_no_source_file_mentions_vllm_imports() -> None:
+    from pathlib import Path
+
+    root = Path(kvarn_kernels.__file__).parent
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        assert "import vllm" not in text and "from vllm" not in text, path
+
+
+@pytest.mark.parametrize(
+    "name", ["quantize_tiles", "encode_tiles", "decode_tiles", "dequantize_tiles", "rotate", "unrotate"]
+)
+def test_signatures_match_kvarn_math(name: str) -> None:
+    ours = inspect.signature(getattr(kvarn_kernels, name))
+    ref = inspect.signature(getattr(kvarn_math, name))
+    assert list(ours.parameters) == list(ref.parameters), (name, ours, ref)
+    for p_name, p in ref.parameters.items():
+        assert ours.parameters[p_name].default == p.default or p.default is None, p_name
+
+
+def test_public_api_is_exported() -> None:
+    for name in kvarn_kernels.__all__:
+        assert hasattr(kvarn_kernels, name), name

@@ -1,0 +1,156 @@
+"""plan_store, checked by simulating its plans on token identities (no kernels, fast).
+
+Each token is identified by ``(position, version)``: a speculative token that is rejected is
+later rewritten at the same position with a new version.  Applying the plans in order (tiles
+first, then staging writes, as store_kv launches them) must leave every quantized tile holding
+exactly the final committed tokens of its positions, each tile quantized once, and the staging
+holding ``[quantized_len, seq_len)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvarn_kernels import plan_store
+
+G = 64
+
+
+class Sim:
+    """The cache and staging of a batch of requests, holding token identities."""
+
+    def __init__(self, num_requests: int, staging_tiles: int) -> None:
+        self.sg = staging_tiles * G
+        self.staging: dict[tuple[int, int], tuple[int, int]] = {}
+        self.blocks: dict[int, list[tuple[int, int]]] = {}
+        self.writes_per_block: dict[int, int] = {}
+
+    def apply(self, plan, batch: list[tuple[int, int]]) -> None:  # type: ignore[no-untyped-def]
+        tiles = plan.tiles.numpy()
+        # Quantize launch: reads staging and batch as they are before this step's writes.
+        for block, slot, start, staged, fresh in tiles:
+            if block < 0:
+                continue
+            toks = [self.staging[(slot, (start + i) % self.sg)] for i in range(staged)]
+            toks += [batch[fresh + i] for i in range(G - staged)]
+            self.blocks[int(block)] = toks
+            self.writes_per_block[int(block)] = self.writes_per_block.get(int(block), 0) + 1
+        for token, slot, pos in plan.writes.numpy():
+            if token < 0:
+                continue
+            self.staging[(int(slot), int(pos))] = batch[token]
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> dict[str, object]:
+    """Per request: a list of steps (num_new, num_accepted_drafts) ending in a prompt + decode mix."""
+    n = draw(st.integers(1, 3))
+    spec = draw(st.booleans())
+    reqs = []
+    for _ in range(n):
+        steps = []
+        for _ in range(draw(st.integers(1, 8))):
+            if spec:
+                drafts = draw(st.integers(0, 5))
+                steps.append((1 + drafts, draw(st.integers(0, drafts))))
+            else:
+                steps.append((draw(st.sampled_from([1, 1, 2, G - 1, G, G + 1, 3 * G + 7])), 0))
+        reqs.append(steps)
+    return {"spec": spec, "reqs": reqs, "prompt": [draw(st.integers(0, 3 * G)) for _ in range(n)]}
+
+
+@settings(max_examples=200)
+@given(schedules())
+def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object]) -> None:
+    reqs, spec = sched["reqs"], sched["spec"]
+    n = len(reqs)
+    s_tiles = 2 if spec else 1
+    sim = Sim(n, s_tiles)
+    table = np.arange(n * 64, dtype=np.int32).reshape(n, 64) * 7 % (n * 64)
+    slots = list(range(n))[::-1]
+    cached = [0] * n
+    quant = [0] * n
+    version = [dict() for _ in range(n)]  # position -> version of the token now there
+    committed_tok: list[dict[int, tuple[int, int]]] = [dict() for _ in range(n)]
+    # Step 0: prompts (committed); then each request's steps, all requests batched together.
+    plans_steps = [[(p, 0)] for p in sched["prompt"]]
+    for i in range(n):
+        plans_steps[i] += reqs[i]
+    for step in range(max(len(s) for s in plans_steps)):
+        new, committed_after, batch = [], [], []
+        accepted = []
+        for i in range(n):
+            num, acc = plans_steps[i][step] if step < len(plans_steps[i]) else (0, 0)
+            toks = []
+            for j in range(num):
+                pos = cached[i] + j
+                version[i][pos] = version[i].get(pos, -1) + 1
+                toks.append((pos, version[i][pos]))
+            batch += toks
+            new.append(num)
+            # Only the first token of a speculative step is known good (the sampled one).
+            first_committed = 1 if (spec and step > 0 and num) else num
+            committed_after.append(cached[i] + min(num, first_committed))
+            accepted.append(acc if (spec and step > 0 and num) else 0)
+            for t in toks[: min(num, first_committed) + accepted[-1]]:
+                committed_tok[i][t[0]] = t
+        plan = plan_store(cached, new, committed_after, slots, table, "kvarn_k4v2_g64",
+                          staging_tiles=s_tiles, num_quantized=quant)
+        sim.apply(plan, batch)
+        quant = plan.quantized_lens.tolist()
+        for i in range(n):
+            # staging holds [quantized_len, seq_len)
+            for pos in range(quant[i], cached[i] + new[i]):
+                assert sim.staging[(slots[i], pos % sim.sg)] == (pos, version[i][pos])
+            # accepted drafts become committed; rejected ones are dropped from the length
+            keep = min(new[i], 1 if (spec and step > 0 and new[i]) else new[i]) + accepted[i]
+            cached[i] += keep
+    for i in range(n):
+        for t in range(quant[i] // G):
+            block = int(table[i, t])
+            assert sim.writes_per_block[block] == 1
+            assert sim.blocks[block] == [committed_tok[i][p] for p in range(t * G, (t + 1) * G)]
+        assert quant[i] == (max(committed_tok[i], default=-1) + 1) // G * G or spec
+
+
+def test_chunked_prefill_plan_takes_full_tiles_from_the_batch() -> None:
+    plan = plan_store([10], [3 * G], None, [2], [[4, 5, 6, 7]], "kvarn_k4v2_g64")
+    tiles = plan.tiles.numpy()
+    assert tiles.tolist() == [[4, 2, 0, 10, 0], [5, 2, G, 0, G - 10], [6, 2, 2 * G, 0, 2 * G - 10]]
+    assert plan.quantized_lens.tolist() == [3 * G]
+    assert plan.writes.numpy()[:, 2].tolist() == list(range(10))  # positions 3G..3G+9
+    assert plan.num_tiles == 3 and plan.num_writes == 10
+
+
+def test_padding_for_cuda_graphs() -> None:
+    plan = plan_store([G - 1], [1], None, [0], [[3, 9]], "kvarn_k4v2_g64", max_tiles=4, max_writes=8)
+    assert plan.tiles.shape == (4, 5) and plan.writes.shape == (8, 3)
+    assert plan.tiles[1:, 0].eq(-1).all() and plan.writes[:, 0].eq(-1).all()
+    with pytest.raises(ValueError, match="max_tiles=0 is smaller"):
+        plan_store([G - 1], [1], None, [0], [[3, 9]], "kvarn_k4v2_g64", max_tiles=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_committed": [5]}, "num_committed\\[0\\] must lie in"),
+        ({"num_quantized": [3]}, "num_quantized\\[0\\] must be a multiple"),
+        ({"block_table": [[-1, -1]]}, "a tile needs a block"),
+        ({"block_table": [[]]}, "needs 1 blocks but block_table has 0"),
+        ({"num_new": [G + 80], "num_committed": [10]}, "raise staging_tiles"),
+        ({"num_cached": [-1]}, "num_cached must be >= 0"),
+        ({"staging_tiles": 0}, "staging_tiles must be a positive int"),
+        ({"preset": "nope"}, "unknown KVarN preset"),
+    ],
+)
+def test_bad_plans_raise(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {
+        "num_cached": [10], "num_new": [G], "num_committed": None, "staging_slots": [0],
+        "block_table": [[1, 2]], "preset": "kvarn_k4v2_g64",
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        plan_store(**args)  # type: ignore[arg-type]

@@ -1,0 +1,243 @@
+"""Quantize-on-write against kvarn-math: dense tiles, store_kv, and the chunking invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import nan_like_staging, unwritten_cache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvarn_math import (
+    PRESETS,
+    decode_tiles,
+    encode_tiles,
+    get_preset,
+    read_fields,
+    rotate,
+    tile_layout,
+)
+from kvarn_math import quantize_tiles as ref_quantize_tiles
+from kvarn_math.metrics import relative_error
+from kvarn_math.testing import code_agreement, kv_tiles, make_kv
+
+import kvarn_kernels as kk
+
+pytestmark = pytest.mark.interpreter
+
+# Integer codes must agree on >= 99.9% of entries (they are usually bit-exact: the kernel mirrors
+# kvarn-math's operation order; reductions may differ in the last ulp, which can flip the chosen
+# normalization iteration when two iterations score within an ulp).  The dequantized tiles must
+# then carry the same quantization error: relative difference of the error norms <= 1%.
+MIN_CODE_AGREEMENT = 0.999
+MAX_ERROR_DRIFT = 0.01
+
+
+def _round(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).float().numpy()
+
+
+def assert_records_match(
+    got: np.ndarray, want: np.ndarray, k_rot: np.ndarray, v_rot: np.ndarray, preset: str, d: int
+) -> None:
+    fg, fw = read_fields(got, preset, d), read_fields(want, preset, d)
+    for name in ("k_codes", "v_codes"):
+        agree = code_agreement(getattr(fw, name), getattr(fg, name))
+        assert agree >= MIN_CODE_AGREEMENT, f"{name}: only {agree:.5f} of codes agree"
+    kg, vg = decode_tiles(got, preset, d)
+    kw, vw = decode_tiles(want, preset, d)
+    for name, x, a, b in (("k", k_rot, kg, kw), ("v", v_rot, vg, vw)):
+        assert np.isfinite(a).all(), f"{name}: non-finite dequantized values"
+        err_got, err_want = relative_error(x, a), relative_error(x, b)
+        assert abs(err_got - err_want) <= MAX_ERROR_DRIFT * err_want + 1e-6, (
+            f"{name}: quantization error {err_got:.4e} vs reference {err_want:.4e}"
+        )
+
+
+@settings(max_examples=20)
+@given(
+    st.sampled_from(list(PRESETS)),
+    st.data(),
+)
+def test_quantize_tiles_matches_reference_fp32(preset: str, data: st.DataObject) -> None:
+    g = get_preset(preset).group_size
+    sample = data.draw(kv_tiles(group_size=g, head_dim=st.sampled_from([64, 128]), batch=st.integers(1, 2)))
+    d = sample.k.shape[-1]
+    got = kk.quantize_tiles(torch.from_numpy(sample.k), torch.from_numpy(sample.v), preset).numpy()
+    want = ref_quantize_tiles(sample.k, sample.v, preset)
+    assert got.shape == want.shape and got.dtype == np.uint8
+    assert_records_match(got, want, rotate(sample.k, axis=-1), rotate(sample.v, axis=-1), preset, d)
+
+
+def test_quantize_tiles_codes_are_bit_exact_on_typical_tiles() -> None:
+    """fp32 input: the integer codes are bit-exact here (scales may differ in the last fp16 ulp
+    when a different but equally balanced normalization iteration wins)."""
+    for preset, d in (("kvarn_k4v2_g64", 64), ("kvarn_k4v4_g128", 128), ("kvarn_k2v2_g128", 64)):
+        g = get_preset(preset).group_size
+        k = make_kv((2, g, d), "outlier_channels", 1)
+        v = make_kv((2, g, d), "gaussian", 2)
+        got = read_fields(kk.quantize_tiles(torch.from_numpy(k), torch.from_numpy(v), preset).numpy(), preset, d)
+        want = read_fields(ref_quantize_tiles(k, v, preset), preset, d)
+        np.testing.assert_array_equal(got.k_codes, want.k_codes)
+        np.testing.assert_array_equal(got.v_codes, want.v_codes)
+        for name in ("k_scale", "k_zero", "k_token_scale", "v_channel_scale", "v_scale", "v_zero"):
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-3, err_msg=name)
+
+
+@settings(max_examples=6)
+@given(st.sampled_from([torch.float16, torch.bfloat16]), kv_tiles(group_size=64, head_dim=64, batch=1))
+def test_quantize_tiles_half_inputs(dtype: torch.dtype, sample: object) -> None:
+    """Half inputs: the kernel quantizes the rotated tokens as rounded to the model dtype."""
+    preset = "kvarn_k4v2_g64"
+    k, v = _round(sample.k, dtype), _round(sample.v, dtype)  # type: ignore[attr-defined]
+    got = kk.quantize_tiles(torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype), preset).numpy()
+    k_rot, v_rot = _round(rotate(k, axis=-1), dtype), _round(rotate(v, axis=-1), dtype)
+    want = encode_tiles(k_rot, v_rot, preset)
+    assert_records_match(got, want, k_rot, v_rot, preset, 64)
+
+
+def test_encode_tiles_takes_rotated_input() -> None:
+    preset, d = "kvarn_k4v4_g64", 128
+    k_rot = make_kv((1, 64, d), "heavy_tailed", 3)
+    v_rot = make_kv((1, 64, d), "gaussian", 4)
+    got = kk.encode_tiles(torch.from_numpy(k_rot), torch.from_numpy(v_rot), preset).numpy()
+    assert_records_match(got, encode_tiles(k_rot, v_rot, preset), k_rot, v_rot, preset, d)
+
+
+def _store_schedule(
+    k: np.ndarray, v: np.ndarray, chunks: list[int], preset: str, dtype: torch.dtype,
+    table: np.ndarray, slot: int, others: int, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Store one sequence in ``chunks`` steps, batched with ``others`` unrelated requests."""
+    p = get_preset(preset)
+    t, h, d = k.shape
+    lay = tile_layout(p, d)
+    rng = np.random.default_rng(seed)
+    num_blocks = int(table.max()) + 1 + 4 * others
+    cache = unwritten_cache(num_blocks, h, lay.tile_bytes, "cpu")
+    staging = nan_like_staging(kk.staging_shape(4, h, d, p), dtype, "cpu")
+    kt, vt = torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype)
+    cached = 0
+    for chunk in chunks:
+        chunk = min(chunk, t - cached)
+        if chunk <= 0:
+            break
+        # Unrelated requests (other slots, other blocks) in random order around ours.
+        n_other = int(rng.integers(0, others + 1))
+        reqs = [("me", chunk)] + [("other", int(rng.integers(1, 5))) for _ in range(n_other)]
+        order = rng.permutation(len(reqs))
+        new, cach, slots, rows, keys, vals = [], [], [], [], [], []
+        for j, idx in enumerate(order):
+            who, num = reqs[idx]
+            if who == "me":
+                new.append(num); cach.append(cached); slots.append(slot)  # noqa: E702
+                rows.append(table[0]); keys.append(kt[cached : cached + num]); vals.append(vt[cached : cached + num])  # noqa: E702
+            else:
+                new.append(num); cach.append(0); slots.append((slot + 1 + j) % 4)  # noqa: E702
+                rows.append(np.full(table.shape[1], num_blocks - 1 - j, dtype=np.int32))
+                keys.append(torch.randn(num, h, d).to(dtype)); vals.append(torch.randn(num, h, d).to(dtype))  # noqa: E702
+        plan = kk.plan_store(cach, new, None, slots, np.stack(rows), p)
+        kk.store_kv(torch.cat(keys), torch.cat(vals), cache, staging, plan, p)
+        cached += chunk
+    return cache, staging, cached
+
+
+@settings(max_examples=5)
+@given(
+    st.lists(st.sampled_from([1, 3, 63, 64, 65, 100]), min_size=1, max_size=5),
+    st.lists(st.sampled_from([1, 2, 64, 130]), min_size=1, max_size=4),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**31),
+)
+def test_records_do_not_depend_on_chunking_batching_or_order(
+    chunks_a: list[int], chunks_b: list[int], dtype: torch.dtype, seed: int
+) -> None:
+    preset, d, h, g = "kvarn_k4v2_g64", 64, 2, 64
+    t = 2 * g + 9
+    k = make_kv((t, h, d), "outlier_channels", seed)
+    v = make_kv((t, h, d), "gaussian", seed + 1)
+    table = np.array([[5, 1, 3, 8]], dtype=np.int32)
+    a = _store_schedule(k, v, [*chunks_a, t], preset, dtype, table, 2, 2, seed)
+    b = _store_schedule(k, v, [*chunks_b, t], preset, dtype, table, 0, 0, seed + 1)
+    assert a[2] == b[2] == t
+    for blk in table[0, : t // g]:
+        torch.testing.assert_close(a[0][blk], b[0][blk], rtol=0, atol=0)
+    # ...and equal to quantizing the dense tiles (the rotated tokens rounded to the model dtype).
+    dense_k = torch.from_numpy(k[: 2 * g]).to(dtype).reshape(2, g, h, d).transpose(1, 2)
+    dense_v = torch.from_numpy(v[: 2 * g]).to(dtype).reshape(2, g, h, d).transpose(1, 2)
+    want = kk.quantize_tiles(dense_k, dense_v, preset)
+    for i, blk in enumerate(table[0, :2]):
+        torch.testing.assert_close(a[0][blk], want[i], rtol=0, atol=0)
+    # The open tile sits in staging, rotated and rounded to the model dtype.
+    staged = a[1][2, 0, : t - 2 * g].float().numpy()
+    np.testing.assert_array_equal(staged, _round(rotate(_round(k[2 * g :], dtype), axis=-1), dtype))
+
+
+def test_store_kv_reference_records_and_spec_rejection() -> None:
+    """Speculative steps with rejected drafts: records equal kvarn-math's quantize_sequence."""
+    preset, d, h, g = "kvarn_k4v2_g64", 64, 1, 64
+    t = g + 20
+    k = make_kv((t, h, d), "heavy_tailed", 8)
+    v = make_kv((t, h, d), "gaussian", 9)
+    lay = tile_layout(preset, d)
+    cache = unwritten_cache(4, h, lay.tile_bytes, "cpu")
+    staging = nan_like_staging(kk.staging_shape(2, h, d, preset, staging_tiles=2), torch.float32, "cpu")
+    table = np.array([[2, 0]], dtype=np.int32)
+    kt, vt = torch.from_numpy(k), torch.from_numpy(v)
+    # prompt of g - 3 tokens, committed
+    plan = kk.plan_store([0], [g - 3], None, [1], table, preset, staging_tiles=2)
+    kk.store_kv(kt[: g - 3], vt[: g - 3], cache, staging, plan, preset)
+    cached, quant = g - 3, plan.quantized_lens.tolist()
+    rng = np.random.default_rng(0)
+    while cached < t - 6:
+        drafts = 5
+        # the step's tokens: the real next token + drafts, of which `acc` are right
+        acc = int(rng.integers(0, drafts + 1))
+        real = slice(cached, cached + 1 + acc)
+        garbage = torch.from_numpy(make_kv((drafts - acc, h, d), "gaussian", cached) * 100)
+        keys = torch.cat([kt[real], garbage])
+        vals = torch.cat([vt[real], garbage])
+        plan = kk.plan_store([cached], [1 + drafts], [cached + 1], [1], table, preset,
+                             staging_tiles=2, num_quantized=quant)
+        kk.store_kv(keys, vals, cache, staging, plan, preset)
+        cached, quant = cached + 1 + acc, plan.quantized_lens.tolist()
+    assert quant == [g]
+    want = ref_quantize_tiles(k[None, :g, 0], v[None, :g, 0], preset)[0]
+    assert_records_match(cache[2, 0].numpy()[None], want[None], rotate(k[None, :g, 0], axis=-1),
+                         rotate(v[None, :g, 0], axis=-1), preset, d)
+
+
+class TestGuards:
+    def _args(self) -> dict[str, object]:
+        preset, d = "kvarn_k4v2_g64", 64
+        lay = tile_layout(preset, d)
+        return {
+            "key": torch.zeros(3, 2, d), "value": torch.zeros(3, 2, d),
+            "kv_cache": torch.zeros(4, 2, lay.tile_bytes, dtype=torch.uint8),
+            "staging": torch.zeros(kk.staging_shape(2, 2, d, preset)),
+            "plan": kk.plan_store([0], [3], None, [0], [[0]], preset), "preset": preset,
+        }
+
+    @pytest.mark.parametrize(
+        ("field", "bad", "message"),
+        [
+            ("key", torch.zeros(3, 2, 64, dtype=torch.int8), "key must have dtype"),
+            ("value", torch.zeros(3, 1, 64), "value must have shape"),
+            ("value", torch.zeros(3, 2, 64, dtype=torch.float16), "value must have dtype"),
+            ("key", torch.zeros(3, 2, 128)[:, :, ::2], "contiguous last dimension"),
+            ("kv_cache", torch.zeros(4, 2, 100, dtype=torch.uint8), "kv_cache must have shape"),
+            ("staging", torch.zeros(2, 2, 128, 2, 64), "staging must have shape"),
+            ("preset", "kvarn_k4v2_g128", "plan was made for G=64"),
+        ],
+    )
+    def test_bad_inputs_raise(self, field: str, bad: object, message: str) -> None:
+        args = self._args()
+        args[field] = bad
+        with pytest.raises(ValueError, match=message):
+            kk.store_kv(**args)  # type: ignore[arg-type]
+
+    def test_dense_shape_errors(self) -> None:
+        with pytest.raises(ValueError, match="tiles hold 64 tokens, got 32"):
+            kk.quantize_tiles(torch.zeros(32, 64), torch.zeros(32, 64), "kvarn_k4v2_g64")
+        with pytest.raises(ValueError, match="head_dim must be one of"):
+            kk.quantize_tiles(torch.zeros(64, 48), torch.zeros(64, 48), "kvarn_k4v2_g64")
