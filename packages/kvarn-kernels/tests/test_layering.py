@@ -30,13 +30,16 @@ def test_import_does_not_initialize_cuda_or_import_vllm() -> None:
     assert res.stdout.strip() == "ok"
 
 
-def test_no_source_file_mentions_vllm_imports() -> None:
+def test_only_the_benchmark_imports_vllm_and_only_lazily() -> None:
+    """vLLM appears only as the benchmark's optional baseline, imported inside a function."""
     from pathlib import Path
 
     root = Path(kvarn_kernels.__file__).parent
     for path in root.rglob("*.py"):
-        text = path.read_text()
-        assert "import vllm" not in text and "from vllm" not in text, path
+        for line in path.read_text().splitlines():
+            if "import vllm" in line or "from vllm" in line:
+                assert path.name == "bench.py", path
+                assert line.startswith(" "), f"module-level vLLM import in {path}: {line}"
 
 
 @pytest.mark.parametrize(

@@ -145,12 +145,15 @@ def pack_rows(codes, ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BIT
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype``, nearest even (as the GPU's cast does).
+    """fp32 ``x`` rounded to ``dtype``, nearest even (as the GPU's cast does); fp16 saturates.
 
     The interpreter's plain fp32 -> bf16 cast truncates, so there the rounding is done on the bits.
     """
     if dtype == tl.float32:
         return x
+    elif dtype == tl.float16:
+        # Saturate: a rotated fp16 token can exceed the fp16 range (up to sqrt(D) x its max).
+        return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(dtype)
     elif _INTERP and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

@@ -49,7 +49,7 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({}, num_warps=4, num_stages=1)]
     return [
         triton.Config({}, num_warps=w, num_stages=s)
-        for w, s in ((4, 1), (4, 2), (4, 3), (8, 2), (8, 3), (2, 2))
+        for w, s in ((4, 1), (4, 2), (4, 3), (8, 2))
     ]
 
 

@@ -1,0 +1,396 @@
+"""Benchmark of the kernels on a GPU: decode attention and quantize-on-write.
+
+    python -m kvarn_kernels.bench --out results.json [--quick]
+
+Measures, in one run: the HBM bandwidth of a large device-to-device copy; decode attention over
+the quantized paged cache (time, bytes read, GB/s, fraction of the measured bandwidth) for the
+Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128) and a head_dim 64 shape,
+batch x context; fp16 baselines over a cache of the same token count (torch SDPA on a dense
+contiguous cache, and vLLM's Triton paged decode kernel when vLLM is importable); the
+quantize-on-write cost per completed tile and per decode step at batch 256.  Writes JSON (GPU,
+versions, git SHA, every measurement) and prints a markdown table.  Needs CUDA; nothing else
+beyond torch, triton, numpy and kvarn-math.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+from kvarn_math.layout import get_preset, tile_layout
+
+__all__ = ["main", "measure_hbm_bandwidth"]
+
+_GIB = 1 << 30
+
+
+def _time_ms(fn: Callable[[], object], quick: bool) -> float:
+    """Median milliseconds of ``fn`` (CUDA events through triton.testing.do_bench)."""
+    return float(
+        triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+    )
+
+
+def measure_hbm_bandwidth(device: torch.device, quick: bool) -> float:
+    """GB/s of a large device-to-device copy (bytes read + bytes written)."""
+    n = (1 if quick else 4) * _GIB
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), quick)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str | None]:
+    import kvarn_math
+
+    import kvarn_kernels
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "numpy": np.__version__,
+        "kvarn_math": kvarn_math.__version__,
+        "kvarn_kernels": kvarn_kernels.__version__,
+    }
+
+
+def _template_records(preset: str, head_dim: int, num_kv_heads: int, dtype: torch.dtype,
+                      device: torch.device, count: int = 64) -> torch.Tensor:
+    """``count`` real records ``[count, Hkv, tile_bytes]`` quantized by the kernel from random K/V."""
+    from kvarn_kernels.quantize import quantize_tiles
+
+    g = get_preset(preset).group_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn((count, num_kv_heads, g, head_dim), generator=gen, device=device).to(dtype)
+    v = torch.randn((count, num_kv_heads, g, head_dim), generator=gen, device=device).to(dtype)
+    return quantize_tiles(k, v, preset)
+
+
+class _Case:
+    """One paged cache (quantized) plus its fp16 twin for the baselines."""
+
+    def __init__(self, preset: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 batch: int, context: int, dtype: torch.dtype, device: torch.device,
+                 template: torch.Tensor) -> None:
+        from kvarn_kernels.cache import allocate_staging
+
+        p = get_preset(preset)
+        g = p.group_size
+        self.layout = tile_layout(p, head_dim)
+        self.preset, self.dtype, self.device = preset, dtype, device
+        self.hq, self.hkv, self.d, self.b = num_q_heads, num_kv_heads, head_dim, batch
+        self.open_tokens = g // 2
+        self.quantized = context
+        self.seq_len = context + self.open_tokens
+        tiles = context // g
+        num_blocks = batch * tiles
+        reps = -(-num_blocks // template.shape[0])
+        self.kv_cache = template.repeat(reps, 1, 1)[:num_blocks].contiguous()
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+        self.block_table = perm.view(batch, tiles).to(device)
+        self.staging = allocate_staging(batch, num_kv_heads, head_dim, p, dtype, device)
+        self.staging.normal_()
+        self.seq_lens = torch.full((batch,), self.seq_len, dtype=torch.int32, device=device)
+        self.qlens = torch.full((batch,), self.quantized, dtype=torch.int32, device=device)
+        self.slots = torch.arange(batch, dtype=torch.int32, device=device)
+        self.query = torch.randn((batch, num_q_heads, head_dim), dtype=dtype, device=device)
+        self.out = torch.empty_like(self.query)
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def bytes_quantized(self) -> int:
+        per_seq = self.hkv * (
+            (self.quantized // self.layout.group_size) * self.layout.tile_bytes
+            + self.open_tokens * 2 * self.d * self.staging.element_size()
+        )
+        io = 2 * self.hq * self.d * self.query.element_size()
+        return self.b * (per_seq + io + 4 * (self.quantized // self.layout.group_size))
+
+    def bytes_fp16(self) -> int:
+        return self.b * (self.hkv * self.seq_len * 2 * self.d * 2 + 2 * self.hq * self.d * 2)
+
+    def run(self, num_splits: int | None = None) -> torch.Tensor:
+        from kvarn_kernels.attention import decode_attention
+
+        return decode_attention(
+            self.query, self.kv_cache, self.staging, self.block_table, self.seq_lens, self.qlens,
+            self.slots, self.preset, self.scale, out=self.out, num_splits=num_splits,
+        )
+
+
+def _check_against_dequantized(case: _Case) -> float:
+    """Relative RMS error of the kernel against SDPA over the dequantized cache (first sequence)."""
+    from kvarn_kernels.dequantize import dequantize
+    from kvarn_kernels.rotation import rotate, unrotate
+
+    out = case.run().float()
+    k, v = dequantize(case.kv_cache, case.block_table[0].contiguous(), case.preset, case.d,
+                      dtype=torch.float32)
+    sk = case.staging[0, 0, : case.open_tokens].float()
+    sv = case.staging[0, 1, : case.open_tokens].float()
+    k = torch.cat([k, sk]).transpose(0, 1)[None]  # [1, Hkv, T, D] rotated
+    v = torch.cat([v, sv]).transpose(0, 1)[None]
+    q = rotate(case.query[:1].float())[:, :, None, :]  # [1, Hq, 1, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=case.scale, enable_gqa=True)
+    ref = unrotate(ref[:, :, 0, :])
+    return float((out[:1] - ref).norm() / ref.norm())
+
+
+def _sdpa_baseline(case: _Case, quick: bool) -> float | None:
+    """fp16 decode over a dense contiguous cache of the same token count (flash/efficient SDPA)."""
+    shape = (case.b, case.hkv, case.seq_len, case.d)
+    k = torch.randn(shape, dtype=torch.float16, device=case.device)
+    v = torch.randn(shape, dtype=torch.float16, device=case.device)
+    q = torch.randn((case.b, case.hq, 1, case.d), dtype=torch.float16, device=case.device)
+    f = torch.nn.functional.scaled_dot_product_attention
+    try:
+        ms = _time_ms(lambda: f(q, k, v, scale=case.scale, enable_gqa=True), quick)
+    finally:
+        del k, v
+    return ms
+
+
+def _vllm_baseline(case: _Case, quick: bool) -> tuple[float | None, str | None]:
+    """vLLM's Triton paged decode kernel (page size 16) over an fp16 cache, best of a few splits.
+
+    Imported lazily and only here: the kernels package itself never imports vLLM.
+    """
+    try:
+        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+    except Exception as exc:  # vLLM absent or broken: the SDPA baseline still stands
+        return None, f"vLLM decode kernel not importable: {type(exc).__name__}: {exc}"
+    page = 16
+    pages = -(-case.seq_len // page)
+    shape = (case.b * pages, page, case.hkv, case.d)
+    try:
+        k = torch.randn(shape, dtype=torch.float16, device=case.device)
+        v = torch.randn(shape, dtype=torch.float16, device=case.device)
+        table = torch.randperm(case.b * pages, device=case.device).to(torch.int32).view(case.b, pages)
+        q = torch.randn((case.b, case.hq, case.d), dtype=torch.float16, device=case.device)
+        o = torch.empty_like(q)
+        lse = torch.empty((case.b, case.hq), dtype=torch.float32, device=case.device)
+        best = None
+        for splits in (4, 8, 16, 32):
+            logits = torch.empty((case.b, case.hq, splits, case.d + 1), dtype=torch.float32,
+                                 device=case.device)
+
+            def fn(splits: int = splits, logits: torch.Tensor = logits) -> None:
+                decode_attention_fwd(q, k, v, o, lse, table, case.seq_lens, logits, splits,
+                                     case.scale, page)
+
+            ms = _time_ms(fn, quick)
+            best = ms if best is None else min(best, ms)
+        del k, v
+        return best, None
+    except Exception as exc:
+        return None, f"vLLM decode kernel failed: {type(exc).__name__}: {exc}"
+
+
+def _store_cost(preset: str, num_kv_heads: int, head_dim: int, batch: int, dtype: torch.dtype,
+                device: torch.device, quick: bool) -> dict[str, float]:
+    """store_kv time for a decode step of ``batch`` requests: typical (batch/G tiles complete),
+    worst (every request completes a tile), and per completed tile."""
+    from kvarn_kernels.cache import allocate_cache, allocate_staging
+    from kvarn_kernels.plan import plan_store
+    from kvarn_kernels.quantize import store_kv
+
+    p = get_preset(preset)
+    g = p.group_size
+    cache = allocate_cache(batch * 2, num_kv_heads, head_dim, p, device)
+    staging = allocate_staging(batch, num_kv_heads, head_dim, p, dtype, device)
+    staging.normal_()
+    key = torch.randn((batch, num_kv_heads, head_dim), dtype=dtype, device=device)
+    value = torch.randn_like(key)
+    table = np.arange(batch * 2, dtype=np.int32).reshape(batch, 2)
+    result = {}
+    typical = max(1, round(batch / g))
+    for name, completing in (("typical", typical), ("worst", batch), ("none", 0)):
+        cached = [g - 1 if i < completing else g // 2 for i in range(batch)]
+        plan = plan_store(cached, [1] * batch, None, list(range(batch)), table, p).to(device)
+        ms = _time_ms(lambda plan=plan: store_kv(key, value, cache, staging, plan, p), quick)
+        result[f"store_step_{name}_ms"] = ms
+        result[f"store_step_{name}_tiles"] = completing
+    result["store_per_tile_us"] = (
+        (result["store_step_worst_ms"] - result["store_step_none_ms"]) * 1e3 / (batch * num_kv_heads)
+    )
+    return result
+
+
+def _fits(bytes_needed: int, device: torch.device) -> bool:
+    free, _ = torch.cuda.mem_get_info(device)
+    return bytes_needed < 0.8 * free
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("kvarn_kernels.bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    quick = args.quick
+    shapes = [("llama3-8b", 32, 8, 128)] + ([] if quick else [("hd64", 32, 8, 64)])
+    batches = [16, 64] if quick else [1, 16, 64, 256]
+    contexts = [4096, 16384] if quick else [4096, 16384, 65536]
+    presets = args.presets
+    t0 = time.time()
+    hbm = measure_hbm_bandwidth(device, quick)
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device),
+        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
+        "versions": _versions(),
+        "git_sha": _git_sha(),
+        "dtype": args.dtype,
+        "quick": quick,
+        "hbm_copy_gbps": hbm,
+        "attention": [],
+        "store": [],
+        "notes": [],
+    }
+    print(f"# {report['gpu']}: device-to-device copy {hbm:.0f} GB/s", flush=True)
+    for preset in presets:
+        for shape_name, hq, hkv, d in shapes:
+            template = _template_records(preset, d, hkv, dtype, device)
+            checked = False
+            for ctx in contexts:
+                for b in batches:
+                    lay = tile_layout(preset, d)
+                    q_bytes = b * hkv * (ctx // lay.group_size) * lay.tile_bytes
+                    fp16_bytes = b * hkv * (ctx + lay.group_size) * 4 * d
+                    if not _fits(q_bytes * 1.2, device):
+                        report["notes"].append(f"skipped {preset} {shape_name} b={b} ctx={ctx}: memory")
+                        continue
+                    case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template)
+                    row: dict[str, Any] = {"preset": preset, "shape": shape_name, "num_q_heads": hq,
+                                           "num_kv_heads": hkv, "head_dim": d, "batch": b, "context": ctx}
+                    if not checked:
+                        row["rel_error_vs_dequantized_sdpa"] = _check_against_dequantized(case)
+                        checked = True
+                    ms = _time_ms(case.run, quick)
+                    nbytes = case.bytes_quantized()
+                    row.update(
+                        time_us=ms * 1e3, bytes_read=nbytes, gbps=nbytes / (ms * 1e-3) / 1e9,
+                        num_splits=_splits(case),
+                    )
+                    row["hbm_fraction"] = row["gbps"] / hbm
+                    row["fp16_bytes"] = case.bytes_fp16()
+                    row["fp16_ideal_us"] = case.bytes_fp16() / (hbm * 1e9) * 1e6
+                    if _fits(fp16_bytes * 2.2 + q_bytes, device):
+                        sdpa = _sdpa_baseline(case, quick)
+                        row["sdpa_fp16_us"] = None if sdpa is None else sdpa * 1e3
+                        row["speedup_vs_sdpa"] = None if sdpa is None else sdpa / ms
+                        if not args.no_vllm:
+                            vms, err = _vllm_baseline(case, quick)
+                            row["vllm_triton_fp16_us"] = None if vms is None else vms * 1e3
+                            row["speedup_vs_vllm_triton"] = None if vms is None else vms / ms
+                            if err and err not in report["notes"]:
+                                report["notes"].append(err)
+                    else:
+                        row["sdpa_fp16_us"] = None
+                        report["notes"].append(f"no fp16 baseline for {shape_name} b={b} ctx={ctx}: memory")
+                    report["attention"].append(row)
+                    print(_row_line(row), flush=True)
+                    del case
+                    torch.cuda.empty_cache()
+            store = _store_cost(preset, hkv, d, 256, dtype, device, quick)
+            store.update(preset=preset, shape=shape_name, batch=256)
+            for r in report["attention"]:
+                if r["preset"] == preset and r["shape"] == shape_name and r["batch"] == 256:
+                    store[f"typical_fraction_of_attention_ctx{r['context']}"] = (
+                        store["store_step_typical_ms"] * 1e3 / r["time_us"]
+                    )
+            report["store"].append(store)
+            print(json.dumps(store), flush=True)
+    report["elapsed_s"] = time.time() - t0
+    return report
+
+
+def _splits(case: _Case) -> int:
+    from kvarn_kernels.attention import choose_num_splits
+
+    chunks = case.block_table.shape[1] + 1
+    return choose_num_splits(case.b, case.hkv, chunks, case.device)
+
+
+def _fmt(x: object, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _row_line(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['preset']} | {r['shape']} | {r['batch']} | {r['context']} | {r['time_us']:.1f} | "
+        f"{r['gbps']:.0f} | {100 * r['hbm_fraction']:.1f}% | {_fmt(r.get('sdpa_fp16_us'), '.1f')} | "
+        f"{_fmt(r.get('speedup_vs_sdpa'), '.2f')} | {_fmt(r.get('vllm_triton_fp16_us'), '.1f')} | "
+        f"{_fmt(r.get('speedup_vs_vllm_triton'), '.2f')} | {r['num_splits']} |"
+    )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"GPU: {report['gpu']}; copy bandwidth {report['hbm_copy_gbps']:.0f} GB/s; "
+        f"git {report['git_sha']}; {report['versions']}",
+        "",
+        "| preset | shape | batch | context | time (us) | GB/s | of HBM | SDPA fp16 (us) | x SDPA | "
+        "vLLM Triton fp16 (us) | x vLLM | splits |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [_row_line(r) for r in report["attention"]]
+    lines += ["", "| preset | shape | store typical step (us) | tiles | worst step (us) | per tile (us) |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for s in report["store"]:
+        lines.append(
+            f"| {s['preset']} | {s['shape']} | {1e3 * s['store_step_typical_ms']:.1f} | "
+            f"{s['store_step_typical_tiles']} | {1e3 * s['store_step_worst_ms']:.1f} | "
+            f"{s['store_per_tile_us']:.2f} |"
+        )
+        fr = {k: v for k, v in s.items() if k.startswith("typical_fraction")}
+        if fr:
+            lines.append("|  | fraction of attention time: " + ", ".join(f"{k[-8:]} {100 * v:.2f}%" for k, v in fr.items()) + " | | | | |")
+    if report["notes"]:
+        lines += ["", *[f"- {n}" for n in report["notes"]]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvarn_kernels.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON results file")
+    parser.add_argument("--quick", action="store_true", help="few sizes (< 2 minutes)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--presets", nargs="+", default=["kvarn_k4v2_g128"])
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
+    args = parser.parse_args(argv)
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print()
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
