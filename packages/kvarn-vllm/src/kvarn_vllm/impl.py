@@ -25,7 +25,7 @@ from kvarn_vllm.config import parse_kv_cache_dtype
 
 __all__ = ["KvarnAttentionImpl", "staging_report"]  # noqa: F822 (built lazily)
 
-logger = logging.getLogger("kvarn_vllm")
+logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
 _STAGING: dict[str, Any] = {"bytes": 0, "layers": 0, "slots": 0, "tokens": 0, "logged": False}
 

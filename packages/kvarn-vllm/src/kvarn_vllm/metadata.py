@@ -46,7 +46,7 @@ __all__ = [
     "split_rows",
 ]
 
-logger = logging.getLogger("kvarn_vllm")
+logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
 
 @dataclass(frozen=True)
@@ -226,6 +226,9 @@ def _make_builder_class() -> type:
                     "line). Set VLLM_USE_V2_MODEL_RUNNER=1 or remove the feature named there."
                 )
             patches.apply_worker_patches()
+            from kvarn_vllm.impl import log_staging_once
+
+            log_staging_once()
             self.config: KvarnConfig = parse_kv_cache_dtype(preset_name)
             self.preset = self.config.preset
             sched = vllm_config.scheduler_config

