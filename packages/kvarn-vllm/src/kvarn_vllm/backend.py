@@ -84,7 +84,6 @@ def _base_class() -> type:
         """Dense/GQA attention over a KVarN cache (``[num_blocks, num_kv_heads, tile_bytes]``)."""
 
         preset: ClassVar[Preset]
-        accept_output_buffer: bool = True
         # The store (quantize-on-write) runs inside forward: it needs the step's plan,
         # which vLLM 0.26 hands to forward but not to do_kv_cache_update.
         forward_includes_kv_cache_update: bool = True
