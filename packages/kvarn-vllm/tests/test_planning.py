@@ -1,0 +1,121 @@
+"""The builder's per-step planning against kvarn-kernels' plan_store on random schedules.
+
+No kernels run here: the builder's device tensors (CPU in this test) must equal what
+plan_store gives when handed the real block table, row kinds must partition the batch,
+and the gathered token indices must select exactly each kind's query rows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvarn_vllm import metadata as md
+
+G = 64
+MAX_REQS, MAX_TOKENS, MAX_BLOCKS = 6, 384, 12
+
+
+@pytest.fixture(scope="module")
+def builder(registered):
+    import os
+
+    from kvarn_vllm.backend import backend_class
+    from kvarn_vllm.config import parse_kv_cache_dtype
+    from kvarn_vllm.spec import make_layer_spec
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+
+    vc = VllmConfig(
+        cache_config=CacheConfig(cache_dtype="kvarn_k4v2_g64"),
+        scheduler_config=SchedulerConfig(max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS,
+                                         max_model_len=MAX_BLOCKS * G, is_encoder_decoder=False),
+        device_config=DeviceConfig(device="cpu"))
+    spec = make_layer_spec(parse_kv_cache_dtype("kvarn_k4v2_g64"), block_size=G, num_kv_heads=2,
+                           head_size=64, head_size_v=64, sliding_window=None)
+    old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        return backend_class("kvarn_k4v2_g64").get_builder_cls()(
+            spec, ["layer"], vc, torch.device("cpu"))
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = old
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, MAX_REQS))
+    slots = draw(st.permutations(range(MAX_REQS)))[:n]
+    reqs, budget = [], MAX_TOKENS
+    for slot in slots:
+        cached = draw(st.sampled_from([0, 0, draw(st.integers(0, 5 * G))]))
+        new = draw(st.sampled_from([1, 1, draw(st.integers(0, min(budget, 3 * G)))]))
+        new = min(new, budget, MAX_BLOCKS * G - cached)
+        budget -= new
+        reqs.append((slot, cached, new))
+    return reqs
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=batches(), seed=st.integers(0, 2**16))
+def test_builder_matches_plan_store(builder, reqs, seed):
+    from kvarn_kernels import plan_store
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    rng = np.random.default_rng(seed)
+    n = len(reqs)
+    slots = np.array([r[0] for r in reqs], dtype=np.int32)
+    cached = np.array([r[1] for r in reqs], dtype=np.int32)
+    new = np.array([r[2] for r in reqs], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    table = rng.permutation(1000)[: n * MAX_BLOCKS].reshape(n, MAX_BLOCKS).astype(np.int32)
+    md.STEP.report_real(SimpleNamespace(num_reqs=n, idx_mapping_np=slots))
+    cam = CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl), query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=torch.from_numpy(cached + new), num_reqs=n, num_actual_tokens=int(qsl[-1]),
+        max_query_len=int(new.max()), max_seq_len=int((cached + new).max()),
+        block_table_tensor=torch.from_numpy(table),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=torch.from_numpy(cached + new))
+    meta = builder.build(0, cam)
+    uniform_decode = bool((new <= 1).all())
+    want = plan_store(cached, new, None, slots, table, "kvarn_k4v2_g64", query_start_loc=qsl,
+                      max_tiles=n if uniform_decode else None,
+                      max_writes=n if uniform_decode else None)
+    assert torch.equal(meta.plan.tiles, want.tiles)
+    assert torch.equal(meta.plan.writes, want.writes)
+    assert torch.equal(meta.plan.quantized_lens, want.quantized_lens)
+    assert torch.equal(meta.plan.seq_lens, want.seq_lens)
+
+    seen_rows: list[int] = []
+    for kind in ("decode", "fresh", "context"):
+        g = getattr(meta, kind)
+        if g is None:
+            continue
+        rows = np.arange(n) if g.rows is None else g.rows.numpy()
+        seen_rows += rows.tolist()
+        tokens = (np.arange(int(qsl[-1])) if g.token_index is None
+                  else g.token_index.numpy())
+        expect = (np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in rows])
+                  if len(rows) else np.zeros(0))
+        if g.token_index is not None or kind != "decode":
+            assert tokens.tolist() == expect.tolist()
+        assert g.seq_lens.tolist() == (cached + new)[rows].tolist()
+        assert g.staging_slots.tolist() == slots[rows].tolist()
+        assert g.quantized_lens.tolist() == want.quantized_lens.numpy()[rows].tolist()
+        assert torch.equal(g.block_table, torch.from_numpy(table)[torch.from_numpy(rows)])
+        lens = np.diff(g.query_start_loc.numpy())
+        assert lens.tolist() == new[rows].tolist()
+        assert g.max_query_len == int(new[rows].max(initial=0))
+        if kind == "fresh":
+            assert (cached[rows] == 0).all()
+        if kind == "context":
+            assert ((cached[rows] > 0) & (new[rows] > 1)).all()
+    assert sorted(seen_rows) == list(range(n))
