@@ -304,9 +304,10 @@ def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
         if cache.num_gpu_blocks:
             result.kv_cache_tokens_config = cache.num_gpu_blocks * cache.block_size
         if prompts:
+            text = isinstance(prompts[0], str)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                    seed=0)
-            if isinstance(prompts[0], str):
+                                    seed=0, detokenize=text)
+            if text:
                 outs = llm.generate(prompts, params, use_tqdm=False)
             else:
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -514,7 +515,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
                    "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
                    "(longer than one 10-minute device call)")
-    p.add_argument("--run-timeout", type=float, default=540,
+    p.add_argument("--run-timeout", type=float, default=300,
                    help="seconds allowed per engine run (each runs in its own process)")
     p.add_argument("--internal-run", help=argparse.SUPPRESS)
     p.add_argument("--internal-result", help=argparse.SUPPRESS)
