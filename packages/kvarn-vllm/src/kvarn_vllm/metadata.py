@@ -233,7 +233,8 @@ def _make_builder_class() -> type:
             self.preset = self.config.preset
             sched = vllm_config.scheduler_config
             self.max_num_reqs = int(sched.max_num_seqs)
-            self.max_num_tokens = int(sched.max_num_batched_tokens)
+            self.max_num_tokens = max(int(sched.max_num_batched_tokens),
+                                      int(getattr(sched, "max_num_scheduled_tokens", 0) or 0))
             group = self.preset.group_size
             # A step completes at most one tile per request plus one per G fresh tokens.
             self.max_tiles = self.max_num_tokens // group + self.max_num_reqs
