@@ -2,8 +2,8 @@
 
 Where the modes differ on purpose (the docs say so too):
 
-* a prompt's first chunk (nothing cached) attends its own K/V **exactly** (vLLM's Triton
-  varlen kernel), as the published fork does;
+* a prompt's first chunk (nothing cached) attends its own K/V **exactly** (vLLM's
+  FlashAttention when installed, else its Triton varlen kernel), as the published fork does;
 * every other query reads the cache as this step's store left it: complete tiles
   quantized, the open tile from staging (exact, rotated frame). So a chunked-prefill
   continuation or a prefix-cache hit sees quantized tiles where an unchunked prefill
@@ -166,7 +166,25 @@ def _make_impl_class() -> type:
                 q, k, v = (t.index_select(0, idx) for t in (query, key, value))
                 o = torch.empty_like(q)
             window = self.sliding_window
-            if _vllm_has_triton():
+            fa_version = _flash_attn_version(self.head_size)
+            done = False
+            if fa_version is not None:
+                try:
+                    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+                    flash_attn_varlen_func(
+                        q, k, v, max_seqlen_q=g.max_query_len, cu_seqlens_q=g.query_start_loc,
+                        max_seqlen_k=g.max_query_len, cu_seqlens_k=g.query_start_loc,
+                        softmax_scale=self.scale, causal=True,
+                        window_size=None if window is None else [window - 1, 0],
+                        out=o, fa_version=fa_version)
+                    done = True
+                except Exception as exc:  # argument/shape refusal: use Triton from now on
+                    _PREFILL["flash"] = None
+                    logger.warning("kvarn: FlashAttention %s refused the first-chunk prefill "
+                                   "(%s); using vLLM's Triton prefill kernel instead",
+                                   fa_version, exc)
+            if not done and _vllm_has_triton():
                 from vllm.v1.attention.ops.triton_prefill_attention import (
                     context_attention_fwd,
                 )
@@ -177,7 +195,7 @@ def _make_impl_class() -> type:
                     is_causal=True, softmax_scale=self.scale,
                     sliding_window_q=None if window is None else window - 1,
                 )
-            else:
+            elif not done:
                 exact_causal_attention(q, k, v, o, g.query_start_loc_host, self.scale, window)
             if not whole:
                 output.index_copy_(0, g.token_index, o)
@@ -185,6 +203,35 @@ def _make_impl_class() -> type:
     KvarnAttentionImpl.__module__ = __name__
     KvarnAttentionImpl.__qualname__ = "KvarnAttentionImpl"
     return KvarnAttentionImpl
+
+
+_PREFILL: dict[str, Any] = {}
+
+
+def _flash_attn_version(head_size: int) -> int | None:
+    """FlashAttention version vLLM would use for an exact prefill, or None when absent.
+
+    Decided once per process; logged once. Without FlashAttention (e.g. the GPU machine
+    without its ``fa3`` part) the first chunk goes through vLLM's Triton varlen kernel.
+    """
+    if "flash" not in _PREFILL:
+        version = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+                from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+
+                candidate = get_flash_attn_version(head_size=head_size)
+                if candidate is not None and is_fa_version_supported(candidate):
+                    version = candidate
+        except Exception:  # no compiled FlashAttention in this vLLM install
+            version = None
+        _PREFILL["flash"] = version
+        logger.info("kvarn: exact first-chunk prefill via %s",
+                    f"FlashAttention {version}" if version else "vLLM's Triton prefill kernel")
+    return _PREFILL["flash"]
 
 
 def _vllm_has_triton() -> bool:
