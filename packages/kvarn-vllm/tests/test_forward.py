@@ -206,3 +206,23 @@ def test_dummy_batch_stores_nothing(vllm_config_factory, monkeypatch):
     assert not h.kv_cache.any() and torch.equal(before, h.layer.impl.staging)
     # A second build without a new runner report is also treated as a dummy batch.
     assert h.builder.build(0, cam).plan is None
+
+
+def test_runner_hook_reports_request_rows(vllm_config_factory, monkeypatch):
+    """The worker patch wraps vLLM's real V2 GPUModelRunner methods (installed by the builder)."""
+    from kvarn_vllm import compat
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    Harness(vllm_config_factory, monkeypatch)  # builds a builder -> worker patches applied
+    assert compat.is_wrapped(GPUModelRunner.prepare_attn)
+    assert compat.is_wrapped(GPUModelRunner.prepare_dummy_attn)
+    sentinel = object()
+    # With a prefill-context-parallel manager, vLLM's method returns its answer at once,
+    # which lets the real (wrapped) method run here without a GPU runner.
+    fake_runner = SimpleNamespace(pcp_manager=SimpleNamespace(prepare_attn=lambda b: sentinel))
+    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([5, 1, 7], dtype=np.int32))
+    before = md.STEP.record.serial
+    assert GPUModelRunner.prepare_attn(fake_runner, batch) is sentinel
+    record = md.STEP.record
+    assert record.serial == before + 1
+    assert record.num_reqs == 2 and record.slots.tolist() == [5, 1]
