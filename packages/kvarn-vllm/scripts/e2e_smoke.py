@@ -95,6 +95,7 @@ def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[
         ``num_prompts``; ``exact_match`` (fraction of identical outputs); ``mean_lcp`` and
         ``median_lcp`` (tokens); ``mean_lcp_fraction`` (LCP over the reference length);
         ``token_agreement`` (equal tokens at equal positions over all reference tokens);
+        ``first_token_agreement`` (the token decided by the exact prefill alone);
         ``first_divergence`` (mean position of the first difference, over diverging prompts).
     """
     if len(reference) != len(other):
@@ -103,6 +104,7 @@ def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[
     if not reference:
         raise ValueError("no outputs to compare")
     lcps, fracs, same, total, exact, diverged = [], [], 0, 0, 0, []
+    first = sum(1 for ref, out in zip(reference, other) if ref[:1] == out[:1])
     for ref, out in zip(reference, other):
         lcp = longest_common_prefix(ref, out)
         lcps.append(lcp)
@@ -123,6 +125,7 @@ def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[
         "median_lcp": median,
         "mean_lcp_fraction": sum(fracs) / len(fracs),
         "token_agreement": same / total if total else 1.0,
+        "first_token_agreement": first / len(reference),
         "first_divergence": sum(diverged) / len(diverged) if diverged else None,
     }
 
@@ -231,6 +234,37 @@ class RunResult:
     log_lines: list[str] = field(default_factory=list)
     outputs: list[list[int]] | None = None
     texts: list[str] | None = None
+
+
+def kvarn_checks(runs: dict[str, RunResult]) -> dict[str, Any]:
+    """Evidence that each kvarn run really used the kvarn cache (not a silent fallback).
+
+    A kvarn run must log its staging, use the preset's tile as block size, and hold more
+    tokens than the bf16 run with the same settings (names ``<dtype>/<mode>`` or
+    ``capacity/<dtype>``; the bf16 run is the one whose dtype is ``auto``).
+    """
+    from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype
+
+    problems: list[str] = []
+    bf16_tokens: dict[str, int] = {}
+    for name, r in runs.items():
+        if r.kv_cache_dtype == "auto" and r.ok:
+            mode = name.split("/", 1)[1] if name.startswith("auto/") else "capacity"
+            bf16_tokens[mode] = r.kv_cache_tokens_logged or r.kv_cache_tokens_config or 0
+    for name, r in runs.items():
+        if not (r.ok and is_kvarn_dtype(r.kv_cache_dtype)):
+            continue
+        group = parse_kv_cache_dtype(r.kv_cache_dtype).block_size
+        if r.staging_gib_logged is None:
+            problems.append(f"{name}: no 'kvarn: staging' log line (kvarn backend not used?)")
+        if r.block_size is not None and r.block_size != group:
+            problems.append(f"{name}: block size {r.block_size}, expected the tile {group}")
+        mode = "capacity" if name.startswith("capacity/") else name.split("/", 1)[-1]
+        tokens = r.kv_cache_tokens_logged or r.kv_cache_tokens_config or 0
+        if bf16_tokens.get(mode) and tokens <= bf16_tokens[mode]:
+            problems.append(f"{name}: {tokens} KV tokens, not more than bf16's "
+                            f"{bf16_tokens[mode]}")
+    return {"problems": problems}
 
 
 # --- GPU side --------------------------------------------------------------------------
@@ -460,6 +494,7 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
                 if ref is not None and ref.ok and runs[name].ok:
                     mode_pairs[f"{kv}: eager vs {mode}"] = compare_outputs(
                         ref.outputs, runs[name].outputs)
+    checks = kvarn_checks(runs)
     capacity = {name: {"kv_cache_tokens_logged": r.kv_cache_tokens_logged,
                        "kv_cache_tokens_config": r.kv_cache_tokens_config,
                        "staging_gib_logged": r.staging_gib_logged}
@@ -468,6 +503,7 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
         "phase": "smoke", "model": str(model), "num_prompts": len(prompts),
         "max_tokens": args.max_tokens, "environment": environment(),
         "comparisons_vs_bf16": comparisons, "mode_pairs": mode_pairs, "capacity": capacity,
+        "checks": checks,
         "runs": {n: _public(r, args.keep_outputs) for n, r in runs.items()},
         "sample_texts": {n: (r.texts or [])[:3] for n, r in runs.items()},
     }
@@ -475,7 +511,9 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
     for name, c in {**comparisons, **mode_pairs}.items():
         print(f"{name}: exact {c['exact_match']:.2%}, token agreement "
               f"{c['token_agreement']:.2%}, mean LCP {c['mean_lcp']:.1f} tokens", flush=True)
-    return all(r.ok for r in runs.values())
+    for problem in checks["problems"]:
+        print(f"CHECK FAILED: {problem}", flush=True)
+    return all(r.ok for r in runs.values()) and not checks["problems"]
 
 
 def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
@@ -501,11 +539,14 @@ def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
                "max_num_seqs": args.capacity_max_num_seqs,
                "max_model_len": args.capacity_max_model_len, "environment": environment(),
                "table": table, "runs": {n: _public(r, False) for n, r in runs.items()}}
+    payload["checks"] = kvarn_checks({f"capacity/{kv}": r for kv, r in runs.items()})
     _dump(out / "capacity.json", payload)
+    for problem in payload["checks"]["problems"]:
+        print(f"CHECK FAILED: {problem}", flush=True)
     for kv, row in table.items():
         print(f"capacity {kv}: {row['kv_cache_tokens']} tokens "
               f"({row['ratio_vs_bf16']}x bf16), staging {row['staging_gib']} GiB", flush=True)
-    return all(r.ok for r in runs.values())
+    return all(r.ok for r in runs.values()) and not payload["checks"]["problems"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

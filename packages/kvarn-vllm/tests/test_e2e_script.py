@@ -41,6 +41,7 @@ def test_compare_outputs(e2e):
     assert c["mean_lcp_fraction"] == pytest.approx((1 + 0.25 + 0) / 3)
     assert c["token_agreement"] == pytest.approx((4 + 3 + 1) / 10)
     assert c["first_divergence"] == pytest.approx(0.5)
+    assert c["first_token_agreement"] == pytest.approx(2 / 3)
     assert e2e.compare_outputs(ref, ref)["first_divergence"] is None
     with pytest.raises(ValueError, match="one output per prompt"):
         e2e.compare_outputs(ref, out[:2])
@@ -138,3 +139,29 @@ def test_isolated_run_records_failure(e2e, tmp_path):
     assert (tmp_path / "runs" / "cpu_auto.log").exists()
     spec = json.loads((tmp_path / "runs" / "cpu_auto.spec.json").read_text())
     assert spec["kv_cache_dtype"] == "auto"
+
+
+def test_kvarn_checks_catch_silent_fallback(e2e):
+    R = e2e.RunResult
+    good = {
+        "auto/eager": R("auto/eager", "auto", {}, ok=True, kv_cache_tokens_logged=1000,
+                        block_size=16),
+        "kvarn_k4v2_g128/eager": R("kvarn_k4v2_g128/eager", "kvarn_k4v2_g128", {}, ok=True,
+                                   kv_cache_tokens_logged=4300, block_size=128,
+                                   staging_gib_logged=0.4),
+    }
+    assert e2e.kvarn_checks(good)["problems"] == []
+    fallback = dict(good)
+    fallback["kvarn_k4v2_g128/eager"] = R("kvarn_k4v2_g128/eager", "kvarn_k4v2_g128", {},
+                                          ok=True, kv_cache_tokens_logged=1000, block_size=16)
+    problems = e2e.kvarn_checks(fallback)["problems"]
+    assert len(problems) == 3
+    assert any("staging" in p for p in problems)
+    assert any("block size 16" in p for p in problems)
+    assert any("not more than bf16" in p for p in problems)
+    cap = {"capacity/auto": R("capacity/auto", "auto", {}, ok=True, kv_cache_tokens_logged=900),
+           "capacity/kvarn_k4v4_g64": R("capacity/kvarn_k4v4_g64", "kvarn_k4v4_g64", {},
+                                        ok=True, kv_cache_tokens_logged=800, block_size=64,
+                                        staging_gib_logged=1.0)}
+    assert e2e.kvarn_checks(cap)["problems"] == [
+        "capacity/kvarn_k4v4_g64: 800 KV tokens, not more than bf16's 900"]
