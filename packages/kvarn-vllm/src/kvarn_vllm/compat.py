@@ -26,12 +26,15 @@ __all__ = [
     "add_torch_dtypes",
     "calling_layer_name",
     "check_version",
+    "flash_attn_prefill",
+    "forward_context_layer",
     "clear_cli_kwargs_cache",
     "is_wrapped",
     "vllm_version",
     "widen_cache_dtype_literal",
     "wrap_attention_kv_cache_spec",
     "wrap_backend_selection",
+    "triton_prefill",
     "wrap_v2_runner_attn_preparation",
 ]
 
@@ -251,3 +254,47 @@ def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepF
     runner_cls.prepare_attn = _mark(prepare_attn, original_real)
     runner_cls.prepare_dummy_attn = _mark(prepare_dummy_attn, original_dummy)
     return True
+
+
+# --- vLLM's own attention kernels and forward context (internal modules, not extension API) -
+
+
+def flash_attn_prefill(head_size: int) -> tuple[Callable[..., Any], int] | None:
+    """``(flash_attn_varlen_func, fa_version)`` when this vLLM install can run FlashAttention
+    on the current GPU for ``head_size``, else None (e.g. no compiled FA library)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import (
+            flash_attn_varlen_func,
+            get_flash_attn_version,
+        )
+        from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+
+        version = get_flash_attn_version(head_size=head_size)
+        if version is None or not is_fa_version_supported(version):
+            return None
+        return flash_attn_varlen_func, version
+    except Exception:  # no compiled FlashAttention in this install
+        return None
+
+
+def triton_prefill() -> Callable[..., Any] | None:
+    """vLLM's Triton varlen causal prefill kernel ``context_attention_fwd``, or None when
+    vLLM runs without a usable Triton (no GPU driver)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return None
+    from vllm.v1.attention.ops.triton_prefill_attention import context_attention_fwd
+
+    return context_attention_fwd
+
+
+def forward_context_layer(layer_name: str) -> Any:
+    """The attention layer module ``layer_name`` of the running forward pass."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context().no_compile_layers[layer_name]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvarn_vllm import compat
 from kvarn_vllm.config import parse_kv_cache_dtype
 
 __all__ = ["KvarnAttentionImpl", "staging_report"]  # noqa: F822 (built lazily)
@@ -166,13 +167,12 @@ def _make_impl_class() -> type:
                 q, k, v = (t.index_select(0, idx) for t in (query, key, value))
                 o = torch.empty_like(q)
             window = self.sliding_window
-            fa_version = _flash_attn_version(self.head_size)
+            flash = _flash_prefill(self.head_size)
             done = False
-            if fa_version is not None:
+            if flash is not None:
+                flash_fn, fa_version = flash
                 try:
-                    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-
-                    flash_attn_varlen_func(
+                    flash_fn(
                         q, k, v, max_seqlen_q=g.max_query_len, cu_seqlens_q=g.query_start_loc,
                         max_seqlen_k=g.max_query_len, cu_seqlens_k=g.query_start_loc,
                         softmax_scale=self.scale, causal=True,
@@ -184,13 +184,10 @@ def _make_impl_class() -> type:
                     logger.warning("kvarn: FlashAttention %s refused the first-chunk prefill "
                                    "(%s); using vLLM's Triton prefill kernel instead",
                                    fa_version, exc)
-            if not done and _vllm_has_triton():
-                from vllm.v1.attention.ops.triton_prefill_attention import (
-                    context_attention_fwd,
-                )
-
+            triton_fn = None if done else compat.triton_prefill()
+            if triton_fn is not None:
                 lens = g.query_start_loc[1:] - g.query_start_loc[:-1]
-                context_attention_fwd(
+                triton_fn(
                     q, k, v, o, g.query_start_loc[:-1], lens, g.max_query_len,
                     is_causal=True, softmax_scale=self.scale,
                     sliding_window_q=None if window is None else window - 1,
@@ -208,36 +205,18 @@ def _make_impl_class() -> type:
 _PREFILL: dict[str, Any] = {}
 
 
-def _flash_attn_version(head_size: int) -> int | None:
-    """FlashAttention version vLLM would use for an exact prefill, or None when absent.
+def _flash_prefill(head_size: int) -> tuple[Any, int] | None:
+    """FlashAttention for exact prefill, decided once per process and logged once.
 
-    Decided once per process; logged once. Without FlashAttention (e.g. the GPU machine
-    without its ``fa3`` part) the first chunk goes through vLLM's Triton varlen kernel.
+    Without it (e.g. the GPU machine without its ``fa3`` part) the first chunk goes
+    through vLLM's Triton varlen kernel.
     """
     if "flash" not in _PREFILL:
-        version = None
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-                from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
-
-                candidate = get_flash_attn_version(head_size=head_size)
-                if candidate is not None and is_fa_version_supported(candidate):
-                    version = candidate
-        except Exception:  # no compiled FlashAttention in this vLLM install
-            version = None
-        _PREFILL["flash"] = version
+        _PREFILL["flash"] = compat.flash_attn_prefill(head_size)
+        found = _PREFILL["flash"]
         logger.info("kvarn: exact first-chunk prefill via %s",
-                    f"FlashAttention {version}" if version else "vLLM's Triton prefill kernel")
+                    f"FlashAttention {found[1]}" if found else "vLLM's Triton prefill kernel")
     return _PREFILL["flash"]
-
-
-def _vllm_has_triton() -> bool:
-    from vllm.triton_utils import HAS_TRITON
-
-    return bool(HAS_TRITON)
 
 
 def exact_causal_attention(q: Any, k: Any, v: Any, out: Any, query_start_loc: Any,
@@ -269,9 +248,7 @@ def exact_causal_attention(q: Any, k: Any, v: Any, out: Any, query_start_loc: An
 
 
 def _shared_staging(target_layer_name: str) -> Any:
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context().no_compile_layers[target_layer_name].impl.staging
+    return compat.forward_context_layer(target_layer_name).impl.staging
 
 
 _IMPL: type | None = None
