@@ -129,7 +129,7 @@ class BatchSplit:
 def split_rows(num_cached: np.ndarray, num_new: np.ndarray) -> BatchSplit:
     """Classify rows: ``decode`` (1 new token after cached ones), ``fresh`` (nothing
     cached), ``context`` (several new tokens after cached ones). Rows with no new token
-    (CUDA-graph padding) count as decode rows: they read nothing and write nothing."""
+    (padding) belong to no kind: they have no query row to attend for."""
     num_cached = np.asarray(num_cached)
     num_new = np.asarray(num_new)
     if num_cached.shape != num_new.shape:
@@ -138,8 +138,8 @@ def split_rows(num_cached: np.ndarray, num_new: np.ndarray) -> BatchSplit:
     if (num_cached < 0).any() or (num_new < 0).any():
         raise ValueError("num_cached and num_new must be >= 0")
     fresh_mask = (num_cached == 0) & (num_new > 0)
-    decode_mask = ~fresh_mask & (num_new <= 1)
-    context_mask = ~fresh_mask & ~decode_mask
+    decode_mask = ~fresh_mask & (num_new == 1)
+    context_mask = ~fresh_mask & (num_new > 1)
     rows = np.arange(num_new.shape[0], dtype=np.int32)
     parts = {"decode": rows[decode_mask], "fresh": rows[fresh_mask],
              "context": rows[context_mask]}
@@ -304,7 +304,8 @@ def _make_builder_class() -> type:
             num_cached = seq_lens - num_new
             block_table = cam.block_table_tensor[:num_reqs]
             max_blocks = int(block_table.shape[1])
-            uniform_decode = bool(num_reqs) and bool((num_new <= 1).all())
+            # Single-token decodes, possibly with padding rows (no tokens) of a CUDA graph.
+            uniform_decode = bool((num_new <= 1).all()) and bool((num_new == 1).any())
 
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
             plan = None
