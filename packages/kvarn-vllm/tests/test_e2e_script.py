@@ -165,3 +165,24 @@ def test_kvarn_checks_catch_silent_fallback(e2e):
                                         staging_gib_logged=1.0)}
     assert e2e.kvarn_checks(cap)["problems"] == [
         "capacity/kvarn_k4v4_g64: 800 KV tokens, not more than bf16's 900"]
+
+
+def test_throughput_summary(e2e):
+    R = e2e.RunResult
+    runs = {
+        "throughput/auto": R("throughput/auto", "auto", {}, ok=True, generate_seconds=10.0,
+                             prompt_tokens=1000, output_tokens=100),
+        "throughput/kvarn_k4v2_g128": R("throughput/kvarn_k4v2_g128", "kvarn_k4v2_g128", {},
+                                        ok=True, generate_seconds=5.0, prompt_tokens=1000,
+                                        output_tokens=100),
+        "throughput/kvarn_k4v4_g128": R("throughput/kvarn_k4v4_g128", "kvarn_k4v4_g128", {},
+                                        ok=False),
+    }
+    table = e2e.throughput_summary(runs)
+    assert table["throughput/auto"]["total_tok_per_s"] == 110.0
+    assert table["throughput/kvarn_k4v2_g128"]["output_tok_per_s"] == 20.0
+    assert table["throughput/kvarn_k4v2_g128"]["total_vs_bf16"] == 2.0
+    assert table["throughput/kvarn_k4v4_g128"] == {"ok": False}
+    args = e2e.parse_args(["--out", "/tmp/x", "--phase", "throughput",
+                           "--throughput-dtypes", "auto"])
+    assert args.throughput_prompt_len == 16384 and args.throughput_prompts == 96
