@@ -21,10 +21,12 @@ __all__ = [
     "dot_lowp",
     "exp_f32",
     "fwht_rows",
+    "load_packed",
     "log_f32",
     "pack_rows",
     "rint_f32",
     "round_to",
+    "unpack_loaded",
     "unpack_rows",
 ]
 
@@ -97,36 +99,53 @@ def rint_f32(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def unpack_rows(ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
-    """Load ``ROWS`` packed rows (``LEN`` codes of ``BITS`` bits each) -> int32 ``[ROWS, LEN]``.
+def load_packed(ptr, row_stride, mask, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
+    """Issue the loads of ``ROWS`` packed rows of ``LEN`` ``BITS``-bit codes (see unpack_loaded).
 
-    Packing (kvarn_math.packing): code ``i`` of a group of 8 sits at bit ``BITS * i`` of the
-    group's little-endian ``BITS``-byte word.  For 1/2/4/8 bits a byte holds whole codes, so
-    the row is one contiguous (vectorizable) byte load, expanded by shifts; other widths
-    assemble each group's word from ``BITS`` byte planes.
+    Split from the unpacking so a loop can prefetch the next step's bytes while computing.
+    For 1/2/4/8 bits: uint8 ``[ROWS, LEN * BITS / 8]`` (one contiguous, vectorizable load per
+    row).  Other widths: the ``BITS`` bytes of each group of 8 codes, ``[ROWS, LEN / 8, P]`` with
+    ``P`` the next power of two (the extra bytes masked to 0).
     """
     rows = tl.arange(0, ROWS)[:, None]
+    if (BITS == 1) or (BITS == 2) or (BITS == 4) or (BITS == 8):
+        cols = tl.arange(0, LEN * BITS // 8)[None, :]
+        return tl.load(ptr + rows * row_stride + cols, mask=mask, other=0)
+    else:
+        P: tl.constexpr = 4 if BITS <= 4 else 8
+        grp = tl.arange(0, LEN // 8)[None, :, None]
+        byte = tl.arange(0, P)[None, None, :]
+        offs = rows[:, :, None] * row_stride + grp * BITS + byte
+        return tl.load(ptr + offs, mask=mask & (byte < BITS), other=0)
+
+
+@triton.jit
+def unpack_loaded(raw, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
+    """Codes int32 ``[ROWS, LEN]`` (natural order) from :func:`load_packed`'s bytes.
+
+    Packing (kvarn_math.packing): code ``i`` of a group of 8 sits at bit ``BITS * i`` of the
+    group's little-endian ``BITS``-byte word; for 1/2/4/8 bits a byte holds whole codes.
+    """
     if BITS == 8:
-        cols = tl.arange(0, LEN)[None, :]
-        return tl.load(ptr + rows * row_stride + cols).to(tl.int32)
+        return raw.to(tl.int32)
     elif (BITS == 1) or (BITS == 2) or (BITS == 4):
         PER: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = LEN // PER
-        cols = tl.arange(0, NB)[None, :]
-        raw = tl.load(ptr + rows * row_stride + cols).to(tl.int32)  # [ROWS, NB]
         shifts = tl.arange(0, PER) * BITS
-        codes = (raw[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        codes = (raw.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         return tl.reshape(codes, [ROWS, LEN])
     else:
-        NG: tl.constexpr = LEN // 8
-        groups = tl.arange(0, NG)[None, :]
-        word = tl.zeros([ROWS, NG], dtype=tl.int64)
-        for i in tl.static_range(BITS):
-            plane = tl.load(ptr + rows * row_stride + groups * BITS + i).to(tl.int64)
-            word = word | (plane << (8 * i))
+        P: tl.constexpr = 4 if BITS <= 4 else 8
+        byte_shift = (tl.arange(0, P) * 8).to(tl.int64)
+        word = tl.sum(raw.to(tl.int64) << byte_shift[None, None, :], axis=2)  # [ROWS, LEN/8]
         shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
         codes = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         return tl.reshape(codes.to(tl.int32), [ROWS, LEN])
+
+
+@triton.jit
+def unpack_rows(ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
+    """Load and unpack ``ROWS`` packed rows -> int32 ``[ROWS, LEN]``."""
+    return unpack_loaded(load_packed(ptr, row_stride, True, ROWS, LEN, BITS), ROWS, LEN, BITS)
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 Stage 1 (``attention_partial_kernel``): one program = (sequence, KV head, query block, split).
 Its rows are ``BLOCK_Q`` query tokens x the ``GROUP`` query heads of the KV head, so every tile is
 read once per KV head.  It rotates the queries in registers, walks its share of the sequence's
-chunks of ``G`` positions (quantized tiles through the block table, then the staged open tokens),
+steps of ``SUB`` positions (quantized tiles through the block table, then the staged open tokens),
 dequantizes in registers and keeps an fp32 online softmax (base 2).  Stage 2
 (``attention_combine_kernel``) merges the splits and un-rotates the output.
 
@@ -19,7 +19,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvarn_kernels._triton import INTERPRET, dot_lowp, fwht_rows, round_to, unpack_rows
+from kvarn_kernels._triton import (
+    INTERPRET,
+    dot_lowp,
+    fwht_rows,
+    load_packed,
+    round_to,
+    unpack_loaded,
+)
 
 __all__ = ["attention_combine_kernel", "attention_partial_kernel"]
 
@@ -44,18 +51,58 @@ def _visible(pos, qpos, window):
     return vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
 
 
+@triton.jit
+def _load_step(
+    cache_u8_ptr, cache_f16_ptr, block, head_off, part, ok,
+    G: tl.constexpr, D: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
+):
+    """Issue every load of one step (part ``part`` of the tile in ``block``); ``ok`` masks all."""
+    rec = block.to(tl.int64) * head_off[0] + head_off[1]
+    u8 = cache_u8_ptr + rec
+    f16 = cache_f16_ptr + rec // 2
+    d = tl.arange(0, D)
+    j = part * SUB + tl.arange(0, SUB)
+    # K codes [D, SUB]: columns part*SUB.. of the [D, G] per-channel packed rows.
+    k_raw = load_packed(u8 + OFF_KC + part * (SUB * KEY_BITS // 8), G * KEY_BITS // 8, ok,
+                        D, SUB, KEY_BITS)
+    k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
+    k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
+    k_tok = tl.load(f16 + OFF_KT // 2 + j, mask=ok, other=0.0)
+    # V codes [SUB, D]: rows part*SUB.. of the [G, D] per-token packed rows.
+    v_raw = load_packed(u8 + OFF_VC + part * (SUB * (D * VALUE_BITS // 8)), D * VALUE_BITS // 8,
+                        ok, SUB, D, VALUE_BITS)
+    v_scale = tl.load(f16 + OFF_VS // 2 + j, mask=ok, other=0.0)
+    v_zero = tl.load(f16 + OFF_VZ // 2 + j, mask=ok, other=0.0)
+    v_chan = tl.load(f16 + OFF_VCS // 2 + d, mask=ok, other=0.0)
+    return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan
+
+
 def _configs() -> list[triton.Config]:
+    # SUB: tokens per inner step (a tile is walked in G / SUB steps): the unpacked codes of one
+    # step, [D, SUB] for K and [SUB, D] for V, live in registers, so SUB trades registers
+    # (occupancy, loads in flight) against per-step overhead.
     if INTERPRET:
-        return [triton.Config({}, num_warps=4, num_stages=1)]
+        return [triton.Config({"SUB": 32}, num_warps=4, num_stages=1)]
     return [
-        triton.Config({}, num_warps=w, num_stages=s)
-        for w, s in ((4, 1), (4, 2), (4, 3), (8, 2))
+        triton.Config({"SUB": sub}, num_warps=w, num_stages=s)
+        for sub in (32, 64)
+        for w, s in ((4, 2), (4, 3), (8, 2))
     ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    g = named_args.get("G", kwargs.get("G"))
+    keep = [c for c in configs if g is None or c.kwargs["SUB"] <= g]
+    return keep or configs[:1]
 
 
 @triton.autotune(
     configs=_configs(),
     key=["G", "D", "KEY_BITS", "VALUE_BITS", "BLOCK_M", "FP32", "DECODE"],
+    prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
 def attention_partial_kernel(
@@ -70,7 +117,7 @@ def attention_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, SG: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLITS: tl.constexpr, DECODE: tl.constexpr, FP32: tl.constexpr,
+    SPLITS: tl.constexpr, DECODE: tl.constexpr, FP32: tl.constexpr, SUB: tl.constexpr,
     OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
     OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
 ):
@@ -103,18 +150,20 @@ def attention_partial_kernel(
         head = hkv * GROUP + rh
         qpos = seq_len - nq + qi
         d = tl.arange(0, D)
-        g = tl.arange(0, G)
+        j = tl.arange(0, SUB)
         q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
         # Into the rotated frame, with the softmax scale and log2(e) folded in.
         q = fwht_rows(q, BLOCK_M, D) * (rsqrt_d * qk_scale)
 
-        # Chunk c covers positions [c*G, (c+1)*G): a quantized tile for c < qlen / G (qlen is a
-        # multiple of G), staged tokens after.  Only chunks some row of the block can see.
-        n_tiles = qlen // G
+        # Step c covers positions [c*SUB, (c+1)*SUB): part c % (G/SUB) of tile c // (G/SUB) for
+        # c < qlen / SUB (qlen is a multiple of G), staged tokens after.  Only steps some row of
+        # the block can see are walked.
+        PARTS: tl.constexpr = G // SUB
+        n_quant = qlen // SUB
         last_q = tl.minimum(nq, qblk * BLOCK_Q + BLOCK_Q) - 1
-        hi = (seq_len - nq + last_q) // G + 1
-        lo = tl.maximum(seq_len - nq + qblk * BLOCK_Q - window + 1, 0) // G
+        hi = (seq_len - nq + last_q) // SUB + 1
+        lo = tl.maximum(seq_len - nq + qblk * BLOCK_Q - window + 1, 0) // SUB
         lo = tl.where(window > 0, lo, 0)
         per = tl.cdiv(hi - lo, SPLITS)
         c0 = lo + split * per
@@ -125,16 +174,27 @@ def attention_partial_kernel(
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-        for c in range(c0, tl.minimum(c1, n_tiles)):
-            block = tl.load(bt_row + c).to(tl.int64)
-            rec = block * stride_cb + hkv.to(tl.int64) * stride_ch
-            u8 = cache_u8_ptr + rec
-            f16 = cache_f16_ptr + rec // 2
-            k_codes = unpack_rows(u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)  # [D, G]
-            k_scale = tl.load(f16 + OFF_KS // 2 + d).to(tl.float32)
-            k_zero = tl.load(f16 + OFF_KZ // 2 + d).to(tl.float32)
-            k_tok = tl.load(f16 + OFF_KT // 2 + g).to(tl.float32)
-            qk = q * k_scale[None, :]
+        head_off = (stride_cb, hkv.to(tl.int64) * stride_ch)
+        c_end = tl.minimum(c1, n_quant)
+        # Software prefetch in registers: step c+1's bytes are in flight while step c computes,
+        # and the block id of step c+2 while those land (the cache is read once, stream-like).
+        ok = c0 < c_end
+        blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
+        k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
+            cache_u8_ptr, cache_f16_ptr, blk, head_off, c0 % PARTS, ok, G, D, SUB, KEY_BITS,
+            VALUE_BITS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
+        blk_next = tl.load(bt_row + (c0 + 1) // PARTS, mask=c0 + 1 < c_end, other=0)
+        for c in range(c0, c_end):
+            ok_next = c + 1 < c_end
+            (k_raw_n, k_scale_n, k_zero_n, k_tok_n,
+             v_raw_n, v_scale_n, v_zero_n, v_chan_n) = _load_step(
+                cache_u8_ptr, cache_f16_ptr, blk_next, head_off, (c + 1) % PARTS, ok_next, G, D,
+                SUB, KEY_BITS, VALUE_BITS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS,
+                OFF_VS, OFF_VZ)
+            blk_next = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
+
+            k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
+            qk = q * k_scale.to(tl.float32)[None, :]
             q_amax = tl.max(tl.abs(qk), axis=1)
             q_amax = tl.where(q_amax > 0, q_amax, 1.0)
             qn = qk / q_amax[:, None]
@@ -142,15 +202,13 @@ def attention_partial_kernel(
                 raw = tl.dot(qn, k_codes.to(tl.float32), input_precision="ieee")
             else:
                 raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
-            bias = tl.sum(q * k_zero[None, :], axis=1)
-            s = (raw * q_amax[:, None] + bias[:, None]) * k_tok[None, :]
-            s = tl.where(_visible(c * G + g, qpos, window), s, float("-inf"))
+            bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
+            s = (raw * q_amax[:, None] + bias[:, None]) * k_tok.to(tl.float32)[None, :]
+            s = tl.where(_visible(c * SUB + j, qpos, window), s, float("-inf"))
             p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
 
-            v_codes = unpack_rows(u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)  # [G, D]
-            v_scale = tl.load(f16 + OFF_VS // 2 + g).to(tl.float32)
-            v_zero = tl.load(f16 + OFF_VZ // 2 + g).to(tl.float32)
-            v_chan = tl.load(f16 + OFF_VCS // 2 + d).to(tl.float32)
+            v_codes = unpack_loaded(v_raw, SUB, D, VALUE_BITS)  # [SUB, D]
+            v_scale = v_scale.to(tl.float32)
             v_amax = tl.max(tl.abs(v_scale), axis=0)
             v_amax = tl.where(v_amax > 0, v_amax, 1.0)
             pn = p * (v_scale / v_amax)[None, :]
@@ -158,16 +216,19 @@ def attention_partial_kernel(
                 pv = tl.dot(pn, v_codes.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(pn.to(tl.float16), v_codes.to(tl.float16))
-            pz = tl.sum(p * v_zero[None, :], axis=1)
-            acc += (pv * v_amax + pz[:, None]) * v_chan[None, :]
+            pz = tl.sum(p * v_zero.to(tl.float32)[None, :], axis=1)
+            acc += (pv * v_amax + pz[:, None]) * v_chan.to(tl.float32)[None, :]
+
+            k_raw, k_scale, k_zero, k_tok = k_raw_n, k_scale_n, k_zero_n, k_tok_n
+            v_raw, v_scale, v_zero, v_chan = v_raw_n, v_scale_n, v_zero_n, v_chan_n
 
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
-        for c in range(tl.maximum(c0, n_tiles), c1):
-            pos = c * G + g
+        for c in range(tl.maximum(c0, n_quant), c1):
+            pos = c * SUB + j
             valid = pos < seq_len
             spos = (pos % SG).to(tl.int64)
             s_off = spos[:, None] * stride_sp + d[None, :]
-            k = tl.load(stage + s_off, mask=valid[:, None], other=0.0)  # [G, D] rotated
+            k = tl.load(stage + s_off, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
             if FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
