@@ -397,14 +397,20 @@ def run_isolated(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
     start = time.time()
     try:
         proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        tail = (proc.stdout + proc.stderr)[-4000:]
+        full = proc.stdout + proc.stderr
+        tail = full[-4000:]
     except subprocess.TimeoutExpired as exc:
-        tail = f"timed out after {timeout}s\n{str(exc.stdout or '')[-2000:]}"
+        full = str(exc.stdout or "")
+        tail = f"timed out after {timeout}s\n{full[-2000:]}"
         proc = None
     (workdir / f"{slug}.log").write_text(tail)
     if result_path.exists():
         data = json.loads(result_path.read_text())
         result = RunResult(**data)
+        if result.staging_gib_logged is None:
+            # Worker processes (tensor parallelism) log to the child's output, not its logger.
+            found = _STAGING_LINE.findall(full)
+            result.staging_gib_logged = float(found[-1]) if found else None
     else:
         result = RunResult(name=name, kv_cache_dtype=kv_cache_dtype, settings=llm_kwargs,
                            error=f"child process gave no result (exit "
@@ -486,7 +492,8 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
     prompts = make_prompts(args.num_prompts)
     base = dict(model=str(model), max_model_len=args.max_model_len, seed=0,
                 gpu_memory_utilization=args.smoke_gpu_memory_utilization,
-                enforce_eager=True, max_num_seqs=args.max_num_seqs)
+                enforce_eager=True, max_num_seqs=args.max_num_seqs,
+                tensor_parallel_size=args.tensor_parallel_size)
     runs: dict[str, RunResult] = {}
     comparisons = {}
     if args.phase in ("smoke", "all"):
@@ -539,7 +546,7 @@ def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
     base = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
                 max_num_seqs=args.capacity_max_num_seqs, max_model_len=args.capacity_max_model_len,
-                seed=0)
+                tensor_parallel_size=args.tensor_parallel_size, seed=0)
     prompts = random_token_prompts(8, 300, LLAMA_8B_SHAPE["vocab_size"])
     run = _runner(args, out)
     runs = {}
@@ -596,7 +603,7 @@ def phase_throughput(args: argparse.Namespace, out: Path) -> bool:
                 enforce_eager=not args.throughput_cudagraphs,
                 max_num_seqs=args.capacity_max_num_seqs,
                 max_model_len=args.throughput_prompt_len + args.throughput_output_len + 16,
-                seed=0)
+                tensor_parallel_size=args.tensor_parallel_size, seed=0)
     prompts = random_token_prompts(args.throughput_prompts, args.throughput_prompt_len,
                                    LLAMA_8B_SHAPE["vocab_size"])
     run = _runner(args, out)
@@ -817,6 +824,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--capacity-max-num-seqs", type=int, default=512)
     p.add_argument("--capacity-max-model-len", type=int, default=16384)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="e.g. 2 on the 2-GPU machine (capacity/throughput: 8 KV heads split; "
+                   "SmolLM2's 3 KV heads do not split in two)")
     p.add_argument("--server-dtypes", nargs="+", default=["kvarn_k4v2_g128"])
     p.add_argument("--server-port", type=int, default=8765)
     p.add_argument("--server-concurrency", type=int, default=32)
