@@ -226,3 +226,47 @@ def test_runner_hook_reports_request_rows(vllm_config_factory, monkeypatch):
     record = md.STEP.record
     assert record.serial == before + 1
     assert record.num_reqs == 2 and record.slots.tolist() == [5, 1]
+
+
+def test_replay_with_capture_metadata_equals_eager(vllm_config_factory, monkeypatch):
+    """Emulates a full CUDA graph: kernels launched with the *capture-time* metadata objects
+    must compute exactly what the real step's metadata computes, once build() has refreshed
+    the persistent buffers (as vLLM does before each replay)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    h = Harness(vllm_config_factory, monkeypatch)
+    persistent_bt = torch.zeros((2, MAX_BLOCKS), dtype=torch.int32)  # the runner's buffer
+
+    def cam_for(qsl, seq):
+        qsl = torch.tensor(qsl, dtype=torch.int32)
+        seq = torch.tensor(seq, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=2,
+            num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_seq_len=int(seq.max()), block_table_tensor=persistent_bt,
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            seq_lens_cpu_upper_bound=seq)
+
+    captured = h.builder.build_for_cudagraph_capture(cam_for([0, 1, 2], [1, 1]))
+    # Prefill two prompts (63 and 10 tokens): request 1's next decode completes its tile.
+    h.step([(1, 0, 63, [3, 5]), (2, 0, 10, [4])])
+    persistent_bt[0, :2] = torch.tensor([3, 5])
+    persistent_bt[1, :1] = torch.tensor([4])
+    md.STEP.report_real(SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 2])))
+    real = h.builder.build(0, cam_for([0, 1, 2], [64, 11]))
+    assert real.plan.tiles[0, 0].item() == 3  # the decode completes tile 0 of request 1
+    q, k, v = h.rand(2, HQ, D), h.rand(2, HKV, D), h.rand(2, HKV, D)
+    state = (h.kv_cache.clone(), h.layer.impl.staging.clone())
+
+    def run(meta):
+        h.kv_cache.copy_(state[0])
+        h.layer.impl.staging.copy_(state[1])
+        out = torch.full((2, HQ, D), float("nan"), dtype=torch.float16)
+        h.layer.impl.forward(h.layer, q, k, v, h.kv_cache, meta, output=out)
+        return out, h.kv_cache.clone(), h.layer.impl.staging.clone()
+
+    eager = run(real)
+    replay = run(captured)
+    for a, b in zip(eager, replay):
+        assert torch.equal(a, b)
+    assert not torch.equal(eager[1], state[0])  # the tile really was quantized
