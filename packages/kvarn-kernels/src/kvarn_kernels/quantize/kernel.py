@@ -35,7 +35,14 @@ def _imbalance(x, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _apply(x, log_r, log_c, PRECISE: tl.constexpr):
     scale = exp_f32(log_r, PRECISE)[:, None] * exp_f32(log_c, PRECISE)[None, :]
-    return tl.div_rn(x, scale)
+    if PRECISE:
+        # GPU: the correctly rounded division expands to a long sequence per element, and the
+        # normalization applies it to the whole tile several times per iteration; libdevice's
+        # exp/log already differ from NumPy by an ulp, so the fast division changes nothing
+        # that matters (codes still agree >= 99.9%).  The final RTN division stays exact.
+        return x / scale
+    else:
+        return tl.div_rn(x, scale)
 
 
 @triton.jit
