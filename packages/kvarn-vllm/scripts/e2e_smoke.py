@@ -57,8 +57,7 @@ MODE_VARIANTS: dict[str, dict[str, Any]] = {
     # Each is compared with the eager, prefix-caching, default-chunking run of the same cache.
     "cudagraph": {"enforce_eager": False},
     "no_prefix_cache": {"enable_prefix_caching": False},
-    "chunk128": {"max_num_batched_tokens": 128, "max_num_seqs": 64,
-                 "enable_chunked_prefill": True},
+    "chunk128": {"max_num_batched_tokens": 128, "max_num_seqs": 64, "enable_chunked_prefill": True},
     "batch1": {"max_num_seqs": 1},
 }
 
@@ -75,8 +74,13 @@ LLAMA_8B_SHAPE: dict[str, Any] = {
     "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
     "hidden_act": "silu",
     "tie_word_embeddings": False,
     "bos_token_id": 128000,
@@ -108,8 +112,9 @@ def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[
         ``first_divergence`` (mean position of the first difference, over diverging prompts).
     """
     if len(reference) != len(other):
-        raise ValueError(f"need one output per prompt in both runs, got {len(reference)} "
-                         f"and {len(other)}")
+        raise ValueError(
+            f"need one output per prompt in both runs, got {len(reference)} and {len(other)}"
+        )
     if not reference:
         raise ValueError("no outputs to compare")
     lcps, fracs, same, total, exact, diverged = [], [], 0, 0, 0, []
@@ -140,12 +145,31 @@ def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[
 
 
 _TOPICS = [
-    "the water cycle", "photosynthesis", "the French Revolution", "binary search",
-    "black holes", "the immune system", "supply and demand", "plate tectonics",
-    "the Roman Empire", "neural networks", "climate change", "the printing press",
-    "vaccines", "prime numbers", "the stock market", "volcanoes", "the Renaissance",
-    "electric cars", "the human heart", "compilers", "honey bees", "the Moon landing",
-    "recycling", "jazz music", "the Great Wall of China",
+    "the water cycle",
+    "photosynthesis",
+    "the French Revolution",
+    "binary search",
+    "black holes",
+    "the immune system",
+    "supply and demand",
+    "plate tectonics",
+    "the Roman Empire",
+    "neural networks",
+    "climate change",
+    "the printing press",
+    "vaccines",
+    "prime numbers",
+    "the stock market",
+    "volcanoes",
+    "the Renaissance",
+    "electric cars",
+    "the human heart",
+    "compilers",
+    "honey bees",
+    "the Moon landing",
+    "recycling",
+    "jazz music",
+    "the Great Wall of China",
 ]
 _TEMPLATES = [
     "Explain {t} to a ten-year-old.",
@@ -202,8 +226,9 @@ class LogCapture(logging.Handler):
             self.lines.append(msg)
 
     def kv_cache_tokens(self) -> int | None:
-        found = [int(m.group(1).replace(",", "")) for line in self.lines
-                 if (m := _KV_LINE.search(line))]
+        found = [
+            int(m.group(1).replace(",", "")) for line in self.lines if (m := _KV_LINE.search(line))
+        ]
         return found[-1] if found else None
 
     def staging_gib(self) -> float | None:
@@ -274,8 +299,7 @@ def kvarn_checks(runs: dict[str, RunResult]) -> dict[str, Any]:
         mode = "capacity" if name.startswith("capacity/") else name.split("/", 1)[-1]
         tokens = r.kv_cache_tokens_logged or r.kv_cache_tokens_config or 0
         if bf16_tokens.get(mode) and tokens <= bf16_tokens[mode]:
-            problems.append(f"{name}: {tokens} KV tokens, not more than bf16's "
-                            f"{bf16_tokens[mode]}")
+            problems.append(f"{name}: {tokens} KV tokens, not more than bf16's {bf16_tokens[mode]}")
     return {"problems": problems}
 
 
@@ -327,16 +351,25 @@ def _free(llm: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
-            prompts: list[Any], max_tokens: int, bf16_backend: str | None) -> RunResult:
+def run_llm(
+    name: str,
+    kv_cache_dtype: str,
+    llm_kwargs: dict[str, Any],
+    prompts: list[Any],
+    max_tokens: int,
+    bf16_backend: str | None,
+) -> RunResult:
     """Start one engine, generate greedily, record capacity and outputs, shut it down."""
     kwargs = dict(llm_kwargs)
     if bf16_backend and not kv_cache_dtype.startswith(("kvarn_", "turboquant_")):
         # bf16 and fp8 baselines on a named backend (no FlashAttention without the fa3 part);
         # kvarn and TurboQuant choose their own backends.
         kwargs["attention_config"] = {"backend": bf16_backend}
-    result = RunResult(name=name, kv_cache_dtype=kv_cache_dtype,
-                       settings={k: v for k, v in kwargs.items() if k != "model"})
+    result = RunResult(
+        name=name,
+        kv_cache_dtype=kv_cache_dtype,
+        settings={k: v for k, v in kwargs.items() if k != "model"},
+    )
     capture = LogCapture()
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(capture)
@@ -353,20 +386,23 @@ def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
             result.kv_cache_tokens_config = cache.num_gpu_blocks * cache.block_size
         if prompts:
             text = isinstance(prompts[0], str)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                    seed=0, detokenize=text)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0, detokenize=text
+            )
             gen_start = time.perf_counter()
             if text:
                 outs = llm.generate(prompts, params, use_tqdm=False)
             else:
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+                )
             result.generate_seconds = round(time.perf_counter() - gen_start, 3)
             result.prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
             result.output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             result.outputs = [list(o.outputs[0].token_ids) for o in outs]
-            result.texts = [o.outputs[0].text for o in outs] if isinstance(prompts[0], str) \
-                else None
+            result.texts = (
+                [o.outputs[0].text for o in outs] if isinstance(prompts[0], str) else None
+            )
         result.ok = True
     except Exception as exc:  # record it, carry on
         result.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -381,19 +417,41 @@ def run_llm(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
     return result
 
 
-def run_isolated(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
-                 prompts: list[Any], max_tokens: int, bf16_backend: str | None,
-                 workdir: Path, timeout: float) -> RunResult:
+def run_isolated(
+    name: str,
+    kv_cache_dtype: str,
+    llm_kwargs: dict[str, Any],
+    prompts: list[Any],
+    max_tokens: int,
+    bf16_backend: str | None,
+    workdir: Path,
+    timeout: float,
+) -> RunResult:
     """:func:`run_llm` in a fresh Python process, so every engine starts on a clean GPU."""
     workdir.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     spec_path, result_path = workdir / f"{slug}.spec.json", workdir / f"{slug}.result.json"
-    spec_path.write_text(json.dumps({
-        "name": name, "kv_cache_dtype": kv_cache_dtype, "llm_kwargs": llm_kwargs,
-        "prompts": prompts, "max_tokens": max_tokens, "bf16_backend": bf16_backend}))
+    spec_path.write_text(
+        json.dumps(
+            {
+                "name": name,
+                "kv_cache_dtype": kv_cache_dtype,
+                "llm_kwargs": llm_kwargs,
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+                "bf16_backend": bf16_backend,
+            }
+        )
+    )
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--internal-run", str(spec_path),
-           "--internal-result", str(result_path)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--internal-run",
+        str(spec_path),
+        "--internal-result",
+        str(result_path),
+    ]
     start = time.time()
     try:
         proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
@@ -412,14 +470,21 @@ def run_isolated(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
             found = _STAGING_LINE.findall(full)
             result.staging_gib_logged = float(found[-1]) if found else None
     else:
-        result = RunResult(name=name, kv_cache_dtype=kv_cache_dtype, settings=llm_kwargs,
-                           error=f"child process gave no result (exit "
-                                 f"{None if proc is None else proc.returncode}):\n{tail}")
+        result = RunResult(
+            name=name,
+            kv_cache_dtype=kv_cache_dtype,
+            settings=llm_kwargs,
+            error=f"child process gave no result (exit "
+            f"{None if proc is None else proc.returncode}):\n{tail}",
+        )
         result.seconds = round(time.time() - start, 1)
     status = "ok" if result.ok else "FAILED"
-    print(f"[{status}] {name}: kv_cache_dtype={kv_cache_dtype} "
-          f"kv_tokens(logged)={result.kv_cache_tokens_logged} "
-          f"kv_tokens(config)={result.kv_cache_tokens_config} {result.seconds}s", flush=True)
+    print(
+        f"[{status}] {name}: kv_cache_dtype={kv_cache_dtype} "
+        f"kv_tokens(logged)={result.kv_cache_tokens_logged} "
+        f"kv_tokens(config)={result.kv_cache_tokens_config} {result.seconds}s",
+        flush=True,
+    )
     if result.error:
         print(result.error.strip().splitlines()[-1][:500], flush=True)
     return result
@@ -427,8 +492,14 @@ def run_isolated(name: str, kv_cache_dtype: str, llm_kwargs: dict[str, Any],
 
 def _internal_run(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    result = run_llm(spec["name"], spec["kv_cache_dtype"], spec["llm_kwargs"], spec["prompts"],
-                     spec["max_tokens"], spec["bf16_backend"])
+    result = run_llm(
+        spec["name"],
+        spec["kv_cache_dtype"],
+        spec["llm_kwargs"],
+        spec["prompts"],
+        spec["max_tokens"],
+        spec["bf16_backend"],
+    )
     Path(result_path).write_text(json.dumps(result.__dict__, default=str))
     return 0 if result.ok else 1
 
@@ -448,9 +519,16 @@ def environment() -> dict[str, Any]:
     except Exception:
         pass
     try:
-        info["git_sha"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-            cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+        info["git_sha"] = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parent,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except Exception:
         info["git_sha"] = None
     return info
@@ -471,16 +549,19 @@ def _public(r: RunResult, keep_outputs: bool) -> dict[str, Any]:
 
 def _runner(args: argparse.Namespace, out: Path):
     def run(name, kv, kwargs, prompts, max_tokens):
-        return run_isolated(name, kv, kwargs, prompts, max_tokens, args.bf16_backend,
-                            out / "runs", args.run_timeout)
+        return run_isolated(
+            name, kv, kwargs, prompts, max_tokens, args.bf16_backend, out / "runs", args.run_timeout
+        )
+
     return run
 
 
 def _smoke_model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    gguf = Path(args.gguf) if args.gguf else Path(
-        os.environ.get("KVARN_GPU_FILES", ".")) / GGUF_NAME
+    gguf = (
+        Path(args.gguf) if args.gguf else Path(os.environ.get("KVARN_GPU_FILES", ".")) / GGUF_NAME
+    )
     if not gguf.exists():
         raise SystemExit(f"GGUF not found at {gguf}; pass --gguf or --model")
     return convert_gguf(gguf, Path(args.converted_dir))
@@ -490,10 +571,15 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
     model = _smoke_model(args)
     run = _runner(args, out)
     prompts = make_prompts(args.num_prompts)
-    base = dict(model=str(model), max_model_len=args.max_model_len, seed=0,
-                gpu_memory_utilization=args.smoke_gpu_memory_utilization,
-                enforce_eager=True, max_num_seqs=args.max_num_seqs,
-                tensor_parallel_size=args.tensor_parallel_size)
+    base = dict(
+        model=str(model),
+        max_model_len=args.max_model_len,
+        seed=0,
+        gpu_memory_utilization=args.smoke_gpu_memory_utilization,
+        enforce_eager=True,
+        max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     runs: dict[str, RunResult] = {}
     comparisons = {}
     if args.phase in ("smoke", "all"):
@@ -507,8 +593,9 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
 
     mode_pairs: dict[str, Any] = {}
     if args.phase in ("modes", "all"):
-        variants = {name: extra for name, extra in MODE_VARIANTS.items()
-                    if name in args.mode_variants}
+        variants = {
+            name: extra for name, extra in MODE_VARIANTS.items() if name in args.mode_variants
+        }
         for kv in ("auto", args.mode_preset):
             if f"{kv}/eager" not in runs:
                 runs[f"{kv}/eager"] = run(f"{kv}/eager", kv, base, prompts, args.max_tokens)
@@ -518,24 +605,37 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
                 runs[name] = run(name, kv, {**base, **extra}, prompts, args.max_tokens)
                 if ref is not None and ref.ok and runs[name].ok:
                     mode_pairs[f"{kv}: eager vs {mode}"] = compare_outputs(
-                        ref.outputs, runs[name].outputs)
+                        ref.outputs, runs[name].outputs
+                    )
     checks = kvarn_checks(runs)
-    capacity = {name: {"kv_cache_tokens_logged": r.kv_cache_tokens_logged,
-                       "kv_cache_tokens_config": r.kv_cache_tokens_config,
-                       "staging_gib_logged": r.staging_gib_logged}
-                for name, r in runs.items()}
+    capacity = {
+        name: {
+            "kv_cache_tokens_logged": r.kv_cache_tokens_logged,
+            "kv_cache_tokens_config": r.kv_cache_tokens_config,
+            "staging_gib_logged": r.staging_gib_logged,
+        }
+        for name, r in runs.items()
+    }
     payload = {
-        "phase": "smoke", "model": str(model), "num_prompts": len(prompts),
-        "max_tokens": args.max_tokens, "environment": environment(),
-        "comparisons_vs_bf16": comparisons, "mode_pairs": mode_pairs, "capacity": capacity,
+        "phase": "smoke",
+        "model": str(model),
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "environment": environment(),
+        "comparisons_vs_bf16": comparisons,
+        "mode_pairs": mode_pairs,
+        "capacity": capacity,
         "checks": checks,
         "runs": {n: _public(r, args.keep_outputs) for n, r in runs.items()},
         "sample_texts": {n: (r.texts or [])[:3] for n, r in runs.items()},
     }
     _dump(out / ("smoke.json" if args.phase != "modes" else "modes.json"), payload)
     for name, c in {**comparisons, **mode_pairs}.items():
-        print(f"{name}: exact {c['exact_match']:.2%}, token agreement "
-              f"{c['token_agreement']:.2%}, mean LCP {c['mean_lcp']:.1f} tokens", flush=True)
+        print(
+            f"{name}: exact {c['exact_match']:.2%}, token agreement "
+            f"{c['token_agreement']:.2%}, mean LCP {c['mean_lcp']:.1f} tokens",
+            flush=True,
+        )
     for problem in checks["problems"]:
         print(f"CHECK FAILED: {problem}", flush=True)
     return all(r.ok for r in runs.values()) and not checks["problems"]
@@ -543,10 +643,17 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
 
 def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
     model = llama_8b_config_dir(out)
-    base = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
-                max_num_seqs=args.capacity_max_num_seqs, max_model_len=args.capacity_max_model_len,
-                tensor_parallel_size=args.tensor_parallel_size, seed=0)
+    base = dict(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=True,
+        max_num_seqs=args.capacity_max_num_seqs,
+        max_model_len=args.capacity_max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=0,
+    )
     prompts = random_token_prompts(8, 300, LLAMA_8B_SHAPE["vocab_size"])
     run = _runner(args, out)
     runs = {}
@@ -556,21 +663,32 @@ def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
     table = {}
     for kv, r in runs.items():
         tokens = r.kv_cache_tokens_logged or r.kv_cache_tokens_config
-        table[kv] = {"kv_cache_tokens": tokens,
-                     "ratio_vs_bf16": round(tokens / bf16, 3) if tokens and bf16 else None,
-                     "staging_gib": r.staging_gib_logged, "ok": r.ok}
-    payload = {"phase": "capacity", "shape": "Llama-3.1-8B (dummy weights)",
-               "gpu_memory_utilization": args.gpu_memory_utilization,
-               "max_num_seqs": args.capacity_max_num_seqs,
-               "max_model_len": args.capacity_max_model_len, "environment": environment(),
-               "table": table, "runs": {n: _public(r, False) for n, r in runs.items()}}
+        table[kv] = {
+            "kv_cache_tokens": tokens,
+            "ratio_vs_bf16": round(tokens / bf16, 3) if tokens and bf16 else None,
+            "staging_gib": r.staging_gib_logged,
+            "ok": r.ok,
+        }
+    payload = {
+        "phase": "capacity",
+        "shape": "Llama-3.1-8B (dummy weights)",
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": args.capacity_max_num_seqs,
+        "max_model_len": args.capacity_max_model_len,
+        "environment": environment(),
+        "table": table,
+        "runs": {n: _public(r, False) for n, r in runs.items()},
+    }
     payload["checks"] = kvarn_checks({f"capacity/{kv}": r for kv, r in runs.items()})
     _dump(out / "capacity.json", payload)
     for problem in payload["checks"]["problems"]:
         print(f"CHECK FAILED: {problem}", flush=True)
     for kv, row in table.items():
-        print(f"capacity {kv}: {row['kv_cache_tokens']} tokens "
-              f"({row['ratio_vs_bf16']}x bf16), staging {row['staging_gib']} GiB", flush=True)
+        print(
+            f"capacity {kv}: {row['kv_cache_tokens']} tokens "
+            f"({row['ratio_vs_bf16']}x bf16), staging {row['staging_gib']} GiB",
+            flush=True,
+        )
     return all(r.ok for r in runs.values()) and not payload["checks"]["problems"]
 
 
@@ -582,41 +700,56 @@ def throughput_summary(runs: dict[str, RunResult]) -> dict[str, Any]:
             table[name] = {"ok": False}
             continue
         total = (r.prompt_tokens or 0) + (r.output_tokens or 0)
-        table[name] = {"ok": True, "seconds": r.generate_seconds,
-                       "output_tok_per_s": round((r.output_tokens or 0) / r.generate_seconds, 1),
-                       "total_tok_per_s": round(total / r.generate_seconds, 1)}
+        table[name] = {
+            "ok": True,
+            "seconds": r.generate_seconds,
+            "output_tok_per_s": round((r.output_tokens or 0) / r.generate_seconds, 1),
+            "total_tok_per_s": round(total / r.generate_seconds, 1),
+        }
     base = next((v for k, v in table.items() if k.endswith("/auto") and v["ok"]), None)
     if base:
         for row in table.values():
             if row["ok"]:
                 row["total_vs_bf16"] = round(row["total_tok_per_s"] / base["total_tok_per_s"], 3)
-                row["output_vs_bf16"] = round(row["output_tok_per_s"] / base["output_tok_per_s"],
-                                              3)
+                row["output_vs_bf16"] = round(row["output_tok_per_s"] / base["output_tok_per_s"], 3)
     return table
 
 
 def phase_throughput(args: argparse.Namespace, out: Path) -> bool:
     """Burst throughput on the Llama-3.1-8B shape (dummy weights), one engine per dtype."""
     model = llama_8b_config_dir(out)
-    base = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=not args.throughput_cudagraphs,
-                max_num_seqs=args.capacity_max_num_seqs,
-                max_model_len=args.throughput_prompt_len + args.throughput_output_len + 16,
-                tensor_parallel_size=args.tensor_parallel_size, seed=0)
-    prompts = random_token_prompts(args.throughput_prompts, args.throughput_prompt_len,
-                                   LLAMA_8B_SHAPE["vocab_size"])
+    base = dict(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=not args.throughput_cudagraphs,
+        max_num_seqs=args.capacity_max_num_seqs,
+        max_model_len=args.throughput_prompt_len + args.throughput_output_len + 16,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=0,
+    )
+    prompts = random_token_prompts(
+        args.throughput_prompts, args.throughput_prompt_len, LLAMA_8B_SHAPE["vocab_size"]
+    )
     run = _runner(args, out)
-    runs = {f"throughput/{kv}": run(f"throughput/{kv}", kv, base, prompts,
-                                    args.throughput_output_len)
-            for kv in args.throughput_dtypes}
+    runs = {
+        f"throughput/{kv}": run(f"throughput/{kv}", kv, base, prompts, args.throughput_output_len)
+        for kv in args.throughput_dtypes
+    }
     table = throughput_summary(runs)
-    payload = {"phase": "throughput", "shape": "Llama-3.1-8B (dummy weights)",
-               "prompts": args.throughput_prompts, "prompt_len": args.throughput_prompt_len,
-               "output_len": args.throughput_output_len,
-               "bf16_backend": args.bf16_backend, "cudagraphs": args.throughput_cudagraphs,
-               "environment": environment(), "table": table,
-               "runs": {n: _public(r, False) for n, r in runs.items()}}
+    payload = {
+        "phase": "throughput",
+        "shape": "Llama-3.1-8B (dummy weights)",
+        "prompts": args.throughput_prompts,
+        "prompt_len": args.throughput_prompt_len,
+        "output_len": args.throughput_output_len,
+        "bf16_backend": args.bf16_backend,
+        "cudagraphs": args.throughput_cudagraphs,
+        "environment": environment(),
+        "table": table,
+        "runs": {n: _public(r, False) for n, r in runs.items()},
+    }
     tag = "-".join(args.throughput_dtypes)
     _dump(out / f"throughput-{args.throughput_prompt_len}-{tag}.json", payload)
     for name, row in table.items():
@@ -627,8 +760,9 @@ def phase_throughput(args: argparse.Namespace, out: Path) -> bool:
 # --- the OpenAI-compatible server ----------------------------------------------------------
 
 
-def http_json(url: str, payload: dict[str, Any] | None = None,
-              timeout: float = 120) -> tuple[int, Any]:
+def http_json(
+    url: str, payload: dict[str, Any] | None = None, timeout: float = 120
+) -> tuple[int, Any]:
     """POST ``payload`` (or GET without one); returns ``(status, parsed JSON or text)``."""
     import urllib.error
     import urllib.request
@@ -653,7 +787,7 @@ def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
         line = line.strip()
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             done = True
             continue
@@ -661,14 +795,18 @@ def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
     return events, done
 
 
-def stream_completion(url: str, payload: dict[str, Any], timeout: float = 120
-                      ) -> tuple[int, str, bool]:
+def stream_completion(
+    url: str, payload: dict[str, Any], timeout: float = 120
+) -> tuple[int, str, bool]:
     """Stream one completion; returns ``(status, concatenated text, saw [DONE])``."""
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(url, data=json.dumps({**payload, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({**payload, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             lines = [raw.decode() for raw in resp]
@@ -680,8 +818,14 @@ def stream_completion(url: str, payload: dict[str, Any], timeout: float = 120
     return status, text, done
 
 
-def exercise_server(base_url: str, model: str, prompts: list[str], max_tokens: int,
-                    concurrency: int, max_model_len: int) -> dict[str, Any]:
+def exercise_server(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    concurrency: int,
+    max_model_len: int,
+) -> dict[str, Any]:
     """Many concurrent streaming and non-streaming completions, one over-long prompt, then
     proof the server is still up. Returns counts and failures (a real client, raw HTTP)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -689,8 +833,12 @@ def exercise_server(base_url: str, model: str, prompts: list[str], max_tokens: i
     url = f"{base_url}/v1/completions"
 
     def one(i: int) -> dict[str, Any]:
-        payload = {"model": model, "prompt": prompts[i % len(prompts)],
-                   "max_tokens": max_tokens, "temperature": 0.0}
+        payload = {
+            "model": model,
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
         start = time.time()
         if i % 2:
             status, text, done = stream_completion(url, payload)
@@ -699,8 +847,14 @@ def exercise_server(base_url: str, model: str, prompts: list[str], max_tokens: i
             status, body = http_json(url, payload)
             text = body["choices"][0]["text"] if status == 200 else str(body)[:300]
             ok = status == 200 and bool(text)
-        return {"i": i, "stream": bool(i % 2), "status": status, "ok": ok,
-                "seconds": round(time.time() - start, 2), "text": text[:200]}
+        return {
+            "i": i,
+            "stream": bool(i % 2),
+            "status": status,
+            "ok": ok,
+            "seconds": round(time.time() - start, 2),
+            "text": text[:200],
+        }
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(one, range(len(prompts))))
@@ -714,21 +868,42 @@ def exercise_server(base_url: str, model: str, prompts: list[str], max_tokens: i
         "streaming": sum(r["stream"] for r in results),
         "ok": len(results) - len(failures),
         "failures": failures[:10],
-        "over_long_prompt": {"status": long_status, "body": str(long_body)[:500],
-                             "rejected_cleanly": 400 <= long_status < 500},
+        "over_long_prompt": {
+            "status": long_status,
+            "body": str(long_body)[:500],
+            "rejected_cleanly": 400 <= long_status < 500,
+        },
         "healthy_after": health_status == 200 and after["ok"],
         "mean_seconds": round(sum(r["seconds"] for r in results) / max(len(results), 1), 2),
         "sample": [r["text"] for r in results[:4]],
     }
 
 
-def serve_command(model: str, kv_cache_dtype: str, port: int, max_model_len: int,
-                  gpu_memory_utilization: float, extra: list[str] | None = None) -> list[str]:
+def serve_command(
+    model: str,
+    kv_cache_dtype: str,
+    port: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    extra: list[str] | None = None,
+) -> list[str]:
     """``vllm serve`` through its module entry point (the ``vllm`` script may not be on PATH)."""
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-            "--kv-cache-dtype", kv_cache_dtype, "--port", str(port),
-            "--max-model-len", str(max_model_len),
-            "--gpu-memory-utilization", str(gpu_memory_utilization), *(extra or [])]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+        *(extra or []),
+    ]
 
 
 def phase_server(args: argparse.Namespace, out: Path) -> bool:
@@ -738,15 +913,24 @@ def phase_server(args: argparse.Namespace, out: Path) -> bool:
     for kv in args.server_dtypes:
         log_path = out / "runs" / f"server-{kv}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = serve_command(model, kv, args.server_port, args.max_model_len,
-                            args.smoke_gpu_memory_utilization,
-                            ["--served-model-name", "smollm2"]
-                            + (["--attention-backend", args.bf16_backend]
-                               if kv == "auto" and args.bf16_backend else []))
+        cmd = serve_command(
+            model,
+            kv,
+            args.server_port,
+            args.max_model_len,
+            args.smoke_gpu_memory_utilization,
+            ["--served-model-name", "smollm2"]
+            + (
+                ["--attention-backend", args.bf16_backend]
+                if kv == "auto" and args.bf16_backend
+                else []
+            ),
+        )
         entry: dict[str, Any] = {"command": " ".join(cmd)}
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         base = f"http://127.0.0.1:{args.server_port}"
         try:
             deadline = time.time() + args.run_timeout
@@ -761,9 +945,16 @@ def phase_server(args: argparse.Namespace, out: Path) -> bool:
                 time.sleep(2)
             entry["started"] = up
             if up:
-                entry.update(exercise_server(base, "smollm2", make_prompts(args.num_prompts),
-                                             args.max_tokens, args.server_concurrency,
-                                             args.max_model_len))
+                entry.update(
+                    exercise_server(
+                        base,
+                        "smollm2",
+                        make_prompts(args.num_prompts),
+                        args.max_tokens,
+                        args.server_concurrency,
+                        args.max_model_len,
+                    )
+                )
         except Exception as exc:  # record it, carry on
             entry["error"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -774,30 +965,44 @@ def phase_server(args: argparse.Namespace, out: Path) -> bool:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, 9)
         entry["log_tail"] = log_path.read_text()[-3000:]
-        good = (entry.get("started") and entry.get("ok") == entry.get("requests")
-                and entry.get("healthy_after") and
-                entry.get("over_long_prompt", {}).get("rejected_cleanly"))
+        good = (
+            entry.get("started")
+            and entry.get("ok") == entry.get("requests")
+            and entry.get("healthy_after")
+            and entry.get("over_long_prompt", {}).get("rejected_cleanly")
+        )
         entry["passed"] = bool(good)
         ok &= bool(good)
         results[kv] = entry
-        print(f"server {kv}: passed={entry['passed']} ok={entry.get('ok')}/"
-              f"{entry.get('requests')} healthy_after={entry.get('healthy_after')}", flush=True)
-    _dump(out / "server.json", {"phase": "server", "model": model,
-                                "environment": environment(), "results": results})
+        print(
+            f"server {kv}: passed={entry['passed']} ok={entry.get('ok')}/"
+            f"{entry.get('requests')} healthy_after={entry.get('healthy_after')}",
+            flush=True,
+        )
+    _dump(
+        out / "server.json",
+        {"phase": "server", "model": model, "environment": environment(), "results": results},
+    )
     return ok
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="directory for smoke.json / capacity.json (required)")
-    p.add_argument("--phase",
-                   choices=("smoke", "modes", "capacity", "throughput", "server", "all"),
-                   default="smoke",
-                   help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
-                   "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
-                   "(longer than one 10-minute device call)")
-    p.add_argument("--run-timeout", type=float, default=300,
-                   help="seconds allowed per engine run (each runs in its own process)")
+    p.add_argument(
+        "--phase",
+        choices=("smoke", "modes", "capacity", "throughput", "server", "all"),
+        default="smoke",
+        help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
+        "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
+        "(longer than one 10-minute device call)",
+    )
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=300,
+        help="seconds allowed per engine run (each runs in its own process)",
+    )
     p.add_argument("--internal-run", help=argparse.SUPPRESS)
     p.add_argument("--internal-result", help=argparse.SUPPRESS)
     src = p.add_mutually_exclusive_group()
@@ -805,38 +1010,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: $KVARN_GPU_FILES/{GGUF_NAME})")
     p.add_argument("--converted-dir", default="/tmp/smollm2-hf")
     p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
-    p.add_argument("--baselines", nargs="*", default=["fp8"],
-                   help="vLLM's own quantized caches run beside the presets in the smoke "
-                   "phase, e.g. fp8 turboquant_4bit_nc (TurboQuant needs the fa2 part)")
+    p.add_argument(
+        "--baselines",
+        nargs="*",
+        default=["fp8"],
+        help="vLLM's own quantized caches run beside the presets in the smoke "
+        "phase, e.g. fp8 turboquant_4bit_nc (TurboQuant needs the fa2 part)",
+    )
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--smoke-gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--bf16-backend", default="TRITON_ATTN",
-                   help="attention backend for the bf16 baseline ('' lets vLLM choose)")
-    p.add_argument("--mode-variants", nargs="+", default=list(MODE_VARIANTS),
-                   choices=list(MODE_VARIANTS),
-                   help="serving modes compared with eager (phase modes/all)")
+    p.add_argument(
+        "--bf16-backend",
+        default="TRITON_ATTN",
+        help="attention backend for the bf16 baseline ('' lets vLLM choose)",
+    )
+    p.add_argument(
+        "--mode-variants",
+        nargs="+",
+        default=list(MODE_VARIANTS),
+        choices=list(MODE_VARIANTS),
+        help="serving modes compared with eager (phase modes/all)",
+    )
     p.add_argument("--mode-preset", default="kvarn_k4v2_g128")
     p.add_argument("--keep-outputs", action="store_true", help="store every token id in JSON")
     p.add_argument("--capacity-presets", nargs="+", default=list(CAPACITY_PRESETS))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--capacity-max-num-seqs", type=int, default=512)
     p.add_argument("--capacity-max-model-len", type=int, default=16384)
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="e.g. 2 on the 2-GPU machine (capacity/throughput: 8 KV heads split; "
-                   "SmolLM2's 3 KV heads do not split in two)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="e.g. 2 on the 2-GPU machine (capacity/throughput: 8 KV heads split; "
+        "SmolLM2's 3 KV heads do not split in two)",
+    )
     p.add_argument("--server-dtypes", nargs="+", default=["kvarn_k4v2_g128"])
     p.add_argument("--server-port", type=int, default=8765)
     p.add_argument("--server-concurrency", type=int, default=32)
-    p.add_argument("--throughput-dtypes", nargs="+", default=["auto", "kvarn_k4v2_g128"],
-                   help="kv_cache_dtype of each throughput run ('auto' = bf16 baseline)")
+    p.add_argument(
+        "--throughput-dtypes",
+        nargs="+",
+        default=["auto", "kvarn_k4v2_g128"],
+        help="kv_cache_dtype of each throughput run ('auto' = bf16 baseline)",
+    )
     p.add_argument("--throughput-prompts", type=int, default=96)
     p.add_argument("--throughput-prompt-len", type=int, default=16384)
     p.add_argument("--throughput-output-len", type=int, default=256)
-    p.add_argument("--throughput-cudagraphs", action=argparse.BooleanOptionalAction,
-                   default=True)
+    p.add_argument("--throughput-cudagraphs", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
     if args.internal_run:
         return args

@@ -1,7 +1,9 @@
 """Test setup for kvarn-vllm (CPU, vLLM 0.26 installed, no GPU).
 
-* ``TRITON_INTERPRET=1`` before anything imports Triton: the forward-pass tests run the
-  kvarn-kernels and vLLM Triton kernels in Triton's interpreter on CPU tensors.
+* Without a GPU, ``TRITON_INTERPRET=1`` is set before anything imports Triton: the
+  forward-pass tests run the kvarn-kernels Triton kernels in Triton's interpreter on CPU
+  tensors. With a GPU (``nox -s gpu`` collects every package's tests in one session) the
+  environment is left alone, so other packages' GPU tests keep compiled Triton.
 * vLLM resolves its platform from the hardware; this host has none it recognizes, so the
   tests install vLLM's CPU platform (only ``device_type`` and config defaults are used).
 """
@@ -10,7 +12,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import pytest
@@ -39,13 +44,22 @@ def vllm_config_factory(registered):
     """Build a real VllmConfig with a kvarn (or any) cache dtype, on the CPU device."""
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
 
-    def make(cache_dtype: str = "kvarn_k4v2_g64", block_size: int | None = None,
-             max_num_seqs: int = 8, max_num_batched_tokens: int = 512, **cache_kwargs):
+    def make(
+        cache_dtype: str = "kvarn_k4v2_g64",
+        block_size: int | None = None,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
+        **cache_kwargs,
+    ):
         cache = CacheConfig(cache_dtype=cache_dtype, block_size=block_size, **cache_kwargs)
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_num_batched_tokens, is_encoder_decoder=False)
-        return VllmConfig(cache_config=cache, scheduler_config=sched,
-                          device_config=DeviceConfig(device="cpu"))
+        sched = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_num_batched_tokens,
+            is_encoder_decoder=False,
+        )
+        return VllmConfig(
+            cache_config=cache, scheduler_config=sched, device_config=DeviceConfig(device="cpu")
+        )
 
     return make

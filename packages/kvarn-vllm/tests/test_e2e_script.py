@@ -68,8 +68,10 @@ def test_log_capture_parses_vllm_and_kvarn_lines(e2e):
     log.setLevel(logging.INFO)
     try:
         log.info("GPU KV cache size: %s tokens", f"{1234567:,}")
-        log.info("kvarn: staging for open tiles: 512 slots (max_num_seqs, no concurrency cap) "
-                 "x 128 tokens x 32 layers = 8.000 GiB, allocated at model build")
+        log.info(
+            "kvarn: staging for open tiles: 512 slots (max_num_seqs, no concurrency cap) "
+            "x 128 tokens x 32 layers = 8.000 GiB, allocated at model build"
+        )
         log.info("unrelated line")
     finally:
         log.removeHandler(cap)
@@ -132,8 +134,16 @@ def test_parse_args(e2e):
 def test_isolated_run_records_failure(e2e, tmp_path):
     """A real child process: vLLM cannot start an engine on this GPU-less host, and the
     script records that instead of crashing."""
-    result = e2e.run_isolated("cpu/auto", "auto", {"model": str(tmp_path / "missing")}, [], 4,
-                              None, tmp_path / "runs", timeout=300)
+    result = e2e.run_isolated(
+        "cpu/auto",
+        "auto",
+        {"model": str(tmp_path / "missing")},
+        [],
+        4,
+        None,
+        tmp_path / "runs",
+        timeout=300,
+    )
     assert not result.ok
     assert result.error
     assert (tmp_path / "runs" / "cpu_auto.log").exists()
@@ -144,54 +154,96 @@ def test_isolated_run_records_failure(e2e, tmp_path):
 def test_kvarn_checks_catch_silent_fallback(e2e):
     R = e2e.RunResult
     good = {
-        "auto/eager": R("auto/eager", "auto", {}, ok=True, kv_cache_tokens_logged=1000,
-                        block_size=16),
-        "kvarn_k4v2_g128/eager": R("kvarn_k4v2_g128/eager", "kvarn_k4v2_g128", {}, ok=True,
-                                   kv_cache_tokens_logged=4300, block_size=128,
-                                   staging_gib_logged=0.4),
+        "auto/eager": R(
+            "auto/eager", "auto", {}, ok=True, kv_cache_tokens_logged=1000, block_size=16
+        ),
+        "kvarn_k4v2_g128/eager": R(
+            "kvarn_k4v2_g128/eager",
+            "kvarn_k4v2_g128",
+            {},
+            ok=True,
+            kv_cache_tokens_logged=4300,
+            block_size=128,
+            staging_gib_logged=0.4,
+        ),
     }
     assert e2e.kvarn_checks(good)["problems"] == []
     fallback = dict(good)
-    fallback["kvarn_k4v2_g128/eager"] = R("kvarn_k4v2_g128/eager", "kvarn_k4v2_g128", {},
-                                          ok=True, kv_cache_tokens_logged=1000, block_size=16)
+    fallback["kvarn_k4v2_g128/eager"] = R(
+        "kvarn_k4v2_g128/eager",
+        "kvarn_k4v2_g128",
+        {},
+        ok=True,
+        kv_cache_tokens_logged=1000,
+        block_size=16,
+    )
     problems = e2e.kvarn_checks(fallback)["problems"]
     assert len(problems) == 3
     assert any("staging" in p for p in problems)
     assert any("block size 16" in p for p in problems)
     assert any("not more than bf16" in p for p in problems)
-    cap = {"capacity/auto": R("capacity/auto", "auto", {}, ok=True, kv_cache_tokens_logged=900),
-           "capacity/kvarn_k4v4_g64": R("capacity/kvarn_k4v4_g64", "kvarn_k4v4_g64", {},
-                                        ok=True, kv_cache_tokens_logged=800, block_size=64,
-                                        staging_gib_logged=1.0)}
+    cap = {
+        "capacity/auto": R("capacity/auto", "auto", {}, ok=True, kv_cache_tokens_logged=900),
+        "capacity/kvarn_k4v4_g64": R(
+            "capacity/kvarn_k4v4_g64",
+            "kvarn_k4v4_g64",
+            {},
+            ok=True,
+            kv_cache_tokens_logged=800,
+            block_size=64,
+            staging_gib_logged=1.0,
+        ),
+    }
     assert e2e.kvarn_checks(cap)["problems"] == [
-        "capacity/kvarn_k4v4_g64: 800 KV tokens, not more than bf16's 900"]
+        "capacity/kvarn_k4v4_g64: 800 KV tokens, not more than bf16's 900"
+    ]
 
 
 def test_throughput_summary(e2e):
     R = e2e.RunResult
     runs = {
-        "throughput/auto": R("throughput/auto", "auto", {}, ok=True, generate_seconds=10.0,
-                             prompt_tokens=1000, output_tokens=100),
-        "throughput/kvarn_k4v2_g128": R("throughput/kvarn_k4v2_g128", "kvarn_k4v2_g128", {},
-                                        ok=True, generate_seconds=5.0, prompt_tokens=1000,
-                                        output_tokens=100),
-        "throughput/kvarn_k4v4_g128": R("throughput/kvarn_k4v4_g128", "kvarn_k4v4_g128", {},
-                                        ok=False),
+        "throughput/auto": R(
+            "throughput/auto",
+            "auto",
+            {},
+            ok=True,
+            generate_seconds=10.0,
+            prompt_tokens=1000,
+            output_tokens=100,
+        ),
+        "throughput/kvarn_k4v2_g128": R(
+            "throughput/kvarn_k4v2_g128",
+            "kvarn_k4v2_g128",
+            {},
+            ok=True,
+            generate_seconds=5.0,
+            prompt_tokens=1000,
+            output_tokens=100,
+        ),
+        "throughput/kvarn_k4v4_g128": R(
+            "throughput/kvarn_k4v4_g128", "kvarn_k4v4_g128", {}, ok=False
+        ),
     }
     table = e2e.throughput_summary(runs)
     assert table["throughput/auto"]["total_tok_per_s"] == 110.0
     assert table["throughput/kvarn_k4v2_g128"]["output_tok_per_s"] == 20.0
     assert table["throughput/kvarn_k4v2_g128"]["total_vs_bf16"] == 2.0
     assert table["throughput/kvarn_k4v4_g128"] == {"ok": False}
-    args = e2e.parse_args(["--out", "/tmp/x", "--phase", "throughput",
-                           "--throughput-dtypes", "auto"])
+    args = e2e.parse_args(
+        ["--out", "/tmp/x", "--phase", "throughput", "--throughput-dtypes", "auto"]
+    )
     assert args.throughput_prompt_len == 16384 and args.throughput_prompts == 96
 
 
 def test_parse_sse(e2e):
-    events, done = e2e.parse_sse([
-        'data: {"choices": [{"text": "Hel"}]}\n', "\n",
-        'data: {"choices": [{"text": "lo"}]}\n', "data: [DONE]\n"])
+    events, done = e2e.parse_sse(
+        [
+            'data: {"choices": [{"text": "Hel"}]}\n',
+            "\n",
+            'data: {"choices": [{"text": "lo"}]}\n',
+            "data: [DONE]\n",
+        ]
+    )
     assert [e["choices"][0]["text"] for e in events] == ["Hel", "lo"]
     assert done
 
@@ -224,8 +276,12 @@ def _fake_openai_server(max_model_len: int):
                 return
             words = ["tok"] * req["max_tokens"]
             if req.get("stream"):
-                chunks = "".join(f'data: {json.dumps({"choices": [{"text": w + " "}]})}\n\n'
-                                 for w in words) + "data: [DONE]\n\n"
+                chunks = (
+                    "".join(
+                        f"data: {json.dumps({'choices': [{'text': w + ' '}]})}\n\n" for w in words
+                    )
+                    + "data: [DONE]\n\n"
+                )
                 self._send(200, chunks, "text/event-stream")
             else:
                 self._send(200, json.dumps({"choices": [{"text": " ".join(words)}]}))
@@ -239,8 +295,9 @@ def test_exercise_server_against_fake(e2e):
     server = _fake_openai_server(max_model_len=64)
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        report = e2e.exercise_server(base, "m", ["a b c", "d e"] * 5, max_tokens=3,
-                                     concurrency=4, max_model_len=64)
+        report = e2e.exercise_server(
+            base, "m", ["a b c", "d e"] * 5, max_tokens=3, concurrency=4, max_model_len=64
+        )
     finally:
         server.shutdown()
     assert report["requests"] == 10 and report["streaming"] == 5
@@ -263,8 +320,9 @@ def test_serve_cli_accepts_kvarn_dtype(registered, e2e):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    cmd = e2e.serve_command("/m", "kvarn_k4v2_g128", 9000, 2048, 0.3,
-                            ["--served-model-name", "smollm2"])
+    cmd = e2e.serve_command(
+        "/m", "kvarn_k4v2_g128", 9000, 2048, 0.3, ["--served-model-name", "smollm2"]
+    )
     args = parser.parse_args(cmd[5:])
     assert args.kv_cache_dtype == "kvarn_k4v2_g128"
     assert args.port == 9000 and args.max_model_len == 2048

@@ -31,16 +31,28 @@ def builder(registered):
 
     vc = VllmConfig(
         cache_config=CacheConfig(cache_dtype="kvarn_k4v2_g64"),
-        scheduler_config=SchedulerConfig(max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS,
-                                         max_model_len=MAX_BLOCKS * G, is_encoder_decoder=False),
-        device_config=DeviceConfig(device="cpu"))
-    spec = make_layer_spec(parse_kv_cache_dtype("kvarn_k4v2_g64"), block_size=G, num_kv_heads=2,
-                           head_size=64, head_size_v=64, sliding_window=None)
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=MAX_REQS,
+            max_num_batched_tokens=MAX_TOKENS,
+            max_model_len=MAX_BLOCKS * G,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    spec = make_layer_spec(
+        parse_kv_cache_dtype("kvarn_k4v2_g64"),
+        block_size=G,
+        num_kv_heads=2,
+        head_size=64,
+        head_size_v=64,
+        sliding_window=None,
+    )
     old = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     try:
         return backend_class("kvarn_k4v2_g64").get_builder_cls()(
-            spec, ["layer"], vc, torch.device("cpu"))
+            spec, ["layer"], vc, torch.device("cpu")
+        )
     finally:
         if old is None:
             os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
@@ -62,8 +74,12 @@ def batches(draw):
     return reqs
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(reqs=batches(), seed=st.integers(0, 2**16))
 def test_builder_matches_plan_store(builder, reqs, seed):
     from kvarn_kernels import plan_store
@@ -78,17 +94,30 @@ def test_builder_matches_plan_store(builder, reqs, seed):
     table = rng.permutation(1000)[: n * MAX_BLOCKS].reshape(n, MAX_BLOCKS).astype(np.int32)
     md.STEP.report_real(SimpleNamespace(num_reqs=n, idx_mapping_np=slots))
     cam = CommonAttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl), query_start_loc_cpu=torch.from_numpy(qsl),
-        seq_lens=torch.from_numpy(cached + new), num_reqs=n, num_actual_tokens=int(qsl[-1]),
-        max_query_len=int(new.max()), max_seq_len=int((cached + new).max()),
+        query_start_loc=torch.from_numpy(qsl),
+        query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=torch.from_numpy(cached + new),
+        num_reqs=n,
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=int(new.max()),
+        max_seq_len=int((cached + new).max()),
         block_table_tensor=torch.from_numpy(table),
         slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-        seq_lens_cpu_upper_bound=torch.from_numpy(cached + new))
+        seq_lens_cpu_upper_bound=torch.from_numpy(cached + new),
+    )
     meta = builder.build(0, cam)
     uniform_decode = bool((new <= 1).all()) and bool((new == 1).any())
-    want = plan_store(cached, new, None, slots, table, "kvarn_k4v2_g64", query_start_loc=qsl,
-                      max_tiles=n if uniform_decode else None,
-                      max_writes=n if uniform_decode else None)
+    want = plan_store(
+        cached,
+        new,
+        None,
+        slots,
+        table,
+        "kvarn_k4v2_g64",
+        query_start_loc=qsl,
+        max_tiles=n if uniform_decode else None,
+        max_writes=n if uniform_decode else None,
+    )
     assert torch.equal(meta.plan.tiles, want.tiles)
     assert torch.equal(meta.plan.writes, want.writes)
     assert torch.equal(meta.plan.quantized_lens, want.quantized_lens)
@@ -101,10 +130,12 @@ def test_builder_matches_plan_store(builder, reqs, seed):
             continue
         rows = np.arange(n) if g.rows is None else g.rows.numpy()
         seen_rows += rows.tolist()
-        tokens = (np.arange(int(qsl[-1])) if g.token_index is None
-                  else g.token_index.numpy())
-        expect = (np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in rows])
-                  if len(rows) else np.zeros(0))
+        tokens = np.arange(int(qsl[-1])) if g.token_index is None else g.token_index.numpy()
+        expect = (
+            np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in rows])
+            if len(rows)
+            else np.zeros(0)
+        )
         if g.token_index is not None or kind != "decode":
             assert tokens.tolist() == expect.tolist()
         assert g.seq_lens.tolist() == (cached + new)[rows].tolist()

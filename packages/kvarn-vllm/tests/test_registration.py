@@ -89,7 +89,6 @@ def test_import_and_register_leave_cuda_alone():
         "assert not torch.cuda.is_initialized()\n"
         "print('OK')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=240)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK")

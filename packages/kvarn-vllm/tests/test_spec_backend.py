@@ -19,8 +19,14 @@ CASES = [(name, d, h) for name in sorted(PRESETS) for d in SERVED_HEAD_DIMS for 
 def test_page_bytes_and_shape_agree(registered, name, head_dim, kv_heads):
     cfg = parse_kv_cache_dtype(name)
     layout = tile_layout(name, head_dim)
-    spec = make_layer_spec(cfg, block_size=cfg.block_size, num_kv_heads=kv_heads,
-                           head_size=head_dim, head_size_v=head_dim, sliding_window=None)
+    spec = make_layer_spec(
+        cfg,
+        block_size=cfg.block_size,
+        num_kv_heads=kv_heads,
+        head_size=head_dim,
+        head_size_v=head_dim,
+        sliding_window=None,
+    )
     assert spec.dtype is torch.uint8
     assert spec.block_size == layout.group_size
     assert spec.page_size_bytes == layout.page_bytes(kv_heads) == kv_heads * layout.tile_bytes
@@ -36,11 +42,13 @@ def test_page_bytes_and_shape_agree(registered, name, head_dim, kv_heads):
 
 def test_bytes_per_token_beat_bf16():
     cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
-    spec = make_layer_spec(cfg, block_size=128, num_kv_heads=8, head_size=128,
-                           head_size_v=128, sliding_window=None)
+    spec = make_layer_spec(
+        cfg, block_size=128, num_kv_heads=8, head_size=128, head_size_v=128, sliding_window=None
+    )
     bf16_page = 128 * 8 * 2 * 128 * 2
     assert bf16_page / spec.page_size_bytes == pytest.approx(
-        tile_layout("kvarn_k4v2_g128", 128).ratio_to_fp16)
+        tile_layout("kvarn_k4v2_g128", 128).ratio_to_fp16
+    )
     assert bf16_page / spec.page_size_bytes > 4.5
 
 
@@ -48,8 +56,9 @@ def test_sliding_window_spec(registered):
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     cfg = parse_kv_cache_dtype("kvarn_k4v4_g128")
-    spec = make_layer_spec(cfg, block_size=128, num_kv_heads=4, head_size=256,
-                           head_size_v=256, sliding_window=512)
+    spec = make_layer_spec(
+        cfg, block_size=128, num_kv_heads=4, head_size=256, head_size_v=256, sliding_window=512
+    )
     assert isinstance(spec, SlidingWindowSpec)
     assert spec.sliding_window == 512
     assert spec.page_size_bytes == tile_layout(cfg.preset, 256).page_bytes(4)
@@ -72,15 +81,25 @@ def test_spec_merge_and_pickle(registered):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     cfg = parse_kv_cache_dtype("kvarn_k4v2_g64")
-    specs = [make_layer_spec(cfg, block_size=64, num_kv_heads=2, head_size=64, head_size_v=64,
-                             sliding_window=None) for _ in range(3)]
+    specs = [
+        make_layer_spec(
+            cfg, block_size=64, num_kv_heads=2, head_size=64, head_size_v=64, sliding_window=None
+        )
+        for _ in range(3)
+    ]
     merged = type(specs[0]).merge(specs)
     assert merged == specs[0] and merged.page_size_bytes == specs[0].page_size_bytes
     assert isinstance(merged, FullAttentionSpec)
     clone = pickle.loads(pickle.dumps(merged))
     assert clone == merged and clone.page_size_bytes == merged.page_size_bytes
-    other = make_layer_spec(parse_kv_cache_dtype("kvarn_k4v4_g64"), block_size=64,
-                            num_kv_heads=2, head_size=64, head_size_v=64, sliding_window=None)
+    other = make_layer_spec(
+        parse_kv_cache_dtype("kvarn_k4v4_g64"),
+        block_size=64,
+        num_kv_heads=2,
+        head_size=64,
+        head_size_v=64,
+        sliding_window=None,
+    )
     with pytest.raises((ValueError, AssertionError)):
         type(specs[0]).merge([specs[0], other])
 
@@ -91,9 +110,12 @@ def test_vllm_kv_cache_config_counts_true_tokens(vllm_config_factory):
 
     vc = vllm_config_factory("kvarn_k4v2_g128", block_size=128)
     cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
-    specs = {f"model.layers.{i}.self_attn.attn": make_layer_spec(
-        cfg, block_size=128, num_kv_heads=8, head_size=128, head_size_v=128,
-        sliding_window=None) for i in range(4)}
+    specs = {
+        f"model.layers.{i}.self_attn.attn": make_layer_spec(
+            cfg, block_size=128, num_kv_heads=8, head_size=128, head_size_v=128, sliding_window=None
+        )
+        for i in range(4)
+    }
     page = next(iter(specs.values())).page_size_bytes
     groups = get_kv_cache_groups(vc, specs)
     assert len(groups) == 1
@@ -106,8 +128,9 @@ def test_vllm_kv_cache_config_counts_true_tokens(vllm_config_factory):
 def _selector_cfg(**overrides):
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    base = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="kvarn_k4v2_g128",
-                block_size=None)
+    base = dict(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="kvarn_k4v2_g128", block_size=None
+    )
     base.update(overrides)
     return AttentionSelectorConfig(**base)
 
@@ -136,14 +159,17 @@ def test_selector_through_get_attn_backend(vllm_config_factory):
     assert cls is backend_class("kvarn_k4v4_g64")
 
 
-@pytest.mark.parametrize(("overrides", "needle"), [
-    (dict(use_mla=True), "MLA"),
-    (dict(block_size=16), "--block-size 16 conflicts with kvarn_k4v2_g128"),
-    (dict(head_size=80), "head_dim is 80"),
-    (dict(dtype=torch.float32), "model dtype"),
-    (dict(has_sink=True), "sinks"),
-    (dict(attn_type="encoder_only"), "attention type"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (dict(use_mla=True), "MLA"),
+        (dict(block_size=16), "--block-size 16 conflicts with kvarn_k4v2_g128"),
+        (dict(head_size=80), "head_dim is 80"),
+        (dict(dtype=torch.float32), "model dtype"),
+        (dict(has_sink=True), "sinks"),
+        (dict(attn_type="encoder_only"), "attention type"),
+    ],
+)
 def test_selector_errors_say_why(registered, overrides, needle):
     from vllm.v1.attention import selector
 
@@ -170,8 +196,7 @@ def test_selector_leaves_other_dtypes_to_vllm(registered):
     assert not cls.__module__.startswith("kvarn_vllm")
 
 
-def _attention(vc, head_size=64, num_heads=4, num_kv_heads=2, prefix="model.layers.0.attn",
-               **kw):
+def _attention(vc, head_size=64, num_heads=4, num_kv_heads=2, prefix="model.layers.0.attn", **kw):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
@@ -179,9 +204,15 @@ def _attention(vc, head_size=64, num_heads=4, num_kv_heads=2, prefix="model.laye
     torch.set_default_dtype(torch.float16)
     try:
         with set_current_vllm_config(vc):
-            return Attention(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
-                             num_kv_heads=num_kv_heads, cache_config=vc.cache_config,
-                             prefix=prefix, **kw)
+            return Attention(
+                num_heads=num_heads,
+                head_size=head_size,
+                scale=head_size**-0.5,
+                num_kv_heads=num_kv_heads,
+                cache_config=vc.cache_config,
+                prefix=prefix,
+                **kw,
+            )
     finally:
         torch.set_default_dtype(old)
 
@@ -201,7 +232,10 @@ def test_real_attention_layer(vllm_config_factory):
     spec = layer.get_kv_cache_spec(vc)
     assert spec.page_size_bytes == tile_layout("kvarn_k4v2_g64", 64).page_bytes(2)
     assert layer.attn_backend.get_kv_cache_shape(3, 64, 2, 64) == (
-        3, 2, tile_layout("kvarn_k4v2_g64", 64).tile_bytes)
+        3,
+        2,
+        tile_layout("kvarn_k4v2_g64", 64).tile_bytes,
+    )
 
 
 def test_real_attention_sliding_window_layer(vllm_config_factory):

@@ -45,13 +45,15 @@ def unsupported_reasons(cfg: Any, preset: Preset) -> list[str]:
 
     reasons = []
     if cfg.use_mla:
-        reasons.append("it is an MLA (latent) attention layer; kvarn-vllm serves dense/GQA "
-                       "layers only so far")
+        reasons.append(
+            "it is an MLA (latent) attention layer; kvarn-vllm serves dense/GQA layers only so far"
+        )
     if cfg.use_sparse:
         reasons.append("it uses sparse attention")
     if cfg.attn_type != "decoder":
-        reasons.append(f"its attention type is {cfg.attn_type!r}; only decoder self-attention "
-                       "is served")
+        reasons.append(
+            f"its attention type is {cfg.attn_type!r}; only decoder self-attention is served"
+        )
     if cfg.head_size not in SERVED_HEAD_DIMS:
         reasons.append(f"its head_dim is {cfg.head_size}; supported: {SERVED_HEAD_DIMS}")
     if cfg.dtype not in (torch.float16, torch.bfloat16):
@@ -114,9 +116,14 @@ def _base_class() -> type:
             return cls.preset.group_size
 
         @classmethod
-        def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
-                               head_size: int, cache_dtype_str: str = "auto"
-                               ) -> tuple[int, ...]:
+        def get_kv_cache_shape(
+            cls,
+            num_blocks: int,
+            block_size: int,
+            num_kv_heads: int,
+            head_size: int,
+            cache_dtype_str: str = "auto",
+        ) -> tuple[int, ...]:
             if block_size != cls.preset.group_size:
                 raise ValueError(
                     f"block_size must be the {cls.preset.name} tile size "
@@ -155,11 +162,15 @@ def _base_class() -> type:
 @functools.cache
 def backend_class(kv_cache_dtype: str | Preset) -> type:
     """The backend class of one preset (created once per process)."""
-    preset = get_preset(kv_cache_dtype) if isinstance(kv_cache_dtype, Preset) else (
-        parse_kv_cache_dtype(kv_cache_dtype).preset)
+    preset = (
+        get_preset(kv_cache_dtype)
+        if isinstance(kv_cache_dtype, Preset)
+        else (parse_kv_cache_dtype(kv_cache_dtype).preset)
+    )
     name = _class_name(preset)
-    cls = type(name, (_base_class(),), {"preset": preset, "__module__": __name__,
-                                         "__qualname__": name})
+    cls = type(
+        name, (_base_class(),), {"preset": preset, "__module__": __name__, "__qualname__": name}
+    )
     globals()[name] = cls
     return cls
 

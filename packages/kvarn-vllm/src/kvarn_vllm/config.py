@@ -90,8 +90,9 @@ def staging_tiles_for(num_speculative_tokens: int | None, group_size: int) -> in
     return 1 + -(-k // group_size)
 
 
-def parse_kv_cache_dtype(kv_cache_dtype: str, *, num_speculative_tokens: int | None = None
-                         ) -> KvarnConfig:
+def parse_kv_cache_dtype(
+    kv_cache_dtype: str, *, num_speculative_tokens: int | None = None
+) -> KvarnConfig:
     """Parse a ``kvarn_*`` ``kv_cache_dtype`` into a :class:`KvarnConfig`.
 
     Raises:

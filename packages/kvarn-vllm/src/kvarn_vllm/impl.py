@@ -45,7 +45,9 @@ def log_staging_once() -> None:
         "kvarn: staging for open tiles: %d slots (max_num_seqs, no concurrency cap) x %d "
         "tokens x %d layers = %.3f GiB, allocated at model build so vLLM's memory profiling "
         "counts it; lower --max-num-seqs to shrink it.",
-        _STAGING["slots"], _STAGING["tokens"], _STAGING["layers"],
+        _STAGING["slots"],
+        _STAGING["tokens"],
+        _STAGING["layers"],
         _STAGING["bytes"] / 2**30,
     )
 
@@ -60,13 +62,20 @@ def _make_impl_class() -> type:
     class KvarnAttentionImpl(AttentionImpl):
         """Dense/GQA attention over a KVarN cache for one layer."""
 
-        def __init__(self, num_heads: int, head_size: int, scale: float,
-                     num_kv_heads: int | None, alibi_slopes: list[float] | None,
-                     sliding_window: int | None, kv_cache_dtype: str,
-                     logits_soft_cap: float | None = None,
-                     attn_type: str = AttentionType.DECODER,
-                     kv_sharing_target_layer_name: str | None = None,
-                     **extra: Any) -> None:
+        def __init__(
+            self,
+            num_heads: int,
+            head_size: int,
+            scale: float,
+            num_kv_heads: int | None,
+            alibi_slopes: list[float] | None,
+            sliding_window: int | None,
+            kv_cache_dtype: str,
+            logits_soft_cap: float | None = None,
+            attn_type: str = AttentionType.DECODER,
+            kv_sharing_target_layer_name: str | None = None,
+            **extra: Any,
+        ) -> None:
             vllm_config = get_current_vllm_config()
             spec = vllm_config.speculative_config
             self.config = parse_kv_cache_dtype(
@@ -98,23 +107,43 @@ def _make_impl_class() -> type:
             self.config.check_head_dim(head_size)
             self.staging = None
             if kv_sharing_target_layer_name is None:
-                dtype = vllm_config.model_config.dtype if vllm_config.model_config else (
-                    torch.get_default_dtype())
+                dtype = (
+                    vllm_config.model_config.dtype
+                    if vllm_config.model_config
+                    else (torch.get_default_dtype())
+                )
                 num_slots = int(vllm_config.scheduler_config.max_num_seqs)
                 # Model build runs under `with torch.device(target)`: this lands on the GPU.
                 self.staging = kernels.allocate_staging(
-                    num_slots, self.num_kv_heads, head_size, self.preset, dtype,
-                    torch.get_default_device(), staging_tiles=self.config.staging_tiles)
+                    num_slots,
+                    self.num_kv_heads,
+                    head_size,
+                    self.preset,
+                    dtype,
+                    torch.get_default_device(),
+                    staging_tiles=self.config.staging_tiles,
+                )
                 _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
                 _STAGING["layers"] += 1
                 _STAGING["slots"] = num_slots
                 _STAGING["tokens"] = self.config.staging_tokens
 
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
-                    output_scale=None, output_block_scale=None):
+        def forward(
+            self,
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output=None,
+            output_scale=None,
+            output_block_scale=None,
+        ):
             if output_scale is not None or output_block_scale is not None:
                 raise NotImplementedError(
-                    "fused output quantization is not supported by kvarn-vllm")
+                    "fused output quantization is not supported by kvarn-vllm"
+                )
             assert output is not None, "kvarn-vllm writes into vLLM's output buffer"
             if attn_metadata is None:
                 return output.fill_(0)  # profiling run without metadata
@@ -131,14 +160,31 @@ def _make_impl_class() -> type:
                 g = md.decode
                 if g.token_index is None:
                     kernels.decode_attention(
-                        query[: md.num_reqs], kv_cache, staging, g.block_table, g.seq_lens,
-                        g.quantized_lens, g.staging_slots, self.preset, self.scale,
-                        sliding_window=window, out=output[: md.num_reqs])
+                        query[: md.num_reqs],
+                        kv_cache,
+                        staging,
+                        g.block_table,
+                        g.seq_lens,
+                        g.quantized_lens,
+                        g.staging_slots,
+                        self.preset,
+                        self.scale,
+                        sliding_window=window,
+                        out=output[: md.num_reqs],
+                    )
                 else:
                     res = kernels.decode_attention(
-                        query.index_select(0, g.token_index), kv_cache, staging,
-                        g.block_table, g.seq_lens, g.quantized_lens, g.staging_slots,
-                        self.preset, self.scale, sliding_window=window)
+                        query.index_select(0, g.token_index),
+                        kv_cache,
+                        staging,
+                        g.block_table,
+                        g.seq_lens,
+                        g.quantized_lens,
+                        g.staging_slots,
+                        self.preset,
+                        self.scale,
+                        sliding_window=window,
+                    )
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
@@ -146,10 +192,20 @@ def _make_impl_class() -> type:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
                 res = kernels.multi_query_attention(
-                    q, g.query_start_loc, kv_cache, staging, g.block_table, g.seq_lens,
-                    g.quantized_lens, g.staging_slots, self.preset, self.scale,
-                    sliding_window=window, max_query_len=g.max_query_len,
-                    out=output[:n] if g.token_index is None else None)
+                    q,
+                    g.query_start_loc,
+                    kv_cache,
+                    staging,
+                    g.block_table,
+                    g.seq_lens,
+                    g.quantized_lens,
+                    g.staging_slots,
+                    self.preset,
+                    self.scale,
+                    sliding_window=window,
+                    max_query_len=g.max_query_len,
+                    out=output[:n] if g.token_index is None else None,
+                )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
             return output
@@ -157,8 +213,9 @@ def _make_impl_class() -> type:
         def _fresh(self, g, query, key, value, output, n):
             """Exact causal attention of a first chunk over its own K/V (original frame)."""
             if key is None or value is None:
-                raise ValueError("a KV-sharing layer cannot run a prompt's first chunk: it "
-                                 "has no K/V of its own")
+                raise ValueError(
+                    "a KV-sharing layer cannot run a prompt's first chunk: it has no K/V of its own"
+                )
             whole = g.token_index is None
             if whole:
                 q, k, v, o = query[:n], key[:n], value[:n], output[:n]
@@ -173,23 +230,41 @@ def _make_impl_class() -> type:
                 flash_fn, fa_version = flash
                 try:
                     flash_fn(
-                        q, k, v, max_seqlen_q=g.max_query_len, cu_seqlens_q=g.query_start_loc,
-                        max_seqlen_k=g.max_query_len, cu_seqlens_k=g.query_start_loc,
-                        softmax_scale=self.scale, causal=True,
+                        q,
+                        k,
+                        v,
+                        max_seqlen_q=g.max_query_len,
+                        cu_seqlens_q=g.query_start_loc,
+                        max_seqlen_k=g.max_query_len,
+                        cu_seqlens_k=g.query_start_loc,
+                        softmax_scale=self.scale,
+                        causal=True,
                         window_size=None if window is None else [window - 1, 0],
-                        out=o, fa_version=fa_version)
+                        out=o,
+                        fa_version=fa_version,
+                    )
                     done = True
                 except Exception as exc:  # argument/shape refusal: use Triton from now on
                     _PREFILL["flash"] = None
-                    logger.warning("kvarn: FlashAttention %s refused the first-chunk prefill "
-                                   "(%s); using vLLM's Triton prefill kernel instead",
-                                   fa_version, exc)
+                    logger.warning(
+                        "kvarn: FlashAttention %s refused the first-chunk prefill "
+                        "(%s); using vLLM's Triton prefill kernel instead",
+                        fa_version,
+                        exc,
+                    )
             triton_fn = None if done else compat.triton_prefill()
             if triton_fn is not None:
                 lens = g.query_start_loc[1:] - g.query_start_loc[:-1]
                 triton_fn(
-                    q, k, v, o, g.query_start_loc[:-1], lens, g.max_query_len,
-                    is_causal=True, softmax_scale=self.scale,
+                    q,
+                    k,
+                    v,
+                    o,
+                    g.query_start_loc[:-1],
+                    lens,
+                    g.max_query_len,
+                    is_causal=True,
+                    softmax_scale=self.scale,
                     sliding_window_q=None if window is None else window - 1,
                 )
             elif not done:
@@ -214,13 +289,22 @@ def _flash_prefill(head_size: int) -> tuple[Any, int] | None:
     if "flash" not in _PREFILL:
         _PREFILL["flash"] = compat.flash_attn_prefill(head_size)
         found = _PREFILL["flash"]
-        logger.info("kvarn: exact first-chunk prefill via %s",
-                    f"FlashAttention {found[1]}" if found else "vLLM's Triton prefill kernel")
+        logger.info(
+            "kvarn: exact first-chunk prefill via %s",
+            f"FlashAttention {found[1]}" if found else "vLLM's Triton prefill kernel",
+        )
     return _PREFILL["flash"]
 
 
-def exact_causal_attention(q: Any, k: Any, v: Any, out: Any, query_start_loc: Any,
-                           scale: float, sliding_window: int | None = None) -> Any:
+def exact_causal_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    query_start_loc: Any,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Any:
     """Causal attention of each sequence over its own tokens, in torch (reference path).
 
     Used where vLLM's Triton kernels are unavailable (vLLM without a GPU driver), and by

@@ -19,8 +19,14 @@ __all__ = [
     "store_kv",
 ]
 
-_REQUIRED = ("plan_store", "store_kv", "decode_attention", "multi_query_attention",
-             "allocate_staging", "staging_bytes")
+_REQUIRED = (
+    "plan_store",
+    "store_kv",
+    "decode_attention",
+    "multi_query_attention",
+    "allocate_staging",
+    "staging_bytes",
+)
 
 
 @functools.cache

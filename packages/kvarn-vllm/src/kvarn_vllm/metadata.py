@@ -105,9 +105,7 @@ def encoded_block_table(num_reqs: int, max_blocks: int) -> np.ndarray:
     block ids through the device block table.
     """
     if num_reqs * max_blocks >= 2**31:
-        raise ValueError(
-            f"num_reqs * max_blocks must fit int32, got {num_reqs} * {max_blocks}"
-        )
+        raise ValueError(f"num_reqs * max_blocks must fit int32, got {num_reqs} * {max_blocks}")
     return np.arange(num_reqs * max_blocks, dtype=np.int32).reshape(num_reqs, max_blocks)
 
 
@@ -133,16 +131,16 @@ def split_rows(num_cached: np.ndarray, num_new: np.ndarray) -> BatchSplit:
     num_cached = np.asarray(num_cached)
     num_new = np.asarray(num_new)
     if num_cached.shape != num_new.shape:
-        raise ValueError(f"num_cached and num_new must match, got {num_cached.shape} and "
-                         f"{num_new.shape}")
+        raise ValueError(
+            f"num_cached and num_new must match, got {num_cached.shape} and {num_new.shape}"
+        )
     if (num_cached < 0).any() or (num_new < 0).any():
         raise ValueError("num_cached and num_new must be >= 0")
     fresh_mask = (num_cached == 0) & (num_new > 0)
     decode_mask = ~fresh_mask & (num_new == 1)
     context_mask = ~fresh_mask & (num_new > 1)
     rows = np.arange(num_new.shape[0], dtype=np.int32)
-    parts = {"decode": rows[decode_mask], "fresh": rows[fresh_mask],
-             "context": rows[context_mask]}
+    parts = {"decode": rows[decode_mask], "fresh": rows[fresh_mask], "context": rows[context_mask]}
     nonempty = [k for k, v in parts.items() if v.size]
     uniform = nonempty[0] if len(nonempty) == 1 else None
     return BatchSplit(uniform=uniform, **parts)
@@ -233,8 +231,10 @@ def _make_builder_class() -> type:
             self.preset = self.config.preset
             sched = vllm_config.scheduler_config
             self.max_num_reqs = int(sched.max_num_seqs)
-            self.max_num_tokens = max(int(sched.max_num_batched_tokens),
-                                      int(getattr(sched, "max_num_scheduled_tokens", 0) or 0))
+            self.max_num_tokens = max(
+                int(sched.max_num_batched_tokens),
+                int(getattr(sched, "max_num_scheduled_tokens", 0) or 0),
+            )
             group = self.preset.group_size
             # A step completes at most one tile per request plus one per G fresh tokens.
             self.max_tiles = self.max_num_tokens // group + self.max_num_reqs
@@ -246,8 +246,12 @@ def _make_builder_class() -> type:
                 "writes": (self.max_tiles * 5, self.max_writes * 3),
             }
             offset = self.max_tiles * 5 + self.max_writes * 3
-            for name, size in (("seq_lens", r), ("quantized_lens", r), ("slots", r),
-                               ("qsl", r + 1)):
+            for name, size in (
+                ("seq_lens", r),
+                ("quantized_lens", r),
+                ("slots", r),
+                ("qsl", r + 1),
+            ):
                 self._layout[name] = (offset, size)
                 offset += size
             for kind in ("decode", "fresh", "context"):
@@ -263,7 +267,7 @@ def _make_builder_class() -> type:
             start, size = self._layout[name]
             if n * cols > size:
                 raise ValueError(f"{name} needs {n * cols} entries, buffer holds {size}")
-            view = buf[start:start + n * cols]
+            view = buf[start : start + n * cols]
             return view.view(n, cols) if cols > 1 else view
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -294,8 +298,10 @@ def _make_builder_class() -> type:
                 real = min(record.num_reqs, num_reqs)
                 slots[:real] = record.slots[:real]
                 if slots.size and slots.max() >= self.max_num_reqs:
-                    raise ValueError(f"staging slot {slots.max()} out of range: the V2 runner "
-                                     f"has {self.max_num_reqs} request rows")
+                    raise ValueError(
+                        f"staging slot {slots.max()} out of range: the V2 runner "
+                        f"has {self.max_num_reqs} request rows"
+                    )
             elif capture:
                 seq_lens = np.minimum(num_new, 1).astype(np.int32)
             else:
@@ -314,8 +320,11 @@ def _make_builder_class() -> type:
                 plan = kernels.plan_store(
                     num_cached if record is not None else np.zeros(num_reqs, np.int32),
                     num_new if record is not None else np.zeros(num_reqs, np.int32),
-                    None, slots, _encoded_table(max_blocks, self.max_num_reqs)[:num_reqs],
-                    self.preset, staging_tiles=self.config.staging_tiles,
+                    None,
+                    slots,
+                    _encoded_table(max_blocks, self.max_num_reqs)[:num_reqs],
+                    self.preset,
+                    staging_tiles=self.config.staging_tiles,
                     query_start_loc=qsl,
                     max_tiles=num_reqs if uniform_decode else None,
                     max_writes=num_reqs if uniform_decode else None,
@@ -325,11 +334,15 @@ def _make_builder_class() -> type:
                 for name, values in (("tiles", plan.tiles), ("writes", plan.writes)):
                     s, _ = self._layout[name]
                     flat = np.asarray(values, dtype=np.int32).reshape(-1)
-                    host[s:s + flat.size] = flat
-            for name, values in (("seq_lens", seq_lens), ("quantized_lens", quantized),
-                                 ("slots", slots), ("qsl", qsl)):
+                    host[s : s + flat.size] = flat
+            for name, values in (
+                ("seq_lens", seq_lens),
+                ("quantized_lens", quantized),
+                ("slots", slots),
+                ("qsl", qsl),
+            ):
                 s, _ = self._layout[name]
-                host[s:s + values.size] = values
+                host[s : s + values.size] = values
 
             if capture or (record is not None and uniform_decode):
                 rows = np.arange(num_reqs, dtype=np.int32)
@@ -347,16 +360,24 @@ def _make_builder_class() -> type:
                     n_tokens = int(qsl[-1])
                     sub_qsl = qsl
                 else:
-                    tokens = (np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
-                              if lens.sum() else np.zeros(0, dtype=np.int32))
+                    tokens = (
+                        np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
+                        if lens.sum()
+                        else np.zeros(0, dtype=np.int32)
+                    )
                     sub_qsl = np.zeros(rows.size + 1, dtype=np.int32)
                     np.cumsum(lens, out=sub_qsl[1:])
                     for name, values in (("rows", rows), ("qsl", sub_qsl), ("tokens", tokens)):
                         s, _ = self._layout[f"{kind}_{name}"]
-                        host[s:s + values.size] = values
+                        host[s : s + values.size] = values
                     n_tokens = int(tokens.size)
-                group_hosts[kind] = (rows, n_tokens, int(lens.max(initial=0)),
-                                     int(seq_lens[rows].max(initial=0)), sub_qsl)
+                group_hosts[kind] = (
+                    rows,
+                    n_tokens,
+                    int(lens.max(initial=0)),
+                    int(seq_lens[rows].max(initial=0)),
+                    sub_qsl,
+                )
 
             # One host -> device copy for everything the kernels read this step.
             used = self._used_prefix(num_reqs, group_hosts, split.uniform)
@@ -379,31 +400,47 @@ def _make_builder_class() -> type:
                     code = tiles[:, 0]
                     ids = flat[code.clamp(min=0).long()].to(torch.int32)
                     tiles[:, 0] = torch.where(code >= 0, ids, code)
-                dev_plan = replace(plan, tiles=tiles, writes=writes, seq_lens=dev_seq,
-                                   quantized_lens=dev_quant)
+                dev_plan = replace(
+                    plan, tiles=tiles, writes=writes, seq_lens=dev_seq, quantized_lens=dev_quant
+                )
 
-            groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None,
-                                                   "context": None}
+            groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None, "context": None}
             for kind, (rows, n_tokens, max_q, max_s, sub_qsl) in group_hosts.items():
                 if split.uniform == kind:
                     groups[kind] = RowGroup(
-                        rows=None, token_index=None,
+                        rows=None,
+                        token_index=None,
                         query_start_loc=self._view(buf, "qsl", num_reqs + 1),
-                        seq_lens=dev_seq, quantized_lens=dev_quant, staging_slots=dev_slots,
-                        block_table=block_table, max_query_len=max_q, max_seq_len=max_s,
-                        num_tokens=n_tokens, query_start_loc_host=sub_qsl)
+                        seq_lens=dev_seq,
+                        quantized_lens=dev_quant,
+                        staging_slots=dev_slots,
+                        block_table=block_table,
+                        max_query_len=max_q,
+                        max_seq_len=max_s,
+                        num_tokens=n_tokens,
+                        query_start_loc_host=sub_qsl,
+                    )
                     continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
                 groups[kind] = RowGroup(
                     rows=dev_rows,
                     token_index=self._view(buf, f"{kind}_tokens", n_tokens).long(),
                     query_start_loc=self._view(buf, f"{kind}_qsl", rows.size + 1),
-                    seq_lens=dev_seq[dev_rows], quantized_lens=dev_quant[dev_rows],
-                    staging_slots=dev_slots[dev_rows], block_table=block_table[dev_rows],
-                    max_query_len=max_q, max_seq_len=max_s, num_tokens=n_tokens,
-                    query_start_loc_host=sub_qsl)
-            return KvarnMetadata(num_reqs=num_reqs, num_actual_tokens=int(cam.num_actual_tokens),
-                                 plan=dev_plan, **groups)
+                    seq_lens=dev_seq[dev_rows],
+                    quantized_lens=dev_quant[dev_rows],
+                    staging_slots=dev_slots[dev_rows],
+                    block_table=block_table[dev_rows],
+                    max_query_len=max_q,
+                    max_seq_len=max_s,
+                    num_tokens=n_tokens,
+                    query_start_loc_host=sub_qsl,
+                )
+            return KvarnMetadata(
+                num_reqs=num_reqs,
+                num_actual_tokens=int(cam.num_actual_tokens),
+                plan=dev_plan,
+                **groups,
+            )
 
         def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:
             # Copy only up to the last region this step uses.

@@ -102,14 +102,20 @@ def _make_spec(layer, vllm_config):
     block_size = cache_config.block_size
     try:
         return make_layer_spec(
-            config, block_size=block_size, num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_size, head_size_v=layer.head_size_v,
-            sliding_window=layer.sliding_window)
+            config,
+            block_size=block_size,
+            num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size,
+            head_size_v=layer.head_size_v,
+            sliding_window=layer.sliding_window,
+        )
     except ValueError as exc:
         hint = ""
         if cache_config.user_specified_block_size and block_size != config.block_size:
-            hint = (f" --block-size {block_size} was given; drop it (kvarn sets the block "
-                    f"size to the tile) or pass --block-size {config.block_size}")
+            hint = (
+                f" --block-size {block_size} was given; drop it (kvarn sets the block "
+                f"size to the tile) or pass --block-size {config.block_size}"
+            )
         raise ValueError(f"{where}: {exc}.{hint}") from None
 
 
@@ -174,8 +180,7 @@ LEDGER: tuple[Patch, ...] = (
     ),
     Patch(
         name="request-rows",
-        target="vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_attn / "
-        "prepare_dummy_attn",
+        target="vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_attn / prepare_dummy_attn",
         why="Staging for open tiles must follow a request across steps; vLLM 0.26's "
         "CommonAttentionMetadata carries no request identity.",
         how="Wrap both methods to hand the step's InputBatch.idx_mapping_np (request-state "

@@ -60,4 +60,6 @@ def _register_custom_backend() -> None:
     elif not current.startswith("kvarn_vllm."):
         logger.warning(
             "kvarn: AttentionBackendEnum.CUSTOM is already registered to %s; kvarn selects "
-            "its backend for kvarn_* dtypes without it", current)
+            "its backend for kvarn_* dtypes without it",
+            current,
+        )

@@ -22,8 +22,9 @@ from kvarn_vllm.config import KvarnConfig
 __all__ = ["kvarn_page_bytes", "make_layer_spec", "spec_classes"]
 
 
-def kvarn_page_bytes(config: KvarnConfig, block_size: int, num_kv_heads: int,
-                     head_size: int) -> int:
+def kvarn_page_bytes(
+    config: KvarnConfig, block_size: int, num_kv_heads: int, head_size: int
+) -> int:
     """Bytes of one vLLM block of ``block_size`` tokens for one layer.
 
     Raises:
@@ -95,8 +96,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_layer_spec(config: KvarnConfig, *, block_size: int, num_kv_heads: int,
-                    head_size: int, head_size_v: int, sliding_window: int | None) -> Any:
+def make_layer_spec(
+    config: KvarnConfig,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    head_size_v: int,
+    sliding_window: int | None,
+) -> Any:
     """The spec of one decoder attention layer served from a KVarN cache.
 
     Raises:
