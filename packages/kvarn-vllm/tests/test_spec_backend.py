@@ -300,3 +300,11 @@ def test_skip_layers_refused(vllm_config_factory):
     layer = _attention(vc, prefix="model.layers.1.attn")
     with pytest.raises(ValueError, match="skip-layers"):
         layer.get_kv_cache_spec(vc)
+
+
+def test_soft_capped_layer_error_names_layer(vllm_config_factory):
+    vc = vllm_config_factory("kvarn_k4v2_g64")
+    with pytest.raises(ValueError) as err:
+        _attention(vc, prefix="model.layers.3.self_attn.attn", logits_soft_cap=50.0)
+    assert "'model.layers.3.self_attn.attn'" in str(err.value)
+    assert "soft-capping" in str(err.value)

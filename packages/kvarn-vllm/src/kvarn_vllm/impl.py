@@ -100,9 +100,11 @@ def _make_impl_class() -> type:
             if extra.get("sinks") is not None:
                 unsupported.append("attention sinks")
             if unsupported:
+                layer = compat.calling_layer_name() or "<unknown layer>"
                 raise ValueError(
-                    f"{kv_cache_dtype} cannot serve a layer with {', '.join(unsupported)}; "
-                    "serve this model with kv_cache_dtype auto or fp8"
+                    f"kvarn-vllm cannot serve attention layer {layer!r} with kv_cache_dtype="
+                    f"{kv_cache_dtype}: it uses {', '.join(unsupported)}. To serve this model, "
+                    "use kv_cache_dtype auto or fp8."
                 )
             self.config.check_head_dim(head_size)
             self.staging = None
