@@ -1,0 +1,233 @@
+"""Perplexity, KL divergence and top-1 agreement under pseudo-decode.
+
+For every chunk the reference method (bf16 by default) runs first; every other method then runs on
+the same chunk and is compared position by position with the reference's next-token distribution.
+All predicted positions of a chunk are scored (``T - 1`` per chunk), including those of the first
+block, which no method changes.
+
+Noise: every statistic is computed per chunk, and the standard error over chunks of the paired
+difference against the reference is reported beside it (a change smaller than about two standard
+errors is not distinguishable from the text-sampling noise of this run).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from kvarn_math.baselines import Method
+
+from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+
+__all__ = [
+    "ChunkScores",
+    "PerplexityRow",
+    "PerplexityResult",
+    "compare_logits",
+    "evaluate_perplexity",
+    "mean_and_se",
+]
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (``nan`` error for fewer than two values)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return math.nan, math.nan
+    se = float(arr.std(ddof=1) / math.sqrt(arr.size)) if arr.size > 1 else math.nan
+    return float(arr.mean()), se
+
+
+@dataclass(frozen=True)
+class ChunkScores:
+    """One method on one chunk.
+
+    Attributes:
+        nll: mean negative log-likelihood of the next token, nats.
+        kl: mean ``KL(reference || method)`` over positions, nats.
+        top1: fraction of positions whose argmax equals the reference's.
+        tokens: positions scored.
+    """
+
+    nll: float
+    kl: float
+    top1: float
+    tokens: int
+
+
+def compare_logits(
+    logits: torch.Tensor, reference_logprobs: torch.Tensor, targets: torch.Tensor
+) -> tuple[ChunkScores, torch.Tensor]:
+    """Scores of ``logits`` ``[T, V]`` against ``reference_logprobs`` ``[T, V]``.
+
+    ``targets`` ``[T]`` is the next token of each position. Returns the scores and this run's
+    log-probabilities (float64), which serve as the reference when this run is the reference.
+    """
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    nll = -logprobs.gather(-1, targets[:, None]).squeeze(-1)
+    kl = (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1)
+    top1 = (logprobs.argmax(-1) == reference_logprobs.argmax(-1)).float()
+    scores = ChunkScores(
+        nll=float(nll.double().mean()),
+        kl=float(kl.double().mean()),
+        top1=float(top1.double().mean()),
+        tokens=int(targets.numel()),
+    )
+    return scores, logprobs
+
+
+@dataclass
+class PerplexityRow:
+    """One method's summary.
+
+    Attributes:
+        method: method name.
+        bits_per_element: average stored bits per K or V element, scales included.
+        bytes_per_token_per_head: K plus V bytes per token and KV head.
+        perplexity: ``exp`` of the mean NLL over all scored tokens.
+        delta_pct: perplexity change against the reference, percent.
+        delta_se_pct: standard error of ``delta_pct`` over chunks (paired).
+        kl: mean KL divergence from the reference, nats.
+        kl_se: its standard error over chunks.
+        top1: top-1 agreement with the reference.
+        top1_se: its standard error over chunks.
+        chunk_nll: per-chunk mean NLL.
+    """
+
+    method: str
+    bits_per_element: float
+    bytes_per_token_per_head: float
+    perplexity: float
+    delta_pct: float
+    delta_se_pct: float
+    kl: float
+    kl_se: float
+    top1: float
+    top1_se: float
+    chunk_nll: list[float] = field(default_factory=list)
+
+
+@dataclass
+class PerplexityResult:
+    """A perplexity suite's outcome, JSON-ready through :meth:`to_dict`."""
+
+    suite: str
+    source: str
+    reference: str
+    num_chunks: int
+    chunk_len: int
+    block_size: int
+    exact_first_block: bool
+    head_dim: int
+    rows: list[PerplexityRow]
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form for JSON."""
+        data = asdict(self)
+        data["kind"] = "perplexity"
+        return data
+
+    def row(self, method: str) -> PerplexityRow:
+        """The row of ``method``."""
+        for r in self.rows:
+            if r.method == method:
+                return r
+        raise KeyError(method)
+
+
+def _summarize(
+    method: Method, head_dim: int, chunks: list[ChunkScores], ref: list[ChunkScores]
+) -> PerplexityRow:
+    tokens = sum(c.tokens for c in chunks)
+    mean_nll = sum(c.nll * c.tokens for c in chunks) / tokens
+    ref_nll = sum(c.nll * c.tokens for c in ref) / tokens
+    diff_mean, diff_se = mean_and_se([c.nll - r.nll for c, r in zip(chunks, ref, strict=True)])
+    ratio = math.exp(mean_nll - ref_nll)
+    kl, kl_se = mean_and_se([c.kl for c in chunks])
+    top1, top1_se = mean_and_se([c.top1 for c in chunks])
+    return PerplexityRow(
+        method=method.name,
+        bits_per_element=method.bits_per_element(head_dim),
+        bytes_per_token_per_head=method.bytes_per_token_per_head(head_dim),
+        perplexity=math.exp(mean_nll),
+        delta_pct=100.0 * (ratio - 1.0),
+        # d(exp(x))/dx = exp(x): first-order error propagation of the mean NLL difference
+        delta_se_pct=100.0 * ratio * diff_se,
+        kl=kl,
+        kl_se=kl_se,
+        top1=top1,
+        top1_se=top1_se,
+        chunk_nll=[c.nll for c in chunks],
+    )
+
+
+def evaluate_perplexity(
+    model: Any,
+    chunks: Sequence[Sequence[int]],
+    methods: Sequence[Method],
+    *,
+    head_dim: int,
+    reference: str = "bf16",
+    block_size: int = 128,
+    exact_first_block: bool = True,
+    suite: str = "text",
+    source: str = "",
+    advance: Callable[[str], None] | None = None,
+) -> PerplexityResult:
+    """Run every method on every chunk under pseudo-decode and compare with ``reference``.
+
+    Args:
+        model: a causal LM prepared with :func:`~kvarn_eval.accuracy.pseudo_decode.install`.
+        chunks: token id lists, all of one length ``T``.
+        methods: the methods; ``reference`` must name one of them.
+        head_dim: the model's head dimension (for bits per element).
+        block_size: pseudo-decode block (tile) size.
+        exact_first_block: keep the first block exact.
+        advance: called with the method name after each forward pass (progress bars).
+    """
+    import time
+
+    names = [m.name for m in methods]
+    if reference not in names:
+        raise ValueError(f"reference {reference!r} must be one of the methods {names}")
+    lengths = {len(c) for c in chunks}
+    if len(lengths) != 1 or min(lengths) < 2:
+        raise ValueError(f"chunks must share one length >= 2, got lengths {sorted(lengths)}")
+    ordered = sorted(methods, key=lambda m: m.name != reference)
+    scores: dict[str, list[ChunkScores]] = {m.name: [] for m in ordered}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for chunk in chunks:
+            ids = torch.tensor([list(chunk)], dtype=torch.long)
+            targets = ids[0, 1:]
+            ref_logprobs: torch.Tensor | None = None
+            for method in ordered:
+                config = PseudoDecodeConfig(method, block_size, exact_first_block)
+                with pseudo_decode(config):
+                    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+                if ref_logprobs is None:
+                    ref_logprobs = torch.log_softmax(logits.double(), dim=-1)
+                score, _ = compare_logits(logits, ref_logprobs, targets)
+                scores[method.name].append(score)
+                if advance is not None:
+                    advance(method.name)
+    ref_scores = scores[reference]
+    rows = [_summarize(m, head_dim, scores[m.name], ref_scores) for m in methods]
+    return PerplexityResult(
+        suite=suite,
+        source=source,
+        reference=reference,
+        num_chunks=len(chunks),
+        chunk_len=len(chunks[0]),
+        block_size=block_size,
+        exact_first_block=exact_first_block,
+        head_dim=head_dim,
+        rows=rows,
+        seconds=time.perf_counter() - start,
+    )

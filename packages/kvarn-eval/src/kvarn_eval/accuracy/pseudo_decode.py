@@ -1,0 +1,209 @@
+"""Pseudo-decode: simulated KV-cache quantization inside a transformers model.
+
+A plain forward pass attends to exact K/V, so it barely sees KV-cache quantization. Pseudo-decode
+(the KVarN paper's evaluation) splits the sequence into blocks of ``block_size`` tokens; a query in
+block ``b`` attends to the exact K/V of its own block (causally) and to the *quantized* K/V of
+every earlier block, as a decoder does once earlier tiles have been flushed to the quantized
+cache. With ``exact_first_block`` the first block stays exact everywhere (the fork keeps the
+first tile, the attention sink, unquantized).
+
+Quantization errors accumulate through the layers exactly as in block-by-block decoding: layer
+``l`` quantizes K/V computed from hidden states that already went through quantized attention in
+layers ``< l``. Because every method quantizes each block from that block's K/V alone and
+attention is causal, one forward pass with a ``[T, 2T]`` mask over ``[K_hat; K]`` equals the
+block-by-block loop (the tests check this against an explicit loop).
+
+The hook is an attention function registered with transformers' ``AttentionInterface`` under
+:data:`ATTENTION_NAME`; K arrives after RoPE. The method and block size come from the
+:func:`pseudo_decode` context, so one loaded model serves every method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from kvarn_math.baselines import Method
+
+__all__ = [
+    "ATTENTION_NAME",
+    "PseudoDecodeConfig",
+    "pseudo_decode",
+    "pseudo_decode_mask",
+    "pseudo_decode_attention",
+    "quantize_kv",
+    "install",
+]
+
+ATTENTION_NAME = "kvarn_pseudo_decode"
+
+
+@dataclass(frozen=True)
+class PseudoDecodeConfig:
+    """How a forward pass quantizes its KV cache.
+
+    Attributes:
+        method: the KV-cache method whose ``roundtrip`` reconstructs K/V; ``None`` for exact
+            float32 K/V (then the hook is plain causal attention).
+        block_size: tokens per pseudo-decode block; a multiple of ``method.group_size``.
+        exact_first_block: keep the first block exact (the attention sink tile).
+    """
+
+    method: Method | None
+    block_size: int = 128
+    exact_first_block: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.method is not None and self.block_size % self.method.group_size:
+            raise ValueError(
+                f"block_size must be a multiple of {self.method.name}'s group size "
+                f"{self.method.group_size}, got {self.block_size}"
+            )
+
+
+_ACTIVE: ContextVar[PseudoDecodeConfig | None] = ContextVar("kvarn_pseudo_decode", default=None)
+
+
+@contextlib.contextmanager
+def pseudo_decode(config: PseudoDecodeConfig) -> Iterator[PseudoDecodeConfig]:
+    """Run forward passes of an :func:`install`-ed model under ``config``."""
+    token = _ACTIVE.set(config)
+    try:
+        yield config
+    finally:
+        _ACTIVE.reset(token)
+
+
+def pseudo_decode_mask(
+    seq_len: int,
+    block_size: int,
+    exact_first_block: bool,
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Boolean mask ``[T, 2T]`` over the keys ``[K_hat; K]`` (quantized first, exact second).
+
+    Query ``t`` in block ``b = t // block_size`` may see exact key ``s`` when ``s <= t`` and ``s``
+    is in block ``b`` (or in block 0 with ``exact_first_block``), and quantized key ``s`` when
+    ``s`` is in an earlier block (other than block 0 with ``exact_first_block``). A sliding window
+    ``w`` additionally requires ``t - s < w``. Every query sees exactly one copy of each key
+    ``s <= t`` (inside the window).
+    """
+    pos = torch.arange(seq_len, device=device)
+    q_block = (pos // block_size)[:, None]
+    k_block = (pos // block_size)[None, :]
+    causal = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        causal = causal & (pos[:, None] - pos[None, :] < sliding_window)
+    exact_block = k_block == q_block
+    if exact_first_block:
+        exact_block = exact_block | (k_block == 0)
+    exact = causal & exact_block
+    quantized = causal & ~exact_block
+    return torch.cat([quantized, exact], dim=1)
+
+
+def quantize_kv(
+    key: torch.Tensor, value: torch.Tensor, config: PseudoDecodeConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reconstructions of ``key, value`` ``[B, H_kv, T, D]`` as the quantized cache holds them.
+
+    Only tokens that some query reads quantized are passed through ``method.roundtrip``: the
+    complete blocks before the last block, minus block 0 with ``exact_first_block``. The other
+    positions are returned exact (the mask never selects them). Returns float tensors like
+    ``key``.
+    """
+    if config.method is None:
+        return key, value
+    batch, _, seq_len, _ = key.shape
+    num_blocks = -(-seq_len // config.block_size)
+    start = config.block_size if config.exact_first_block else 0
+    stop = (num_blocks - 1) * config.block_size
+    k_hat, v_hat = key.clone(), value.clone()
+    if stop <= start:
+        return k_hat, v_hat
+    for b in range(batch):
+        # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
+        k_np = key[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
+        v_np = value[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
+        k_rt, v_rt = config.method.roundtrip(k_np, v_np)
+        k_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1)
+        v_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1)
+    return k_hat, v_hat
+
+
+def pseudo_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [B, H_q, T, D]``, ``key/value [B, H_kv, T, D]``.
+
+    Returns ``[B, T, H_q, D]`` like transformers' own functions. ``attention_mask`` is ignored:
+    inputs must be unpadded or right-padded (causality keeps right padding harmless). Runs
+    without a KV cache (``use_cache=False``): the whole sequence is in one pass.
+    """
+    config = _ACTIVE.get()
+    if config is None:
+        raise RuntimeError(
+            f"attention {ATTENTION_NAME!r} needs a configuration: run the model inside "
+            "kvarn_eval.accuracy.pseudo_decode(PseudoDecodeConfig(...))"
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            "pseudo-decode runs whole sequences without a KV cache (use_cache=False); got "
+            f"{query.shape[2]} queries against {key.shape[2]} keys"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError("pseudo-decode attention does not support attention logit soft-capping")
+    seq_len = query.shape[2]
+    window = (
+        sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    )
+    gqa = query.shape[1] != key.shape[1]
+    quantizes = config.method is not None and seq_len > config.block_size
+    if not quantizes:
+        pos = torch.arange(seq_len, device=query.device)
+        mask = pos[None, :] <= pos[:, None]
+        if window is not None:
+            mask = mask & (pos[:, None] - pos[None, :] < window)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
+        )
+    else:
+        k_hat, v_hat = quantize_kv(key, value, config)
+        mask = pseudo_decode_mask(
+            seq_len, config.block_size, config.exact_first_block, window, query.device
+        )
+        out = F.scaled_dot_product_attention(
+            query,
+            torch.cat([k_hat.to(key.dtype), key], dim=2),
+            torch.cat([v_hat.to(value.dtype), value], dim=2),
+            attn_mask=mask,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(model: Any) -> Any:
+    """Register the pseudo-decode attention and switch ``model`` to it; returns ``model``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, pseudo_decode_attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

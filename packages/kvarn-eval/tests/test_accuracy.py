@@ -1,0 +1,177 @@
+"""Perplexity and task scoring on the tiny model: metrics, noise estimates, bookkeeping."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import HEAD_DIM, tiny_llama, word_text, word_tokenizer
+from kvarn_eval.accuracy import (
+    Unquantized,
+    build_prompt,
+    evaluate_perplexity,
+    evaluate_task,
+    install,
+    mean_and_se,
+    prepare_items,
+    quantized_fraction,
+    select_methods,
+    supported_for,
+)
+from kvarn_eval.accuracy.perplexity import compare_logits
+from kvarn_eval.data import TaskItem
+from kvarn_math.baselines import KIVI, Exact
+from kvarn_math.metrics import kl_divergence
+
+BLOCK = 64
+KIVI2 = KIVI(name="kivi_k2v2", group_size=BLOCK, key_bits=2, value_bits=2)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return install(tiny_llama(seed=4))
+
+
+def test_compare_logits_matches_numpy_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(7, 11, generator=gen)
+    other = ref + 0.3 * torch.randn(7, 11, generator=gen)
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    ref_lp = torch.log_softmax(ref, -1)
+    scores, _ = compare_logits(other, ref_lp, targets)
+    assert scores.kl == pytest.approx(kl_divergence(ref.numpy(), other.numpy()), rel=1e-5)
+    lp = torch.log_softmax(other.double(), -1)
+    assert scores.nll == pytest.approx(float(-lp[torch.arange(7), targets].mean()), rel=1e-6)
+    agree = (ref.argmax(-1) == other.argmax(-1)).double().mean()
+    assert scores.top1 == pytest.approx(float(agree))
+    same, _ = compare_logits(ref, ref_lp, targets)
+    assert same.kl == pytest.approx(0.0, abs=1e-7) and same.top1 == 1.0
+
+
+def test_mean_and_se() -> None:
+    mean, se = mean_and_se([1.0, 2.0, 3.0, 6.0])
+    assert mean == 3.0
+    assert se == pytest.approx(np.std([1, 2, 3, 6], ddof=1) / 2)
+    assert math.isnan(mean_and_se([1.0])[1])
+
+
+def test_perplexity_reference_and_quantized_rows(model: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(1)
+    chunks = torch.randint(4, 94, (3, 3 * BLOCK), generator=gen).tolist()
+    methods = [Unquantized(), Exact(), KIVI2]
+    steps: list[str] = []
+    result = evaluate_perplexity(
+        model, chunks, methods, head_dim=HEAD_DIM, block_size=BLOCK, advance=steps.append
+    )
+    assert steps[:3] == ["bf16", "fp32", "kivi_k2v2"] and len(steps) == 9
+    ref = result.row("bf16")
+    assert ref.delta_pct == 0.0 and ref.kl == pytest.approx(0.0, abs=1e-7) and ref.top1 == 1.0
+    kivi = result.row("kivi_k2v2")
+    assert kivi.kl > result.row("fp32").kl > 0
+    assert kivi.top1 < 1.0
+    assert not math.isnan(kivi.delta_se_pct) and kivi.delta_se_pct > 0
+    # perplexity is exp of the token-weighted mean NLL of the chunks
+    assert kivi.perplexity == pytest.approx(math.exp(np.mean(kivi.chunk_nll)))
+    assert kivi.bits_per_element == pytest.approx(KIVI2.bits_per_element(HEAD_DIM))
+    assert [r.method for r in result.rows] == ["fp32", "bf16", "kivi_k2v2"]
+
+
+def test_perplexity_rejects_bad_input(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="reference 'bf16'"):
+        evaluate_perplexity(model, [[5] * 200], [KIVI2], head_dim=HEAD_DIM, block_size=BLOCK)
+    with pytest.raises(ValueError, match="share one length"):
+        evaluate_perplexity(
+            model, [[5] * 200, [5] * 199], [Exact()], head_dim=HEAD_DIM, block_size=BLOCK
+        )
+
+
+def _items(n: int) -> list[TaskItem]:
+    return [
+        TaskItem(
+            query=word_text(12, seed=i),
+            choices=(" w1 w2", " w3", " w5 w6 w7"),
+            gold=i % 3,
+            doc_id=i,
+        )
+        for i in range(n)
+    ]
+
+
+def test_build_prompt_fills_with_other_items() -> None:
+    items = _items(10)
+    prompt, shots = build_prompt(items, 9, 40, lambda s: len(s.split()))
+    assert prompt.endswith(items[9].query)
+    assert shots == 3  # 12 words each: 12 + 3 * 14 >= 40
+    assert prompt.startswith(items[0].query + items[0].choices[items[0].gold])
+    assert items[9].choices[items[9].gold] not in prompt.split("\n\n")[-1]
+    short, none = build_prompt(items, 0, 5, lambda s: len(s.split()))
+    assert none == 0 and short == items[0].query
+
+
+def test_quantized_fraction() -> None:
+    assert quantized_fraction(10, 64, True) == 0.0
+    assert quantized_fraction(100, 64, True) == 0.0  # block 1 reads only the exact sink
+    assert quantized_fraction(150, 64, True) == pytest.approx(64 / 151)
+    assert quantized_fraction(200, 64, False) == pytest.approx(192 / 201)
+
+
+def test_task_scoring(model: torch.nn.Module) -> None:
+    items = prepare_items(_items(20), 4, word_tokenizer(), min_context_tokens=150)
+    assert len(items) == 4 and all(len(it.context) >= 150 for it in items)
+    methods = [Exact(), KIVI2]
+    result = evaluate_task(
+        model,
+        "toy",
+        "multiple_choice",
+        items,
+        methods,
+        head_dim=HEAD_DIM,
+        pad_id=0,
+        block_size=BLOCK,
+    )
+    ref = result.row("bf16")
+    assert ref.agreement == 1.0
+    assert all(0 <= p < 3 for p in ref.predictions)
+    assert ref.accuracy == pytest.approx(
+        np.mean([p == it.gold for p, it in zip(ref.predictions, items)])
+    )
+    assert result.mean_quantized_fraction > 0
+    lambada = evaluate_task(
+        model,
+        "toy_lw",
+        "last_word",
+        items,
+        methods,
+        head_dim=HEAD_DIM,
+        pad_id=0,
+        block_size=BLOCK,
+    )
+    assert set(lambada.row("kivi_k2v2").predictions) <= {0, 1}
+
+
+def test_padding_does_not_change_scores(model: torch.nn.Module) -> None:
+    """A choice scored alone equals the same choice scored in a right-padded batch."""
+    from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+    from kvarn_eval.accuracy.tasks import PreparedItem, _score_batch
+
+    ctx = tuple(range(4, 4 + 80)) * 2
+    both = PreparedItem(ctx, ((5,), (6, 7, 8, 9, 10)), (2, 10), 0, 0)
+    alone = PreparedItem(ctx, ((5,),), (2,), 0, 0)
+    with torch.inference_mode(), pseudo_decode(PseudoDecodeConfig(KIVI2, BLOCK)):
+        sums_both, _ = _score_batch(model, both, pad_id=0)
+        sums_alone, _ = _score_batch(model, alone, pad_id=0)
+    assert sums_both[0] == pytest.approx(sums_alone[0], abs=1e-4)
+
+
+def test_method_selection() -> None:
+    names = [m.name for m in select_methods("all")]
+    assert names[:2] == ["fp32", "bf16"] and "kvarn_k4v2_g128" in names and "kivi_k2v2" in names
+    kvarn = select_methods("kvarn")
+    assert kvarn and all(m.name.startswith("kvarn_") for m in kvarn)
+    assert [m.name for m in select_methods("bf16, kivi_k2v2,bf16")] == ["bf16", "kivi_k2v2"]
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        select_methods("bf16,nope")
+    ok, skipped = supported_for(select_methods("bf16,kvarn_k4v2_g128"), 96)
+    assert [m.name for m in ok] == ["bf16"] and "head_dim" in skipped["kvarn_k4v2_g128"]

@@ -1,0 +1,111 @@
+"""The ``kvarn-eval`` command line: argument errors, listings, an end-to-end run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import word_text
+from kvarn_eval import cli
+from kvarn_eval.suites import SUITES, BenchOptions, Suite, register_suite, resolve_suites
+
+
+def test_help_lists_suites(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--quick" in out and "--methods" in out and "wikitext" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--chunks", "0"], "expected a positive integer, got 0"),
+        (["bench", "--tokens", "x"], "expected a positive integer, got 'x'"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_argument_errors_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--suites", "wikitext,nope"], "unknown suite 'nope'"),
+        (["bench", "--methods", "bf16,k9v9"], "unknown method 'k9v9'"),
+        (["bench", "--tokens", "200"], "chunk_len must be at least two blocks"),
+        (["bench", "--model", "/no/such/folder"], "neither a built-in"),
+    ],
+)
+def test_bad_values_return_2_before_loading(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().out.replace("\n", "")
+
+
+def test_quick_sizes_and_explicit_override() -> None:
+    parser = cli.build_parser()
+    quick = cli.options_from_args(parser.parse_args(["bench", "--quick"]))
+    assert (quick.num_chunks, quick.chunk_len, quick.items) == (2, 512, 6)
+    mixed = cli.options_from_args(parser.parse_args(["bench", "--quick", "--chunks", "3"]))
+    assert mixed.num_chunks == 3 and mixed.chunk_len == 512
+    default = cli.options_from_args(parser.parse_args(["bench"]))
+    assert default == BenchOptions()
+
+
+def test_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "kvarn_k4v2_g128: 3.56" in out and "smollm2-135m" in out and "hellaswag" in out
+
+
+def test_suite_registry() -> None:
+    assert [s.name for s in resolve_suites(None)][:2] == ["wikitext", "lambada"]
+    assert {"wikitext", "lambada", "arc_easy", "hellaswag", "piqa"} <= set(SUITES)
+    gpu_suite = Suite("fake_gpu_suite", "needs a GPU", lambda ctx: {}, needs_gpu=True)
+    register_suite(gpu_suite)
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="needs a CUDA GPU"):
+                resolve_suites("fake_gpu_suite")
+            assert gpu_suite not in resolve_suites("all")
+        with pytest.raises(ValueError, match="already registered"):
+            register_suite(Suite("fake_gpu_suite", "other", lambda ctx: {}))
+    finally:
+        del SUITES["fake_gpu_suite"]
+
+
+def test_bench_end_to_end_on_tiny_model(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(word_text(2000))
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--model", str(tiny_model_dir), "--suites", "wikitext", "--text", str(text),
+        "--methods", "bf16,kivi_k2v2,kvarn_k4v2_g64", "--chunks", "2", "--tokens", "256",
+        "--block-size", "64", "--out", str(out), "--threads", "1",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "kvarn_k4v2_g64" in printed and "2 x 256 tokens" in printed
+    payload = json.loads((out / "results.json").read_text())
+    (result,) = payload["results"]
+    assert result["suite"] == "text" and result["source"] == str(text)
+    assert [r["method"] for r in result["rows"]] == ["bf16", "kivi_k2v2", "kvarn_k4v2_g64"]
+    assert payload["environment"]["versions"]["kvarn-math"]
+    assert payload["options"]["block_size"] == 64
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert "| kivi_k2v2 |" in (out / "results.md").read_text()

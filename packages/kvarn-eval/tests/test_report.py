@@ -1,0 +1,112 @@
+"""Tables, JSON and plots from result dicts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from kvarn_eval import report
+
+PPL = {
+    "suite": "wikitext",
+    "source": "x",
+    "reference": "bf16",
+    "num_chunks": 2,
+    "chunk_len": 256,
+    "block_size": 128,
+    "exact_first_block": True,
+    "head_dim": 64,
+    "rows": [
+        {
+            "method": "bf16",
+            "bits_per_element": 16.0,
+            "bytes_per_token_per_head": 256.0,
+            "perplexity": 20.0,
+            "delta_pct": 0.0,
+            "delta_se_pct": 0.0,
+            "kl": 0.0,
+            "kl_se": 0.0,
+            "top1": 1.0,
+            "top1_se": 0.0,
+        },
+        {
+            "method": "kvarn_k4v2_g128",
+            "bits_per_element": 3.6,
+            "bytes_per_token_per_head": 58.0,
+            "perplexity": 20.2,
+            "delta_pct": 1.0,
+            "delta_se_pct": math.nan,
+            "kl": 0.01,
+            "kl_se": 0.001,
+            "top1": 0.95,
+            "top1_se": 0.01,
+        },
+    ],
+    "skipped": {"kivi_k2v2": "head_dim must be one of (64,)"},
+}
+TASK = {
+    "suite": "lambada",
+    "primary_metric": "acc",
+    "reference": "bf16",
+    "num_items": 10,
+    "mean_context_tokens": 530.0,
+    "mean_shots": 4.0,
+    "mean_quantized_fraction": 0.7,
+    "rows": [
+        {
+            "method": "bf16",
+            "bits_per_element": 16.0,
+            "accuracy": 0.5,
+            "accuracy_se": 0.158,
+            "agreement": 1.0,
+        },
+        {
+            "method": "kivi_k2v2",
+            "bits_per_element": 2.5,
+            "accuracy": 0.3,
+            "accuracy_se": 0.145,
+            "agreement": 0.8,
+        },
+    ],
+}
+
+
+def test_markdown_tables() -> None:
+    md = report.markdown_table(PPL)
+    lines = md.splitlines()
+    assert lines[0].startswith("**wikitext: 2 x 256 tokens")
+    assert "| kvarn_k4v2_g128 | 3.60 | 58 | 20.200 | +1.00 | n/a | 0.01000 | 95.00% |" in md
+    assert "skipped kivi_k2v2" in md
+    task_md = report.markdown_table(TASK)
+    assert "| kivi_k2v2 | 2.50 | 30.0 | 14.5 | 80.0 |" in task_md
+    assert "70% of it read quantized" in task_md
+
+
+def test_print_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    report.print_tables([PPL, TASK], Console(width=200, force_terminal=False))
+    out = capsys.readouterr().out
+    assert "kvarn_k4v2_g128" in out and "agree w/ ref" in out and "skipped kivi_k2v2" in out
+
+
+def test_write_json_turns_nan_into_null(tmp_path: Path) -> None:
+    path = report.write_json(tmp_path / "sub" / "r.json", {"results": [PPL]})
+    loaded = json.loads(path.read_text())
+    assert loaded["results"][0]["rows"][1]["delta_se_pct"] is None
+    assert loaded["results"][0]["rows"][1]["kl"] == 0.01
+
+
+def test_environment_info() -> None:
+    info = report.environment_info()
+    assert info["versions"]["kvarn-eval"] == "0.1.0"
+    assert info["cpu_count"] and info["date_utc"].endswith("+00:00")
+    assert "git_sha" in info
+
+
+def test_plot(tmp_path: Path) -> None:
+    path = report.plot_results([PPL, TASK], tmp_path / "accuracy.png", "title")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.plot_results([], tmp_path / "none.png") is None
