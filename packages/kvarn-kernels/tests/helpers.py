@@ -16,8 +16,12 @@ def nan_like_staging(shape: tuple[int, ...], dtype: torch.dtype, device: str) ->
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def unwritten_cache(num_blocks: int, num_kv_heads: int, tile_bytes: int, device: str) -> torch.Tensor:
-    return torch.full((num_blocks, num_kv_heads, tile_bytes), UNWRITTEN_BYTE, dtype=torch.uint8, device=device)
+def unwritten_cache(
+    num_blocks: int, num_kv_heads: int, tile_bytes: int, device: str
+) -> torch.Tensor:
+    return torch.full(
+        (num_blocks, num_kv_heads, tile_bytes), UNWRITTEN_BYTE, dtype=torch.uint8, device=device
+    )
 
 
 @dataclass
@@ -42,7 +46,7 @@ def build_paged(
     uncommitted: list[int] | None = None,
     seed: int = 0,
 ) -> PagedBatch:
-    """Quantize each sequence with kvarn-math, scatter its records into random blocks, stage the tail.
+    """Quantize sequences with kvarn-math, scatter records into random blocks, stage the tails.
 
     ``uncommitted[b]`` tokens at the end of sequence b are kept out of the tiles (as speculative
     tokens would be), so the staging may hold more than G tokens when ``staging_tiles`` is 2.
@@ -109,4 +113,6 @@ def staged_reference(ref: QuantizedSequence, dtype: torch.dtype) -> QuantizedSeq
         r = torch.from_numpy(rotate(x, axis=-1)).to(dtype).double().numpy()
         return unrotate(r, axis=-1).astype(np.float32)
 
-    return QuantizedSequence(ref.preset, ref.head_dim, ref.records, through(ref.tail_k), through(ref.tail_v))
+    return QuantizedSequence(
+        ref.preset, ref.head_dim, ref.records, through(ref.tail_k), through(ref.tail_v)
+    )

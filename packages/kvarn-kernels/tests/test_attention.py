@@ -18,7 +18,13 @@ pytestmark = pytest.mark.interpreter
 # Relative RMS error of the kernel against the float64 reference over the SAME records: only the
 # kernel's arithmetic differs (fp32 dots for fp32; fp16 operands of the tensor-core dots else).
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
-PRESETS = ["kvarn_k4v2_g64", "kvarn_k4v4_g64", "kvarn_k4v2_g128", "kvarn_k3v2_g128", "kvarn_k2v2_g128"]
+PRESETS = [
+    "kvarn_k4v2_g64",
+    "kvarn_k4v4_g64",
+    "kvarn_k4v2_g128",
+    "kvarn_k3v2_g128",
+    "kvarn_k2v2_g128",
+]
 
 
 def _lengths(g: int) -> st.SearchStrategy[int]:
@@ -45,7 +51,10 @@ def decode_cases(draw: st.DrawFn) -> dict[str, object]:
 def _sequences(lens: list[int], h: int, d: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     dists = ["outlier_channels", "gaussian", "heavy_tailed"]
     return [
-        (make_kv((t, h, d), dists[i % 3], seed + 2 * i), make_kv((t, h, d), "gaussian", seed + 2 * i + 1))
+        (
+            make_kv((t, h, d), dists[i % 3], seed + 2 * i),
+            make_kv((t, h, d), "gaussian", seed + 2 * i + 1),
+        )
         for i, t in enumerate(lens)
     ]
 
@@ -59,22 +68,53 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
     scale = 1.0 / np.sqrt(d)
     out = torch.full((len(seqs), hq, d), float("nan"), dtype=dtype)
     got = kk.decode_attention(
-        torch.from_numpy(q).to(dtype), batch.kv_cache, batch.staging, batch.block_table,
-        batch.seq_lens, batch.quantized_lens, batch.staging_slots, preset, scale,
-        sliding_window=case["window"], out=out, num_splits=case["splits"],
+        torch.from_numpy(q).to(dtype),
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        scale,
+        sliding_window=case["window"],
+        out=out,
+        num_splits=case["splits"],
     )
     assert got.data_ptr() == out.data_ptr()
     q_in = torch.from_numpy(q).to(dtype).float().numpy()
     for b, ref in enumerate(batch.refs):
-        want = reference_attention(q_in[b : b + 1], staged_reference(ref, dtype), scale, case["window"])
+        want = reference_attention(
+            q_in[b : b + 1], staged_reference(ref, dtype), scale, case["window"]
+        )
         assert_close_rms(want, got[b : b + 1].float().numpy(), TOL[dtype], what=f"sequence {b}")
 
 
 @given(decode_cases())
-@example({"preset": "kvarn_k4v2_g64", "head_dim": 64, "num_kv_heads": 1, "group": 1, "lens": [1],
-          "splits": 3, "window": None, "seed": 0})
-@example({"preset": "kvarn_k4v2_g64", "head_dim": 64, "num_kv_heads": 2, "group": 4,
-          "lens": [64, 65, 127], "splits": 2, "window": 7, "seed": 1})
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 1,
+        "group": 1,
+        "lens": [1],
+        "splits": 3,
+        "window": None,
+        "seed": 0,
+    }
+)
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "group": 4,
+        "lens": [64, 65, 127],
+        "splits": 2,
+        "window": 7,
+        "seed": 1,
+    }
+)
 def test_decode_matches_reference_fp32(case: dict[str, object]) -> None:
     _run_decode(case, torch.float32)
 
@@ -88,8 +128,19 @@ def test_decode_matches_reference_half(case: dict[str, object], dtype: torch.dty
 @settings(max_examples=3)
 @given(st.integers(0, 2**31), st.sampled_from(["kvarn_k4v2_g64", "kvarn_k4v4_g64"]))
 def test_decode_head_dim_256(seed: int, preset: str) -> None:
-    _run_decode({"preset": preset, "head_dim": 256, "num_kv_heads": 1, "group": 2,
-                 "lens": [130], "splits": 2, "window": None, "seed": seed}, torch.float32)
+    _run_decode(
+        {
+            "preset": preset,
+            "head_dim": 256,
+            "num_kv_heads": 1,
+            "group": 2,
+            "lens": [130],
+            "splits": 2,
+            "window": None,
+            "seed": seed,
+        },
+        torch.float32,
+    )
 
 
 def test_decode_staging_holds_an_uncommitted_full_tile() -> None:
@@ -100,8 +151,16 @@ def test_decode_staging_holds_an_uncommitted_full_tile() -> None:
     assert batch.quantized_lens.tolist() == [g, 0]
     q = make_kv((2, 2 * h, d), "gaussian", 1)
     got = kk.decode_attention(
-        torch.from_numpy(q), batch.kv_cache, batch.staging, batch.block_table, batch.seq_lens,
-        batch.quantized_lens, batch.staging_slots, preset, 0.125, num_splits=2,
+        torch.from_numpy(q),
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.125,
+        num_splits=2,
     )
     for b, ref in enumerate(batch.refs):
         want = reference_attention(q[b : b + 1], ref, 0.125)
@@ -122,9 +181,17 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
     hq = h * case["group"]
     seqs = _sequences(case["lens"], h, d, case["seed"])
     g = get_preset(preset).group_size
-    hold = [min(nq, t) if staging_tiles > 1 else 0 for nq, t in zip(case["num_q"], case["lens"], strict=True)]
-    hold = [x if (t - (t - x) // g * g) <= staging_tiles * g else 0 for x, t in zip(hold, case["lens"], strict=True)]
-    batch = build_paged(seqs, preset, dtype, "cpu", staging_tiles=staging_tiles, uncommitted=hold, seed=case["seed"])
+    hold = [
+        min(nq, t) if staging_tiles > 1 else 0
+        for nq, t in zip(case["num_q"], case["lens"], strict=True)
+    ]
+    hold = [
+        x if (t - (t - x) // g * g) <= staging_tiles * g else 0
+        for x, t in zip(hold, case["lens"], strict=True)
+    ]
+    batch = build_paged(
+        seqs, preset, dtype, "cpu", staging_tiles=staging_tiles, uncommitted=hold, seed=case["seed"]
+    )
     nqs = case["num_q"]
     loc = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
     pad = 3  # padding rows past query_start_loc[-1] must stay untouched
@@ -132,9 +199,19 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = 1.0 / np.sqrt(d)
     kk.multi_query_attention(
-        torch.from_numpy(q).to(dtype), torch.from_numpy(loc), batch.kv_cache, batch.staging,
-        batch.block_table, batch.seq_lens, batch.quantized_lens, batch.staging_slots, preset,
-        scale, sliding_window=case["window"], out=out, max_query_len=max(nqs),
+        torch.from_numpy(q).to(dtype),
+        torch.from_numpy(loc),
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        scale,
+        sliding_window=case["window"],
+        out=out,
+        max_query_len=max(nqs),
         num_splits=case["splits"],
     )
     q_in = torch.from_numpy(q).to(dtype).float().numpy()
@@ -147,9 +224,19 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
 
 @settings(max_examples=15)
 @given(mqa_cases())
-@example({"preset": "kvarn_k4v2_g64", "head_dim": 64, "num_kv_heads": 1, "group": 4,
-          "lens": [130, 1, 64], "num_q": [20, 1, 64 if False else 20], "splits": 2,
-          "window": None, "seed": 3})
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 1,
+        "group": 4,
+        "lens": [130, 1, 64],
+        "num_q": [20, 1, 64 if False else 20],
+        "splits": 2,
+        "window": None,
+        "seed": 3,
+    }
+)
 def test_multi_query_matches_reference_fp32(case: dict[str, object]) -> None:
     _run_mqa(case, torch.float32)
 
@@ -172,8 +259,16 @@ def test_decode_equals_single_token_multi_query() -> None:
     seqs = _sequences([100, 7], 2, d, 11)
     batch = build_paged(seqs, preset, torch.float32, "cpu")
     q = torch.from_numpy(make_kv((2, 4, d), "gaussian", 3))
-    args = (batch.kv_cache, batch.staging, batch.block_table, batch.seq_lens,
-            batch.quantized_lens, batch.staging_slots, preset, 0.1)
+    args = (
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.1,
+    )
     a = kk.decode_attention(q, *args, num_splits=2)
     b = kk.multi_query_attention(q, torch.tensor([0, 1, 2], dtype=torch.int32), *args, num_splits=2)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -184,8 +279,16 @@ def test_split_count_does_not_change_the_result() -> None:
     seqs = _sequences([300], 1, d, 2)
     batch = build_paged(seqs, preset, torch.float32, "cpu")
     q = torch.from_numpy(make_kv((1, 2, d), "gaussian", 4))
-    args = (batch.kv_cache, batch.staging, batch.block_table, batch.seq_lens,
-            batch.quantized_lens, batch.staging_slots, preset, 0.1)
+    args = (
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.1,
+    )
     outs = [kk.decode_attention(q, *args, num_splits=s) for s in (1, 2, 5, 8)]
     for o in outs[1:]:
         torch.testing.assert_close(outs[0], o, rtol=1e-5, atol=1e-6)
@@ -196,10 +299,15 @@ class TestGuards:
         preset, d = "kvarn_k4v2_g64", 64
         batch = build_paged(_sequences([70], 1, d, 0), preset, torch.float32, "cpu")
         return {
-            "query": torch.zeros(1, 2, d), "kv_cache": batch.kv_cache, "staging": batch.staging,
-            "block_table": batch.block_table, "seq_lens": batch.seq_lens,
-            "quantized_lens": batch.quantized_lens, "staging_slots": batch.staging_slots,
-            "preset": preset, "scale": 0.125,
+            "query": torch.zeros(1, 2, d),
+            "kv_cache": batch.kv_cache,
+            "staging": batch.staging,
+            "block_table": batch.block_table,
+            "seq_lens": batch.seq_lens,
+            "quantized_lens": batch.quantized_lens,
+            "staging_slots": batch.staging_slots,
+            "preset": preset,
+            "scale": 0.125,
         }
 
     @pytest.mark.parametrize(
@@ -212,7 +320,11 @@ class TestGuards:
             ("block_table", torch.zeros(1, 4, dtype=torch.int64), "block_table must have dtype"),
             ("seq_lens", torch.zeros(2, dtype=torch.int32), "seq_lens must have shape"),
             ("preset", "kvarn_k9v9_g7", "unknown KVarN preset"),
-            ("staging", torch.zeros(3, 2, 64, 1, 64, dtype=torch.float16), "staging dtype must equal"),
+            (
+                "staging",
+                torch.zeros(3, 2, 64, 1, 64, dtype=torch.float16),
+                "staging dtype must equal",
+            ),
         ],
     )
     def test_bad_inputs_raise(self, field: str, bad: object, message: str) -> None:

@@ -31,9 +31,19 @@ def test_quantize_tiles_matches_reference(preset: str, head_dim: int) -> None:
     g = get_preset(preset).group_size
     k = make_kv((16, g, head_dim), "outlier_channels", 1)
     v = make_kv((16, g, head_dim), "heavy_tailed", 2)
-    got = kk.quantize_tiles(torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV), preset).cpu().numpy()
-    assert_records_match(got, ref_quantize_tiles(k, v, preset), rotate(k, axis=-1), rotate(v, axis=-1), preset,
-                         head_dim)
+    got = (
+        kk.quantize_tiles(torch.from_numpy(k).to(DEV), torch.from_numpy(v).to(DEV), preset)
+        .cpu()
+        .numpy()
+    )
+    assert_records_match(
+        got,
+        ref_quantize_tiles(k, v, preset),
+        rotate(k, axis=-1),
+        rotate(v, axis=-1),
+        preset,
+        head_dim,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -41,21 +51,27 @@ def test_store_kv_chunked_prefill_and_decode(dtype: torch.dtype) -> None:
     """Llama-like layer: 8 KV heads, D=128, G=128; 3 requests, chunked prefill then decode."""
     preset, d, h, g = "kvarn_k4v2_g128", 128, 8, 128
     lens = [1000, 300, 129]
-    seqs = [(make_kv((t, h, d), "outlier_channels", i), make_kv((t, h, d), "gaussian", 10 + i))
-            for i, t in enumerate(lens)]
+    seqs = [
+        (make_kv((t, h, d), "outlier_channels", i), make_kv((t, h, d), "gaussian", 10 + i))
+        for i, t in enumerate(lens)
+    ]
     lay = tile_layout(preset, d)
     cache = unwritten_cache(64, h, lay.tile_bytes, DEV)
     staging = nan_like_staging(kk.staging_shape(4, h, d, preset), dtype, DEV)
     table = np.arange(60, dtype=np.int32)[::-1].reshape(3, 20).copy()
     slots = [3, 0, 2]
     cached = [0, 0, 0]
-    schedule = [[512, 100, 100], [488, 100, 28], [0, 100, 1]] + [[0, 0, 0]]
+    schedule = [[512, 100, 100], [488, 100, 28], [0, 100, 1], [0, 0, 0]]
     for step in schedule:
         new = [min(n, t - c) for n, t, c in zip(step, lens, cached, strict=True)]
         if not any(new):
             break
-        keys = torch.cat([torch.from_numpy(k[c : c + n]) for (k, _), c, n in zip(seqs, cached, new, strict=True)])
-        vals = torch.cat([torch.from_numpy(v[c : c + n]) for (_, v), c, n in zip(seqs, cached, new, strict=True)])
+        keys = torch.cat(
+            [torch.from_numpy(k[c : c + n]) for (k, _), c, n in zip(seqs, cached, new, strict=True)]
+        )
+        vals = torch.cat(
+            [torch.from_numpy(v[c : c + n]) for (_, v), c, n in zip(seqs, cached, new, strict=True)]
+        )
         plan = kk.plan_store(cached, new, None, slots, table, preset).to(DEV)
         kk.store_kv(keys.to(DEV, dtype), vals.to(DEV, dtype), cache, staging, plan, preset)
         cached = [c + n for c, n in zip(cached, new, strict=True)]
@@ -63,46 +79,89 @@ def test_store_kv_chunked_prefill_and_decode(dtype: torch.dtype) -> None:
     for i, (k, v) in enumerate(seqs):
         n = lens[i] // g
         got = cache[table[i, :n].tolist()].cpu().numpy()  # [n, h, tile_bytes]
-        tk = _round(rotate(_round(k[: n * g], dtype), axis=-1), dtype).reshape(n, g, h, d).transpose(0, 2, 1, 3)
-        tv = _round(rotate(_round(v[: n * g], dtype), axis=-1), dtype).reshape(n, g, h, d).transpose(0, 2, 1, 3)
+        tk = (
+            _round(rotate(_round(k[: n * g], dtype), axis=-1), dtype)
+            .reshape(n, g, h, d)
+            .transpose(0, 2, 1, 3)
+        )
+        tv = (
+            _round(rotate(_round(v[: n * g], dtype), axis=-1), dtype)
+            .reshape(n, g, h, d)
+            .transpose(0, 2, 1, 3)
+        )
         assert_records_match(got, encode_tiles(tk, tv, preset), tk, tv, preset, d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k3v2_g128", "kvarn_k2v2_g128"])
+@pytest.mark.parametrize(
+    "preset", ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k3v2_g128", "kvarn_k2v2_g128"]
+)
 @pytest.mark.parametrize(("head_dim", "hq", "hkv"), [(128, 32, 8), (64, 16, 2), (256, 8, 1)])
-def test_decode_attention_realistic(dtype: torch.dtype, preset: str, head_dim: int, hq: int, hkv: int) -> None:
+def test_decode_attention_realistic(
+    dtype: torch.dtype, preset: str, head_dim: int, hq: int, hkv: int
+) -> None:
     g = get_preset(preset).group_size
     lens = [1, g - 1, g, 2000, 3 * g + 1]
-    seqs = [(make_kv((t, hkv, head_dim), "outlier_channels", i), make_kv((t, hkv, head_dim), "gaussian", 9 + i))
-            for i, t in enumerate(lens)]
+    seqs = [
+        (
+            make_kv((t, hkv, head_dim), "outlier_channels", i),
+            make_kv((t, hkv, head_dim), "gaussian", 9 + i),
+        )
+        for i, t in enumerate(lens)
+    ]
     batch = build_paged(seqs, preset, dtype, DEV)
     q = make_kv((len(lens), hq, head_dim), "gaussian", 3)
     scale = head_dim**-0.5
     for window in (None, 700):
         out = torch.full((len(lens), hq, head_dim), float("nan"), dtype=dtype, device=DEV)
-        kk.decode_attention(torch.from_numpy(q).to(DEV, dtype), batch.kv_cache, batch.staging, batch.block_table,
-                            batch.seq_lens, batch.quantized_lens, batch.staging_slots, preset, scale,
-                            sliding_window=window, out=out)
+        kk.decode_attention(
+            torch.from_numpy(q).to(DEV, dtype),
+            batch.kv_cache,
+            batch.staging,
+            batch.block_table,
+            batch.seq_lens,
+            batch.quantized_lens,
+            batch.staging_slots,
+            preset,
+            scale,
+            sliding_window=window,
+            out=out,
+        )
         q_in = torch.from_numpy(q).to(dtype).float().numpy()
         for b, ref in enumerate(batch.refs):
             want = reference_attention(q_in[b : b + 1], staged_reference(ref, dtype), scale, window)
-            assert_close_rms(want, out[b : b + 1].float().cpu().numpy(), TOL[dtype], what=f"seq {b} window {window}")
+            assert_close_rms(
+                want,
+                out[b : b + 1].float().cpu().numpy(),
+                TOL[dtype],
+                what=f"seq {b} window {window}",
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multi_query_attention_realistic(dtype: torch.dtype) -> None:
-    preset, d, hq, hkv, g = "kvarn_k4v2_g128", 128, 32, 8, 128
-    lens, nqs = [700, 260, 5], [8, 300, 5]
-    seqs = [(make_kv((t, hkv, d), "heavy_tailed", i), make_kv((t, hkv, d), "gaussian", 5 + i))
-            for i, t in enumerate(lens)]
+    preset, d, hq, hkv = "kvarn_k4v2_g128", 128, 32, 8
+    lens, nqs = [700, 260, 5], [8, 200, 5]
+    seqs = [
+        (make_kv((t, hkv, d), "heavy_tailed", i), make_kv((t, hkv, d), "gaussian", 5 + i))
+        for i, t in enumerate(lens)
+    ]
     batch = build_paged(seqs, preset, dtype, DEV, staging_tiles=2, uncommitted=[8, 0, 5])
     loc = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
     q = make_kv((int(loc[-1]), hq, d), "gaussian", 4)
     scale = d**-0.5
-    out = kk.multi_query_attention(torch.from_numpy(q).to(DEV, dtype), torch.from_numpy(loc).to(DEV),
-                                   batch.kv_cache, batch.staging, batch.block_table, batch.seq_lens,
-                                   batch.quantized_lens, batch.staging_slots, preset, scale)
+    out = kk.multi_query_attention(
+        torch.from_numpy(q).to(DEV, dtype),
+        torch.from_numpy(loc).to(DEV),
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        scale,
+    )
     q_in = torch.from_numpy(q).to(dtype).float().numpy()
     for b, ref in enumerate(batch.refs):
         rows = slice(int(loc[b]), int(loc[b + 1]))
@@ -165,10 +224,17 @@ def test_adversarial_tiles_stay_finite(kind: str, dtype: torch.dtype) -> None:
     kd, vd = ref_decode_tiles(fields, preset, d)
     assert np.isfinite(kd).all() and np.isfinite(vd).all(), "records decode to non-finite values"
     q = torch.randn(1, 4, d, device=DEV, dtype=dtype)
-    out = kk.decode_attention(q, cache, staging, torch.from_numpy(table).to(DEV),
-                              torch.tensor([t], dtype=torch.int32, device=DEV),
-                              torch.tensor([2 * g], dtype=torch.int32, device=DEV),
-                              torch.tensor([0], dtype=torch.int32, device=DEV), preset, d**-0.5)
+    out = kk.decode_attention(
+        q,
+        cache,
+        staging,
+        torch.from_numpy(table).to(DEV),
+        torch.tensor([t], dtype=torch.int32, device=DEV),
+        torch.tensor([2 * g], dtype=torch.int32, device=DEV),
+        torch.tensor([0], dtype=torch.int32, device=DEV),
+        preset,
+        d**-0.5,
+    )
     assert torch.isfinite(out).all()
 
 
@@ -184,10 +250,17 @@ def test_large_cache_offsets_use_int64() -> None:
     last = num_blocks - 1
     staging = torch.zeros(kk.staging_shape(1, h, d, preset), device=DEV)
     plan = kk.plan_store([0], [64], None, [0], [[last]], preset).to(DEV)
-    kk.store_kv(torch.from_numpy(k[0].transpose(1, 0, 2).copy()).to(DEV),
-                torch.from_numpy(v[0].transpose(1, 0, 2).copy()).to(DEV), cache, staging, plan, preset)
+    kk.store_kv(
+        torch.from_numpy(k[0].transpose(1, 0, 2).copy()).to(DEV),
+        torch.from_numpy(v[0].transpose(1, 0, 2).copy()).to(DEV),
+        cache,
+        staging,
+        plan,
+        preset,
+    )
     torch.testing.assert_close(cache[last], want[0], rtol=0, atol=0)
-    kd, _ = kk.dequantize(cache, torch.tensor([last], dtype=torch.int32, device=DEV), preset, d,
-                          dtype=torch.float32)
+    kd, _ = kk.dequantize(
+        cache, torch.tensor([last], dtype=torch.int32, device=DEV), preset, d, dtype=torch.float32
+    )
     kw, _ = ref_decode_tiles(want[0].cpu().numpy(), preset, d)
     np.testing.assert_allclose(kd.cpu().numpy().transpose(1, 0, 2), kw, rtol=1e-5, atol=1e-4)

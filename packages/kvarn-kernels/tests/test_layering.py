@@ -43,7 +43,8 @@ def test_only_the_benchmark_imports_vllm_and_only_lazily() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["quantize_tiles", "encode_tiles", "decode_tiles", "dequantize_tiles", "rotate", "unrotate"]
+    "name",
+    ["quantize_tiles", "encode_tiles", "decode_tiles", "dequantize_tiles", "rotate", "unrotate"],
 )
 def test_signatures_match_kvarn_math(name: str) -> None:
     ours = inspect.signature(getattr(kvarn_kernels, name))

@@ -46,7 +46,7 @@ class Sim:
 
 @st.composite
 def schedules(draw: st.DrawFn) -> dict[str, object]:
-    """Per request: a list of steps (num_new, num_accepted_drafts) ending in a prompt + decode mix."""
+    """Per request: a list of steps (num_new, num_accepted_drafts) after the prompt."""
     n = draw(st.integers(1, 3))
     spec = draw(st.booleans())
     reqs = []
@@ -97,8 +97,16 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             accepted.append(acc if (spec and step > 0 and num) else 0)
             for t in toks[: min(num, first_committed) + accepted[-1]]:
                 committed_tok[i][t[0]] = t
-        plan = plan_store(cached, new, committed_after, slots, table, "kvarn_k4v2_g64",
-                          staging_tiles=s_tiles, num_quantized=quant)
+        plan = plan_store(
+            cached,
+            new,
+            committed_after,
+            slots,
+            table,
+            "kvarn_k4v2_g64",
+            staging_tiles=s_tiles,
+            num_quantized=quant,
+        )
         sim.apply(plan, batch)
         quant = plan.quantized_lens.tolist()
         for i in range(n):
@@ -126,7 +134,9 @@ def test_chunked_prefill_plan_takes_full_tiles_from_the_batch() -> None:
 
 
 def test_padding_for_cuda_graphs() -> None:
-    plan = plan_store([G - 1], [1], None, [0], [[3, 9]], "kvarn_k4v2_g64", max_tiles=4, max_writes=8)
+    plan = plan_store(
+        [G - 1], [1], None, [0], [[3, 9]], "kvarn_k4v2_g64", max_tiles=4, max_writes=8
+    )
     assert plan.tiles.shape == (4, 5) and plan.writes.shape == (8, 3)
     assert plan.tiles[1:, 0].eq(-1).all() and plan.writes[:, 0].eq(-1).all()
     with pytest.raises(ValueError, match="max_tiles=0 is smaller"):
@@ -148,8 +158,12 @@ def test_padding_for_cuda_graphs() -> None:
 )
 def test_bad_plans_raise(kwargs: dict[str, object], message: str) -> None:
     args: dict[str, object] = {
-        "num_cached": [10], "num_new": [G], "num_committed": None, "staging_slots": [0],
-        "block_table": [[1, 2]], "preset": "kvarn_k4v2_g64",
+        "num_cached": [10],
+        "num_new": [G],
+        "num_committed": None,
+        "staging_slots": [0],
+        "block_table": [[1, 2]],
+        "preset": "kvarn_k4v2_g64",
     }
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):

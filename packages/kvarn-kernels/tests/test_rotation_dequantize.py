@@ -33,7 +33,9 @@ def test_rotate_is_bit_exact_in_fp32(d: int, lead: list[int], signed: bool, seed
     got = kk.rotate(torch.from_numpy(x), signs=signs)
     np.testing.assert_array_equal(got.numpy(), ref_rotate(x, signs=signs))
     back = kk.unrotate(got, signs=signs)
-    np.testing.assert_array_equal(back.numpy(), ref_unrotate(ref_rotate(x, signs=signs), signs=signs))
+    np.testing.assert_array_equal(
+        back.numpy(), ref_unrotate(ref_rotate(x, signs=signs), signs=signs)
+    )
     np.testing.assert_allclose(back.numpy(), x, rtol=1e-5, atol=1e-5)
 
 
@@ -48,7 +50,9 @@ def test_rotate_half_rounds_the_fp32_result(dtype: torch.dtype) -> None:
 
 def test_rotate_other_axis() -> None:
     x = make_kv((64, 3), "gaussian", 1)
-    np.testing.assert_array_equal(kk.rotate(torch.from_numpy(x), axis=0).numpy(), ref_rotate(x, axis=0))
+    np.testing.assert_array_equal(
+        kk.rotate(torch.from_numpy(x), axis=0).numpy(), ref_rotate(x, axis=0)
+    )
 
 
 def test_rotate_guards() -> None:
@@ -69,7 +73,10 @@ def test_decode_and_dequantize_tiles_match_reference(preset: str, d: int, seed: 
     k = make_kv((2, g, d), "outlier_channels", seed)
     v = make_kv((2, g, d), "gaussian", seed + 1)
     records = ref_quantize_tiles(k, v, preset)
-    for ours, ref in ((kk.decode_tiles, ref_decode_tiles), (kk.dequantize_tiles, ref_dequantize_tiles)):
+    for ours, ref in (
+        (kk.decode_tiles, ref_decode_tiles),
+        (kk.dequantize_tiles, ref_dequantize_tiles),
+    ):
         kg, vg = ours(torch.from_numpy(records), preset, d)
         kw, vw = ref(records, preset, d)
         assert kg.dtype == torch.float32 and kg.shape == kw.shape

@@ -61,7 +61,9 @@ def assert_records_match(
 )
 def test_quantize_tiles_matches_reference_fp32(preset: str, data: st.DataObject) -> None:
     g = get_preset(preset).group_size
-    sample = data.draw(kv_tiles(group_size=g, head_dim=st.sampled_from([64, 128]), batch=st.integers(1, 2)))
+    sample = data.draw(
+        kv_tiles(group_size=g, head_dim=st.sampled_from([64, 128]), batch=st.integers(1, 2))
+    )
     d = sample.k.shape[-1]
     got = kk.quantize_tiles(torch.from_numpy(sample.k), torch.from_numpy(sample.v), preset).numpy()
     want = ref_quantize_tiles(sample.k, sample.v, preset)
@@ -76,21 +78,29 @@ def test_quantize_tiles_codes_are_bit_exact_on_typical_tiles() -> None:
         g = get_preset(preset).group_size
         k = make_kv((2, g, d), "outlier_channels", 1)
         v = make_kv((2, g, d), "gaussian", 2)
-        got = read_fields(kk.quantize_tiles(torch.from_numpy(k), torch.from_numpy(v), preset).numpy(), preset, d)
+        got = read_fields(
+            kk.quantize_tiles(torch.from_numpy(k), torch.from_numpy(v), preset).numpy(), preset, d
+        )
         want = read_fields(ref_quantize_tiles(k, v, preset), preset, d)
         np.testing.assert_array_equal(got.k_codes, want.k_codes)
         np.testing.assert_array_equal(got.v_codes, want.v_codes)
         for name in ("k_scale", "k_zero", "k_token_scale", "v_channel_scale", "v_scale", "v_zero"):
-            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-3, err_msg=name)
+            np.testing.assert_allclose(
+                getattr(got, name), getattr(want, name), rtol=2e-3, err_msg=name
+            )
 
 
 @settings(max_examples=6)
-@given(st.sampled_from([torch.float16, torch.bfloat16]), kv_tiles(group_size=64, head_dim=64, batch=1))
+@given(
+    st.sampled_from([torch.float16, torch.bfloat16]), kv_tiles(group_size=64, head_dim=64, batch=1)
+)
 def test_quantize_tiles_half_inputs(dtype: torch.dtype, sample: object) -> None:
     """Half inputs: the kernel quantizes the rotated tokens as rounded to the model dtype."""
     preset = "kvarn_k4v2_g64"
     k, v = _round(sample.k, dtype), _round(sample.v, dtype)  # type: ignore[attr-defined]
-    got = kk.quantize_tiles(torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype), preset).numpy()
+    got = kk.quantize_tiles(
+        torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype), preset
+    ).numpy()
     k_rot, v_rot = _round(rotate(k, axis=-1), dtype), _round(rotate(v, axis=-1), dtype)
     want = encode_tiles(k_rot, v_rot, preset)
     assert_records_match(got, want, k_rot, v_rot, preset, 64)
@@ -105,8 +115,15 @@ def test_encode_tiles_takes_rotated_input() -> None:
 
 
 def _store_schedule(
-    k: np.ndarray, v: np.ndarray, chunks: list[int], preset: str, dtype: torch.dtype,
-    table: np.ndarray, slot: int, others: int, seed: int,
+    k: np.ndarray,
+    v: np.ndarray,
+    chunks: list[int],
+    preset: str,
+    dtype: torch.dtype,
+    table: np.ndarray,
+    slot: int,
+    others: int,
+    seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Store one sequence in ``chunks`` steps, batched with ``others`` unrelated requests."""
     p = get_preset(preset)
@@ -130,12 +147,19 @@ def _store_schedule(
         for j, idx in enumerate(order):
             who, num = reqs[idx]
             if who == "me":
-                new.append(num); cach.append(cached); slots.append(slot)  # noqa: E702
-                rows.append(table[0]); keys.append(kt[cached : cached + num]); vals.append(vt[cached : cached + num])  # noqa: E702
+                new.append(num)
+                cach.append(cached)
+                slots.append(slot)
+                rows.append(table[0])
+                keys.append(kt[cached : cached + num])
+                vals.append(vt[cached : cached + num])
             else:
-                new.append(num); cach.append(0); slots.append((slot + 1 + j) % 4)  # noqa: E702
+                new.append(num)
+                cach.append(0)
+                slots.append((slot + 1 + j) % 4)
                 rows.append(np.full(table.shape[1], num_blocks - 1 - j, dtype=np.int32))
-                keys.append(torch.randn(num, h, d).to(dtype)); vals.append(torch.randn(num, h, d).to(dtype))  # noqa: E702
+                keys.append(torch.randn(num, h, d).to(dtype))
+                vals.append(torch.randn(num, h, d).to(dtype))
         plan = kk.plan_store(cach, new, None, slots, np.stack(rows), p)
         kk.store_kv(torch.cat(keys), torch.cat(vals), cache, staging, plan, p)
         cached += chunk
@@ -181,7 +205,9 @@ def test_store_kv_reference_records_and_spec_rejection() -> None:
     v = make_kv((t, h, d), "gaussian", 9)
     lay = tile_layout(preset, d)
     cache = unwritten_cache(4, h, lay.tile_bytes, "cpu")
-    staging = nan_like_staging(kk.staging_shape(2, h, d, preset, staging_tiles=2), torch.float32, "cpu")
+    staging = nan_like_staging(
+        kk.staging_shape(2, h, d, preset, staging_tiles=2), torch.float32, "cpu"
+    )
     table = np.array([[2, 0]], dtype=np.int32)
     kt, vt = torch.from_numpy(k), torch.from_numpy(v)
     # prompt of g - 3 tokens, committed
@@ -197,14 +223,28 @@ def test_store_kv_reference_records_and_spec_rejection() -> None:
         garbage = torch.from_numpy(make_kv((drafts - acc, h, d), "gaussian", cached) * 100)
         keys = torch.cat([kt[real], garbage])
         vals = torch.cat([vt[real], garbage])
-        plan = kk.plan_store([cached], [1 + drafts], [cached + 1], [1], table, preset,
-                             staging_tiles=2, num_quantized=quant)
+        plan = kk.plan_store(
+            [cached],
+            [1 + drafts],
+            [cached + 1],
+            [1],
+            table,
+            preset,
+            staging_tiles=2,
+            num_quantized=quant,
+        )
         kk.store_kv(keys, vals, cache, staging, plan, preset)
         cached, quant = cached + 1 + acc, plan.quantized_lens.tolist()
     assert quant == [g]
     want = ref_quantize_tiles(k[None, :g, 0], v[None, :g, 0], preset)[0]
-    assert_records_match(cache[2, 0].numpy()[None], want[None], rotate(k[None, :g, 0], axis=-1),
-                         rotate(v[None, :g, 0], axis=-1), preset, d)
+    assert_records_match(
+        cache[2, 0].numpy()[None],
+        want[None],
+        rotate(k[None, :g, 0], axis=-1),
+        rotate(v[None, :g, 0], axis=-1),
+        preset,
+        d,
+    )
 
 
 class TestGuards:
@@ -212,10 +252,12 @@ class TestGuards:
         preset, d = "kvarn_k4v2_g64", 64
         lay = tile_layout(preset, d)
         return {
-            "key": torch.zeros(3, 2, d), "value": torch.zeros(3, 2, d),
+            "key": torch.zeros(3, 2, d),
+            "value": torch.zeros(3, 2, d),
             "kv_cache": torch.zeros(4, 2, lay.tile_bytes, dtype=torch.uint8),
             "staging": torch.zeros(kk.staging_shape(2, 2, d, preset)),
-            "plan": kk.plan_store([0], [3], None, [0], [[0]], preset), "preset": preset,
+            "plan": kk.plan_store([0], [3], None, [0], [[0]], preset),
+            "preset": preset,
         }
 
     @pytest.mark.parametrize(

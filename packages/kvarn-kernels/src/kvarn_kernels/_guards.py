@@ -73,7 +73,9 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
-def check_cache(kv_cache: object, layout: TileLayout, num_kv_heads: int | None = None) -> torch.Tensor:
+def check_cache(
+    kv_cache: object, layout: TileLayout, num_kv_heads: int | None = None
+) -> torch.Tensor:
     """``kv_cache`` uint8 ``[num_blocks, num_kv_heads, tile_bytes]`` contiguous."""
     return check_tensor(
         "kv_cache",

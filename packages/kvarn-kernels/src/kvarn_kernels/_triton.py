@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 try:  # libdevice gives correctly rounded exp/log/rint on the GPU; the interpreter lacks it
-    from triton.language.extra import libdevice
+    from triton.language.extra import libdevice  # type: ignore[import-untyped]
 except ImportError:  # pragma: no cover - every supported Triton has it
     libdevice = None
 

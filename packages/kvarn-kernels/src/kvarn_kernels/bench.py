@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import get_preset, tile_layout
 
 __all__ = ["main", "measure_hbm_bandwidth"]
@@ -35,29 +35,46 @@ __all__ = ["main", "measure_hbm_bandwidth"]
 _GIB = 1 << 30
 
 
-def _time_ms(fn: Callable[[], object], quick: bool) -> float:
-    """Median milliseconds of ``fn`` (CUDA events through triton.testing.do_bench)."""
+def _time_ms(fn: Callable[[], object], quick: bool, device: torch.device | None = None) -> float:
+    """Median milliseconds of ``fn`` (CUDA events through triton.testing.do_bench).
+
+    On the CPU (``--dry-run``, interpreter) a plain wall-clock median of three runs.
+    """
+    if device is not None and device.type == "cpu":
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return float(np.median(times))
     return float(
-        triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+        triton.testing.do_bench(
+            fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median"
+        )
     )
 
 
 def measure_hbm_bandwidth(device: torch.device, quick: bool) -> float:
     """GB/s of a large device-to-device copy (bytes read + bytes written)."""
-    n = (1 if quick else 4) * _GIB
+    n = (1 if quick else 4) * _GIB if device.type == "cuda" else 1 << 24
     src = torch.empty(n, dtype=torch.uint8, device=device)
     src.random_(0, 255)
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), quick)
-    del src, dst
-    torch.cuda.empty_cache()
+    ms = _time_ms(lambda: dst.copy_(src), quick, device)
+    src = dst = torch.empty(0, device=device)  # release the buffers before the next allocation
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return 2 * n / (ms * 1e-3) / 1e9
 
 
 def _git_sha() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
             cwd=Path(__file__).resolve().parent,
         )
         return out.stdout.strip() or None
@@ -81,9 +98,15 @@ def _versions() -> dict[str, str | None]:
     }
 
 
-def _template_records(preset: str, head_dim: int, num_kv_heads: int, dtype: torch.dtype,
-                      device: torch.device, count: int = 64) -> torch.Tensor:
-    """``count`` real records ``[count, Hkv, tile_bytes]`` quantized by the kernel from random K/V."""
+def _template_records(
+    preset: str,
+    head_dim: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    count: int = 64,
+) -> torch.Tensor:
+    """``count`` records ``[count, Hkv, tile_bytes]`` quantized by the kernel from random K/V."""
     from kvarn_kernels.quantize import quantize_tiles
 
     g = get_preset(preset).group_size
@@ -96,9 +119,18 @@ def _template_records(preset: str, head_dim: int, num_kv_heads: int, dtype: torc
 class _Case:
     """One paged cache (quantized) plus its fp16 twin for the baselines."""
 
-    def __init__(self, preset: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 batch: int, context: int, dtype: torch.dtype, device: torch.device,
-                 template: torch.Tensor) -> None:
+    def __init__(
+        self,
+        preset: str,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        batch: int,
+        context: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        template: torch.Tensor,
+    ) -> None:
         from kvarn_kernels.cache import allocate_staging
 
         p = get_preset(preset)
@@ -140,8 +172,17 @@ class _Case:
         from kvarn_kernels.attention import decode_attention
 
         return decode_attention(
-            self.query, self.kv_cache, self.staging, self.block_table, self.seq_lens, self.qlens,
-            self.slots, self.preset, self.scale, out=self.out, num_splits=num_splits,
+            self.query,
+            self.kv_cache,
+            self.staging,
+            self.block_table,
+            self.seq_lens,
+            self.qlens,
+            self.slots,
+            self.preset,
+            self.scale,
+            out=self.out,
+            num_splits=num_splits,
         )
 
 
@@ -151,14 +192,17 @@ def _check_against_dequantized(case: _Case) -> float:
     from kvarn_kernels.rotation import rotate, unrotate
 
     out = case.run().float()
-    k, v = dequantize(case.kv_cache, case.block_table[0].contiguous(), case.preset, case.d,
-                      dtype=torch.float32)
+    k, v = dequantize(
+        case.kv_cache, case.block_table[0].contiguous(), case.preset, case.d, dtype=torch.float32
+    )
     sk = case.staging[0, 0, : case.open_tokens].float()
     sv = case.staging[0, 1, : case.open_tokens].float()
     k = torch.cat([k, sk]).transpose(0, 1)[None]  # [1, Hkv, T, D] rotated
     v = torch.cat([v, sv]).transpose(0, 1)[None]
     q = rotate(case.query[:1].float())[:, :, None, :]  # [1, Hq, 1, D]
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=case.scale, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, scale=case.scale, enable_gqa=True
+    )
     ref = unrotate(ref[:, :, 0, :])
     return float((out[:1] - ref).norm() / ref.norm())
 
@@ -170,11 +214,7 @@ def _sdpa_baseline(case: _Case, quick: bool) -> float | None:
     v = torch.randn(shape, dtype=torch.float16, device=case.device)
     q = torch.randn((case.b, case.hq, 1, case.d), dtype=torch.float16, device=case.device)
     f = torch.nn.functional.scaled_dot_product_attention
-    try:
-        ms = _time_ms(lambda: f(q, k, v, scale=case.scale, enable_gqa=True), quick)
-    finally:
-        del k, v
-    return ms
+    return _time_ms(lambda: f(q, k, v, scale=case.scale, enable_gqa=True), quick, case.device)
 
 
 def _vllm_baseline(case: _Case, quick: bool) -> tuple[float | None, str | None]:
@@ -192,33 +232,43 @@ def _vllm_baseline(case: _Case, quick: bool) -> tuple[float | None, str | None]:
     try:
         k = torch.randn(shape, dtype=torch.float16, device=case.device)
         v = torch.randn(shape, dtype=torch.float16, device=case.device)
-        table = torch.randperm(case.b * pages, device=case.device).to(torch.int32).view(case.b, pages)
+        table = (
+            torch.randperm(case.b * pages, device=case.device).to(torch.int32).view(case.b, pages)
+        )
         q = torch.randn((case.b, case.hq, case.d), dtype=torch.float16, device=case.device)
         o = torch.empty_like(q)
         lse = torch.empty((case.b, case.hq), dtype=torch.float32, device=case.device)
         best = None
         for splits in (4, 8, 16, 32):
-            logits = torch.empty((case.b, case.hq, splits, case.d + 1), dtype=torch.float32,
-                                 device=case.device)
+            logits = torch.empty(
+                (case.b, case.hq, splits, case.d + 1), dtype=torch.float32, device=case.device
+            )
 
             def fn(splits: int = splits, logits: torch.Tensor = logits) -> None:
-                decode_attention_fwd(q, k, v, o, lse, table, case.seq_lens, logits, splits,
-                                     case.scale, page)
+                decode_attention_fwd(
+                    q, k, v, o, lse, table, case.seq_lens, logits, splits, case.scale, page
+                )
 
             ms = _time_ms(fn, quick)
             best = ms if best is None else min(best, ms)
-        del k, v
         return best, None
     except Exception as exc:
         return None, f"vLLM decode kernel failed: {type(exc).__name__}: {exc}"
 
 
-def _store_cost(preset: str, num_kv_heads: int, head_dim: int, batch: int, dtype: torch.dtype,
-                device: torch.device, quick: bool) -> dict[str, float]:
+def _store_cost(
+    preset: str,
+    num_kv_heads: int,
+    head_dim: int,
+    batch: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quick: bool,
+) -> dict[str, Any]:
     """store_kv time for a decode step of ``batch`` requests: typical (batch/G tiles complete),
     worst (every request completes a tile), and per completed tile."""
     from kvarn_kernels.cache import allocate_cache, allocate_staging
-    from kvarn_kernels.plan import plan_store
+    from kvarn_kernels.plan import StorePlan, plan_store
     from kvarn_kernels.quantize import store_kv
 
     p = get_preset(preset)
@@ -229,40 +279,60 @@ def _store_cost(preset: str, num_kv_heads: int, head_dim: int, batch: int, dtype
     key = torch.randn((batch, num_kv_heads, head_dim), dtype=dtype, device=device)
     value = torch.randn_like(key)
     table = np.arange(batch * 2, dtype=np.int32).reshape(batch, 2)
-    result = {}
+    result: dict[str, Any] = {}
     typical = max(1, round(batch / g))
     for name, completing in (("typical", typical), ("worst", batch), ("none", 0)):
         cached = [g - 1 if i < completing else g // 2 for i in range(batch)]
         plan = plan_store(cached, [1] * batch, None, list(range(batch)), table, p).to(device)
-        ms = _time_ms(lambda plan=plan: store_kv(key, value, cache, staging, plan, p), quick)
+
+        def step(plan: StorePlan = plan) -> None:
+            store_kv(key, value, cache, staging, plan, p)
+
+        ms = _time_ms(step, quick, device)
         result[f"store_step_{name}_ms"] = ms
         result[f"store_step_{name}_tiles"] = completing
     result["store_per_tile_us"] = (
-        (result["store_step_worst_ms"] - result["store_step_none_ms"]) * 1e3 / (batch * num_kv_heads)
+        (result["store_step_worst_ms"] - result["store_step_none_ms"])
+        * 1e3
+        / (batch * num_kv_heads)
     )
     return result
 
 
-def _fits(bytes_needed: int, device: torch.device) -> bool:
+def _fits(bytes_needed: float, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return bytes_needed < 1 << 28
     free, _ = torch.cuda.mem_get_info(device)
     return bytes_needed < 0.8 * free
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        raise SystemExit("kvarn_kernels.bench needs a CUDA GPU")
-    device = torch.device("cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     quick = args.quick
-    shapes = [("llama3-8b", 32, 8, 128)] + ([] if quick else [("hd64", 32, 8, 64)])
-    batches = [16, 64] if quick else [1, 16, 64, 256]
-    contexts = [4096, 16384] if quick else [4096, 16384, 65536]
+    if args.dry_run:
+        # The whole pipeline on tiny sizes in Triton's interpreter: checks the script, not speed.
+        device = torch.device("cpu")
+        shapes = [("tiny", 4, 2, 64)]
+        batches, contexts, store_batch = [1, 2], [128], 4
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                "kvarn_kernels.bench needs a CUDA GPU (or --dry-run with TRITON_INTERPRET=1)"
+            )
+        device = torch.device("cuda")
+        shapes = [("llama3-8b", 32, 8, 128)] + ([] if quick else [("hd64", 32, 8, 64)])
+        batches = [16, 64] if quick else [1, 16, 64, 256]
+        contexts = [4096, 16384] if quick else [4096, 16384, 65536]
+        store_batch = 256
     presets = args.presets
     t0 = time.time()
     hbm = measure_hbm_bandwidth(device, quick)
+    cuda = device.type == "cuda"
     report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(device),
-        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
+        "gpu": torch.cuda.get_device_name(device) if cuda else "cpu (dry run, Triton interpreter)",
+        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count
+        if cuda
+        else None,
         "versions": _versions(),
         "git_sha": _git_sha(),
         "dtype": args.dtype,
@@ -283,18 +353,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     q_bytes = b * hkv * (ctx // lay.group_size) * lay.tile_bytes
                     fp16_bytes = b * hkv * (ctx + lay.group_size) * 4 * d
                     if not _fits(q_bytes * 1.2, device):
-                        report["notes"].append(f"skipped {preset} {shape_name} b={b} ctx={ctx}: memory")
+                        report["notes"].append(
+                            f"skipped {preset} {shape_name} b={b} ctx={ctx}: memory"
+                        )
                         continue
                     case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template)
-                    row: dict[str, Any] = {"preset": preset, "shape": shape_name, "num_q_heads": hq,
-                                           "num_kv_heads": hkv, "head_dim": d, "batch": b, "context": ctx}
+                    row: dict[str, Any] = {
+                        "preset": preset,
+                        "shape": shape_name,
+                        "num_q_heads": hq,
+                        "num_kv_heads": hkv,
+                        "head_dim": d,
+                        "batch": b,
+                        "context": ctx,
+                    }
                     if not checked:
                         row["rel_error_vs_dequantized_sdpa"] = _check_against_dequantized(case)
                         checked = True
-                    ms = _time_ms(case.run, quick)
+                    ms = _time_ms(case.run, quick, device)
                     nbytes = case.bytes_quantized()
                     row.update(
-                        time_us=ms * 1e3, bytes_read=nbytes, gbps=nbytes / (ms * 1e-3) / 1e9,
+                        time_us=ms * 1e3,
+                        bytes_read=nbytes,
+                        gbps=nbytes / (ms * 1e-3) / 1e9,
                         num_splits=_splits(case),
                     )
                     row["hbm_fraction"] = row["gbps"] / hbm
@@ -304,7 +385,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         sdpa = _sdpa_baseline(case, quick)
                         row["sdpa_fp16_us"] = None if sdpa is None else sdpa * 1e3
                         row["speedup_vs_sdpa"] = None if sdpa is None else sdpa / ms
-                        if not args.no_vllm:
+                        if not args.no_vllm and cuda:
                             vms, err = _vllm_baseline(case, quick)
                             row["vllm_triton_fp16_us"] = None if vms is None else vms * 1e3
                             row["speedup_vs_vllm_triton"] = None if vms is None else vms / ms
@@ -312,15 +393,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 report["notes"].append(err)
                     else:
                         row["sdpa_fp16_us"] = None
-                        report["notes"].append(f"no fp16 baseline for {shape_name} b={b} ctx={ctx}: memory")
+                        report["notes"].append(
+                            f"no fp16 baseline for {shape_name} b={b} ctx={ctx}: memory"
+                        )
                     report["attention"].append(row)
                     print(_row_line(row), flush=True)
                     del case
-                    torch.cuda.empty_cache()
-            store = _store_cost(preset, hkv, d, 256, dtype, device, quick)
-            store.update(preset=preset, shape=shape_name, batch=256)
+                    if cuda:
+                        torch.cuda.empty_cache()
+            store = _store_cost(preset, hkv, d, store_batch, dtype, device, quick)
+            store.update(preset=preset, shape=shape_name, batch=store_batch)
             for r in report["attention"]:
-                if r["preset"] == preset and r["shape"] == shape_name and r["batch"] == 256:
+                if r["preset"] == preset and r["shape"] == shape_name and r["batch"] == store_batch:
                     store[f"typical_fraction_of_attention_ctx{r['context']}"] = (
                         store["store_step_typical_ms"] * 1e3 / r["time_us"]
                     )
@@ -344,7 +428,8 @@ def _fmt(x: object, spec: str) -> str:
 def _row_line(r: dict[str, Any]) -> str:
     return (
         f"| {r['preset']} | {r['shape']} | {r['batch']} | {r['context']} | {r['time_us']:.1f} | "
-        f"{r['gbps']:.0f} | {100 * r['hbm_fraction']:.1f}% | {_fmt(r.get('sdpa_fp16_us'), '.1f')} | "
+        f"{r['gbps']:.0f} | {100 * r['hbm_fraction']:.1f}% | "
+        f"{_fmt(r.get('sdpa_fp16_us'), '.1f')} | "
         f"{_fmt(r.get('speedup_vs_sdpa'), '.2f')} | {_fmt(r.get('vllm_triton_fp16_us'), '.1f')} | "
         f"{_fmt(r.get('speedup_vs_vllm_triton'), '.2f')} | {r['num_splits']} |"
     )
@@ -355,13 +440,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"GPU: {report['gpu']}; copy bandwidth {report['hbm_copy_gbps']:.0f} GB/s; "
         f"git {report['git_sha']}; {report['versions']}",
         "",
-        "| preset | shape | batch | context | time (us) | GB/s | of HBM | SDPA fp16 (us) | x SDPA | "
+        "| preset | shape | batch | context | time (us) | GB/s | of HBM | SDPA fp16 (us) | "
+        "x SDPA | "
         "vLLM Triton fp16 (us) | x vLLM | splits |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += [_row_line(r) for r in report["attention"]]
-    lines += ["", "| preset | shape | store typical step (us) | tiles | worst step (us) | per tile (us) |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "| preset | shape | store typical step (us) | tiles | worst step (us) | per tile (us) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for s in report["store"]:
         lines.append(
             f"| {s['preset']} | {s['shape']} | {1e3 * s['store_step_typical_ms']:.1f} | "
@@ -370,19 +459,30 @@ def markdown(report: dict[str, Any]) -> str:
         )
         fr = {k: v for k, v in s.items() if k.startswith("typical_fraction")}
         if fr:
-            lines.append("|  | fraction of attention time: " + ", ".join(f"{k[-8:]} {100 * v:.2f}%" for k, v in fr.items()) + " | | | | |")
+            lines.append(
+                "|  | fraction of attention time: "
+                + ", ".join(f"{k[-8:]} {100 * v:.2f}%" for k, v in fr.items())
+                + " | | | | |"
+            )
     if report["notes"]:
         lines += ["", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvarn_kernels.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvarn_kernels.bench", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     parser.add_argument("--quick", action="store_true", help="few sizes (< 2 minutes)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--presets", nargs="+", default=["kvarn_k4v2_g128"])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny sizes on the CPU in Triton's interpreter (checks the script)",
+    )
     args = parser.parse_args(argv)
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

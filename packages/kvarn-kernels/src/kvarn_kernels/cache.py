@@ -32,7 +32,11 @@ def cache_shape(
 ) -> tuple[int, int, int]:
     """``(num_blocks, num_kv_heads, tile_bytes)`` of one layer's paged cache."""
     lay = tile_layout(preset, head_dim)
-    return (_positive("num_blocks", num_blocks), _positive("num_kv_heads", num_kv_heads), lay.tile_bytes)
+    return (
+        _positive("num_blocks", num_blocks),
+        _positive("num_kv_heads", num_kv_heads),
+        lay.tile_bytes,
+    )
 
 
 def allocate_cache(
@@ -54,7 +58,7 @@ def staging_shape(
     preset: str | Preset,
     staging_tiles: int = 1,
 ) -> tuple[int, int, int, int, int]:
-    """``(num_slots, 2, S*G, num_kv_heads, head_dim)``; ``S = staging_tiles`` (2 with spec decode)."""
+    """``(num_slots, 2, S*G, num_kv_heads, head_dim)``; ``S = staging_tiles`` (2: spec decode)."""
     lay = tile_layout(preset, head_dim)
     _positive("staging_tiles", staging_tiles)
     return (

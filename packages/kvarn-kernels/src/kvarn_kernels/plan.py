@@ -74,11 +74,15 @@ class StorePlan:
 def _ints(name: str, values: object, length: int | None = None) -> IntArray:
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
-            raise ValueError(f"{name} must be on the host (plan_store runs on the CPU), got {values.device}")
+            raise ValueError(
+                f"{name} must be on the host (plan_store runs on the CPU), got {values.device}"
+            )
         values = values.numpy()
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} shape {arr.shape}")
+        raise ValueError(
+            f"{name} must be a 1-D sequence of ints, got {arr.dtype} shape {arr.shape}"
+        )
     if length is not None and arr.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries (one per request), got {arr.shape[0]}")
     if arr.size and arr.min() < 0:
@@ -140,7 +144,9 @@ def plan_store(
     slots = _ints("staging_slots", staging_slots, b)
     if isinstance(block_table, torch.Tensor):
         if block_table.device.type != "cpu":
-            raise ValueError(f"block_table must be on the host for plan_store, got {block_table.device}")
+            raise ValueError(
+                f"block_table must be on the host for plan_store, got {block_table.device}"
+            )
         table = block_table.numpy()
     else:
         table = np.asarray(block_table)
@@ -199,7 +205,9 @@ def plan_store(
             fresh = int(qstart[i]) + start + staged - int(cached[i]) if staged < g else 0
             block = int(table[i, t])
             if block < 0:
-                raise ValueError(f"request {i}: block_table[{i}, {t}] is {block}, a tile needs a block")
+                raise ValueError(
+                    f"request {i}: block_table[{i}, {t}] is {block}, a tile needs a block"
+                )
             tile_rows.append((block, int(slots[i]), start, staged, fresh))
         lo = max(int(cached[i]), int(q_after[i]))
         if lo < total[i]:

@@ -11,15 +11,16 @@ Score of a quantized tile, with the scale folding of the record format:
 ``s[m, t] = k_token_scale[t] * (sum_d (q[m, d] k_scale[d]) code[d, t] + sum_d q[m, d] k_zero[d])``:
 one tensor-core dot of the row-normalized ``q * k_scale`` (fp16) with the integer codes (exact in
 fp16), fp32 accumulation.  Likewise for values:
-``o[m, d] += v_channel_scale[d] * (sum_t (p[m, t] v_scale[t]) vcode[t, d] + sum_t p[m, t] v_zero[t])``.
+``o[m, d] += v_channel_scale[d] *
+(sum_t (p[m, t] v_scale[t]) vcode[t, d] + sum_t p[m, t] v_zero[t])``.
 """
 
 from __future__ import annotations
 
 import os
 
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import (
     INTERPRET,
@@ -55,11 +56,25 @@ def _visible(pos, qpos, window):
 
 @triton.jit
 def _load_step(
-    cache_u8_ptr, cache_f16_ptr, block, head_off, part, ok,
-    G: tl.constexpr, D: tl.constexpr, SUB: tl.constexpr, KEY_BITS: tl.constexpr,
+    cache_u8_ptr,
+    cache_f16_ptr,
+    block,
+    head_off,
+    part,
+    ok,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    KEY_BITS: tl.constexpr,
     VALUE_BITS: tl.constexpr,
-    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
-    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
 ):
     """Issue every load of one step (part ``part`` of the tile in ``block``); ``ok`` masks all."""
     rec = block.to(tl.int64) * head_off[0] + head_off[1]
@@ -68,14 +83,21 @@ def _load_step(
     d = tl.arange(0, D)
     j = part * SUB + tl.arange(0, SUB)
     # K codes [D, SUB]: columns part*SUB.. of the [D, G] per-channel packed rows.
-    k_raw = load_packed(u8 + OFF_KC + part * (SUB * KEY_BITS // 8), G * KEY_BITS // 8, ok,
-                        D, SUB, KEY_BITS)
+    k_raw = load_packed(
+        u8 + OFF_KC + part * (SUB * KEY_BITS // 8), G * KEY_BITS // 8, ok, D, SUB, KEY_BITS
+    )
     k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
     k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
     k_tok = tl.load(f16 + OFF_KT // 2 + j, mask=ok, other=0.0)
     # V codes [SUB, D]: rows part*SUB.. of the [G, D] per-token packed rows.
-    v_raw = load_packed(u8 + OFF_VC + part * (SUB * (D * VALUE_BITS // 8)), D * VALUE_BITS // 8,
-                        ok, SUB, D, VALUE_BITS)
+    v_raw = load_packed(
+        u8 + OFF_VC + part * (SUB * (D * VALUE_BITS // 8)),
+        D * VALUE_BITS // 8,
+        ok,
+        SUB,
+        D,
+        VALUE_BITS,
+    )
     v_scale = tl.load(f16 + OFF_VS // 2 + j, mask=ok, other=0.0)
     v_zero = tl.load(f16 + OFF_VZ // 2 + j, mask=ok, other=0.0)
     v_chan = tl.load(f16 + OFF_VCS // 2 + d, mask=ok, other=0.0)
@@ -117,20 +139,51 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 )
 @triton.jit
 def attention_partial_kernel(
-    q_ptr, stride_qt, stride_qh,
+    q_ptr,
+    stride_qt,
+    stride_qh,
     qstart_ptr,
-    cache_u8_ptr, cache_f16_ptr, stride_cb, stride_ch,
-    stage_ptr, stride_ss, stride_skv, stride_sp, stride_sh,
-    block_table_ptr, stride_bt,
-    seq_lens_ptr, qlens_ptr, slots_ptr,
-    acc_ptr, ml_ptr, num_q_heads,
-    qk_scale, window, rsqrt_d,
-    G: tl.constexpr, D: tl.constexpr, SG: tl.constexpr,
-    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLITS: tl.constexpr, DECODE: tl.constexpr, FP32: tl.constexpr, SUB: tl.constexpr,
-    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
-    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
+    cache_u8_ptr,
+    cache_f16_ptr,
+    stride_cb,
+    stride_ch,
+    stage_ptr,
+    stride_ss,
+    stride_skv,
+    stride_sp,
+    stride_sh,
+    block_table_ptr,
+    stride_bt,
+    seq_lens_ptr,
+    qlens_ptr,
+    slots_ptr,
+    acc_ptr,
+    ml_ptr,
+    num_q_heads,
+    qk_scale,
+    window,
+    rsqrt_d,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SG: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
+    FP32: tl.constexpr,
+    SUB: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, query block, split).
 
@@ -192,16 +245,52 @@ def attention_partial_kernel(
         ok = c0 < c_end
         blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
         k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
-            cache_u8_ptr, cache_f16_ptr, blk, head_off, c0 % PARTS, ok, G, D, SUB, KEY_BITS,
-            VALUE_BITS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
+            cache_u8_ptr,
+            cache_f16_ptr,
+            blk,
+            head_off,
+            c0 % PARTS,
+            ok,
+            G,
+            D,
+            SUB,
+            KEY_BITS,
+            VALUE_BITS,
+            OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
+            OFF_VC,
+            OFF_VCS,
+            OFF_VS,
+            OFF_VZ,
+        )
         blk_next = tl.load(bt_row + (c0 + 1) // PARTS, mask=c0 + 1 < c_end, other=0)
         for c in range(c0, c_end):
             ok_next = c + 1 < c_end
-            (k_raw_n, k_scale_n, k_zero_n, k_tok_n,
-             v_raw_n, v_scale_n, v_zero_n, v_chan_n) = _load_step(
-                cache_u8_ptr, cache_f16_ptr, blk_next, head_off, (c + 1) % PARTS, ok_next, G, D,
-                SUB, KEY_BITS, VALUE_BITS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS,
-                OFF_VS, OFF_VZ)
+            (k_raw_n, k_scale_n, k_zero_n, k_tok_n, v_raw_n, v_scale_n, v_zero_n, v_chan_n) = (
+                _load_step(
+                    cache_u8_ptr,
+                    cache_f16_ptr,
+                    blk_next,
+                    head_off,
+                    (c + 1) % PARTS,
+                    ok_next,
+                    G,
+                    D,
+                    SUB,
+                    KEY_BITS,
+                    VALUE_BITS,
+                    OFF_KC,
+                    OFF_KS,
+                    OFF_KZ,
+                    OFF_KT,
+                    OFF_VC,
+                    OFF_VCS,
+                    OFF_VS,
+                    OFF_VZ,
+                )
+            )
             blk_next = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
 
             k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
@@ -261,11 +350,20 @@ def attention_partial_kernel(
 
 @triton.jit
 def attention_combine_kernel(
-    acc_ptr, ml_ptr, num_q_heads,
-    out_ptr, stride_ot, stride_oh,
-    qend_ptr, rsqrt_d,
-    D: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DECODE: tl.constexpr,
+    acc_ptr,
+    ml_ptr,
+    num_q_heads,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    qend_ptr,
+    rsqrt_d,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """Merge the splits of one (query token, KV head), un-rotate, write ``out`` rows."""
     tok = tl.program_id(0).to(tl.int64)
@@ -281,14 +379,16 @@ def attention_combine_kernel(
         mask = hmask[:, None] & (sp < SPLITS)[None, :]
         part = (tok * num_q_heads + head)[:, None] * SPLITS + sp[None, :]  # [BLOCK_H, BLOCK_S]
         m = tl.load(ml_ptr + part * 2, mask=mask, other=float("-inf"))
-        l = tl.load(ml_ptr + part * 2 + 1, mask=mask, other=0.0)
+        denom_part = tl.load(ml_ptr + part * 2 + 1, mask=mask, other=0.0)
         m_max = tl.max(m, axis=1)
         m_max = tl.where(hmask, m_max, 0.0)
         w = tl.exp2(m - m_max[:, None])
-        denom = tl.sum(w * l, axis=1)
+        denom = tl.sum(w * denom_part, axis=1)
         denom = tl.where(hmask, denom, 1.0)
         d = tl.arange(0, D)
-        acc = tl.load(acc_ptr + part[:, :, None] * D + d[None, None, :], mask=mask[:, :, None], other=0.0)
+        acc = tl.load(
+            acc_ptr + part[:, :, None] * D + d[None, None, :], mask=mask[:, :, None], other=0.0
+        )
         o = tl.sum(w[:, :, None] * acc, axis=1) / denom[:, None]
         o = fwht_rows(o, BLOCK_H, D) * rsqrt_d
         dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, TileLayout
 
 from kvarn_kernels._guards import (
@@ -57,7 +57,9 @@ def _check_common(
     check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     _, num_q_heads, head_dim = query.shape
     if head_dim not in _ATTENTION_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {_ATTENTION_HEAD_DIMS} for attention, got {head_dim}")
+        raise ValueError(
+            f"head_dim must be one of {_ATTENTION_HEAD_DIMS} for attention, got {head_dim}"
+        )
     p, layout = check_preset(preset, head_dim)
     check_cache(kv_cache, layout)
     num_kv_heads = kv_cache.shape[1]
@@ -66,7 +68,8 @@ def _check_common(
         raise ValueError(f"staging dtype must equal query dtype {query.dtype}, got {staging.dtype}")
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= _MAX_GROUP:
         raise ValueError(
-            f"query heads must be 1..{_MAX_GROUP} times the {num_kv_heads} KV heads, got {num_q_heads}"
+            f"query heads must be 1..{_MAX_GROUP} times the {num_kv_heads} KV heads, "
+            f"got {num_q_heads}"
         )
     if p.key_bits not in (1, 2, 4, 8) and p.group_size < 128:
         raise ValueError(f"{p.key_bits}-bit keys need G=128 in attention, got {p.name}")
@@ -75,11 +78,20 @@ def _check_common(
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, last_dim_contiguous=True)
     if block_table.shape[0] < num_seqs:
         raise ValueError(f"block_table must have >= {num_seqs} rows, got {list(block_table.shape)}")
-    for name, t in (("seq_lens", seq_lens), ("quantized_lens", quantized_lens), ("staging_slots", staging_slots)):
+    for name, t in (
+        ("seq_lens", seq_lens),
+        ("quantized_lens", quantized_lens),
+        ("staging_slots", staging_slots),
+    ):
         check_tensor(name, t, dtype=torch.int32, shape=(num_seqs,), contiguous=True)
     check_same_device(
-        query=query, kv_cache=kv_cache, staging=staging, block_table=block_table,
-        seq_lens=seq_lens, quantized_lens=quantized_lens, staging_slots=staging_slots,
+        query=query,
+        kv_cache=kv_cache,
+        staging=staging,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        quantized_lens=quantized_lens,
+        staging_slots=staging_slots,
     )
     return layout, num_kv_heads
 
@@ -108,7 +120,9 @@ def _run(
     if out is None:
         out = torch.empty_like(query)
     else:
-        check_tensor("out", out, dtype=query.dtype, shape=tuple(query.shape), last_dim_contiguous=True)
+        check_tensor(
+            "out", out, dtype=query.dtype, shape=tuple(query.shape), last_dim_contiguous=True
+        )
         check_same_device(query=query, out=out)
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
@@ -129,34 +143,77 @@ def _run(
     num_qblocks = 1 if decode else triton.cdiv(max(max_query_len, 1), block_q)
     fp32 = query.dtype == torch.float32
 
-    acc = torch.empty((num_tokens, num_q_heads, num_splits, d), dtype=torch.float32, device=query.device)
-    ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    acc = torch.empty(
+        (num_tokens, num_q_heads, num_splits, d), dtype=torch.float32, device=query.device
+    )
+    ml = torch.empty(
+        (num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device
+    )
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
     off = layout.offsets
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     attention_partial_kernel[(num_seqs, num_kv_heads, num_qblocks * num_splits)](
-        query, query.stride(0), query.stride(1),
+        query,
+        query.stride(0),
+        query.stride(1),
         qstart,
-        kv_cache, kv_cache.view(torch.float16), kv_cache.stride(0), kv_cache.stride(1),
-        staging, staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
-        block_table, block_table.stride(0),
-        seq_lens, quantized_lens, staging_slots,
-        acc, ml, num_q_heads,
-        float(scale) * _LOG2E, 0 if sliding_window is None else sliding_window, rsqrt_d,
-        G=g, D=d, SG=staging.shape[2], KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits,
-        GROUP=group, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m,
-        SPLITS=num_splits, DECODE=decode, FP32=fp32,
-        OFF_KC=off["k_codes"], OFF_KS=off["k_scale"], OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"], OFF_VC=off["v_codes"], OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"], OFF_VZ=off["v_zero"],
+        kv_cache,
+        kv_cache.view(torch.float16),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        staging,
+        staging.stride(0),
+        staging.stride(1),
+        staging.stride(2),
+        staging.stride(3),
+        block_table,
+        block_table.stride(0),
+        seq_lens,
+        quantized_lens,
+        staging_slots,
+        acc,
+        ml,
+        num_q_heads,
+        float(scale) * _LOG2E,
+        0 if sliding_window is None else sliding_window,
+        rsqrt_d,
+        G=g,
+        D=d,
+        SG=staging.shape[2],
+        KEY_BITS=p.key_bits,
+        VALUE_BITS=p.value_bits,
+        GROUP=group,
+        BLOCK_H=block_h,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        SPLITS=num_splits,
+        DECODE=decode,
+        FP32=fp32,
+        OFF_KC=off["k_codes"],
+        OFF_KS=off["k_scale"],
+        OFF_KZ=off["k_zero"],
+        OFF_KT=off["k_token_scale"],
+        OFF_VC=off["v_codes"],
+        OFF_VCS=off["v_channel_scale"],
+        OFF_VS=off["v_scale"],
+        OFF_VZ=off["v_zero"],
     )
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
-        acc, ml, num_q_heads,
-        out, out.stride(0), out.stride(1),
-        qend, rsqrt_d,
-        D=d, GROUP=group, BLOCK_H=block_h, SPLITS=num_splits,
-        BLOCK_S=_next_pow2(num_splits), DECODE=decode,
+        acc,
+        ml,
+        num_q_heads,
+        out,
+        out.stride(0),
+        out.stride(1),
+        qend,
+        rsqrt_d,
+        D=d,
+        GROUP=group,
+        BLOCK_H=block_h,
+        SPLITS=num_splits,
+        BLOCK_S=_next_pow2(num_splits),
+        DECODE=decode,
         num_warps=4,
     )
     return out
@@ -198,12 +255,32 @@ def decode_attention(
     """
     check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3)
     layout, num_kv_heads = _check_common(
-        query, kv_cache, staging, block_table, seq_lens, quantized_lens, staging_slots, preset,
+        query,
+        kv_cache,
+        staging,
+        block_table,
+        seq_lens,
+        quantized_lens,
+        staging_slots,
+        preset,
         query.shape[0],
     )
     return _run(
-        query, None, 1, kv_cache, staging, block_table, seq_lens, quantized_lens, staging_slots,
-        layout, num_kv_heads, scale, sliding_window, out, num_splits,
+        query,
+        None,
+        1,
+        kv_cache,
+        staging,
+        block_table,
+        seq_lens,
+        quantized_lens,
+        staging_slots,
+        layout,
+        num_kv_heads,
+        scale,
+        sliding_window,
+        out,
+        num_splits,
     )
 
 
@@ -239,15 +316,37 @@ def multi_query_attention(
     if num_seqs < 0:
         raise ValueError("query_start_loc must have B+1 >= 1 entries, got 0")
     layout, num_kv_heads = _check_common(
-        query, kv_cache, staging, block_table, seq_lens, quantized_lens, staging_slots, preset,
+        query,
+        kv_cache,
+        staging,
+        block_table,
+        seq_lens,
+        quantized_lens,
+        staging_slots,
+        preset,
         num_seqs,
     )
     check_same_device(query=query, query_start_loc=query_start_loc)
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+        max_query_len = (
+            int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
+        )
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
     return _run(
-        query, query_start_loc, max_query_len, kv_cache, staging, block_table, seq_lens,
-        quantized_lens, staging_slots, layout, num_kv_heads, scale, sliding_window, out, num_splits,
+        query,
+        query_start_loc,
+        max_query_len,
+        kv_cache,
+        staging,
+        block_table,
+        seq_lens,
+        quantized_lens,
+        staging_slots,
+        layout,
+        num_kv_heads,
+        scale,
+        sliding_window,
+        out,
+        num_splits,
     )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import fwht_rows, round_to, unpack_rows
 
@@ -12,13 +12,28 @@ __all__ = ["dequantize_kernel"]
 
 @triton.jit
 def dequantize_kernel(
-    cache_u8_ptr, cache_f16_ptr, stride_cb, stride_ch,
+    cache_u8_ptr,
+    cache_f16_ptr,
+    stride_cb,
+    stride_ch,
     block_ids_ptr,
-    k_out_ptr, v_out_ptr, stride_ot, stride_oh,
+    k_out_ptr,
+    v_out_ptr,
+    stride_ot,
+    stride_oh,
     rsqrt_d,
-    G: tl.constexpr, D: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr,
-    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
-    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
     UNROTATE: tl.constexpr,
 ):
     """One program = one tile of one KV head -> ``G`` rows of ``k_out`` / ``v_out``.

@@ -36,14 +36,28 @@ def _launch(
         return k, v
     off = layout.offsets
     dequantize_kernel[(n, h)](
-        kv_cache, kv_cache.view(torch.float16), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache,
+        kv_cache.view(torch.float16),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
         block_ids,
-        k, v, k.stride(0), k.stride(1),
+        k,
+        v,
+        k.stride(0),
+        k.stride(1),
         float(np.float32(1.0 / math.sqrt(d))),
-        G=g, D=d, KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits,
-        OFF_KC=off["k_codes"], OFF_KS=off["k_scale"], OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"], OFF_VC=off["v_codes"], OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"], OFF_VZ=off["v_zero"],
+        G=g,
+        D=d,
+        KEY_BITS=p.key_bits,
+        VALUE_BITS=p.value_bits,
+        OFF_KC=off["k_codes"],
+        OFF_KS=off["k_scale"],
+        OFF_KZ=off["k_zero"],
+        OFF_KT=off["k_token_scale"],
+        OFF_VC=off["v_codes"],
+        OFF_VCS=off["v_channel_scale"],
+        OFF_VS=off["v_scale"],
+        OFF_VZ=off["v_zero"],
         UNROTATE=not rotated,
         num_warps=4 if g * d <= 8192 else 8,
     )
@@ -103,12 +117,16 @@ def _dense(
 def decode_tiles(
     records: torch.Tensor, preset: str | Preset, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kvarn_math.decode_tiles``: records ``[..., tile_bytes]`` -> fp32 rotated ``(k, v)`` ``[..., G, D]``."""
+    """``kvarn_math.decode_tiles``: records ``[..., tile_bytes]`` -> fp32 rotated ``(k, v)``.
+
+    Returns:
+        ``(k_rot, v_rot)``, each ``[..., G, D]``.
+    """
     return _dense(records, preset, head_dim, rotated=True)
 
 
 def dequantize_tiles(
     records: torch.Tensor, preset: str | Preset, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kvarn_math.dequantize_tiles``: records -> fp32 original-frame ``(k, v)`` ``[..., G, D]``."""
+    """``kvarn_math.dequantize_tiles``: records -> fp32 ``(k, v)`` ``[..., G, D]``."""
     return _dense(records, preset, head_dim, rotated=False)

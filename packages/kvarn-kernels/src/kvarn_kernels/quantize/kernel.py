@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import exp_f32, fwht_rows, log_f32, pack_rows, rint_f32, round_to
 
@@ -46,7 +46,9 @@ def _apply(x, log_r, log_c, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _variance_normalize(raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE: tl.constexpr):
+def _variance_normalize(
+    raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE: tl.constexpr
+):
     """kvarn_math.varnorm.variance_normalize of one tile ``[R, C]`` fp32.
 
     Returns ``(balanced [R, C], row_scale [R], col_scale [C])``.
@@ -96,10 +98,22 @@ def _fp16(x):
 
 @triton.jit
 def _load_tile(
-    fresh_ptr, stride_ft, stride_fh,
-    stage_ptr, stride_ss, stride_sp,
-    head, slot, start, num_staged, fresh_index, rsqrt_d,
-    G: tl.constexpr, D: tl.constexpr, SG: tl.constexpr, FRESH_ROTATED: tl.constexpr,
+    fresh_ptr,
+    stride_ft,
+    stride_fh,
+    stage_ptr,
+    stride_ss,
+    stride_sp,
+    head,
+    slot,
+    start,
+    num_staged,
+    fresh_index,
+    rsqrt_d,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SG: tl.constexpr,
+    FRESH_ROTATED: tl.constexpr,
 ):
     """The tile's ``G`` rotated tokens ``[G, D]`` fp32, as rounded to the staging dtype."""
     t = tl.arange(0, G)
@@ -121,17 +135,39 @@ def _load_tile(
 
 @triton.jit
 def quantize_tiles_kernel(
-    key_ptr, stride_kt, stride_kh,
-    value_ptr, stride_vt, stride_vh,
-    stage_ptr, stride_ss, stride_skv, stride_sp, stride_sh,
-    cache_u8_ptr, cache_f16_ptr, stride_cb, stride_ch,
+    key_ptr,
+    stride_kt,
+    stride_kh,
+    value_ptr,
+    stride_vt,
+    stride_vh,
+    stage_ptr,
+    stride_ss,
+    stride_skv,
+    stride_sp,
+    stride_sh,
+    cache_u8_ptr,
+    cache_f16_ptr,
+    stride_cb,
+    stride_ch,
     tiles_ptr,
     rsqrt_d,
-    G: tl.constexpr, D: tl.constexpr, SG: tl.constexpr,
-    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, ITERS: tl.constexpr,
-    OFF_KC: tl.constexpr, OFF_KS: tl.constexpr, OFF_KZ: tl.constexpr, OFF_KT: tl.constexpr,
-    OFF_VC: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VS: tl.constexpr, OFF_VZ: tl.constexpr,
-    FRESH_ROTATED: tl.constexpr, PRECISE: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SG: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    ITERS: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+    FRESH_ROTATED: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     """One program = one tile of one KV head: gather, rotate, normalize, round, pack, store.
 
@@ -156,8 +192,24 @@ def quantize_tiles_kernel(
         stage_v = stage_k + stride_skv
 
         # Keys: the tile as [D, G] (rows are channels), quantized per channel over tokens.
-        k = _load_tile(key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp,
-                       head, slot, start, num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED)
+        k = _load_tile(
+            key_ptr,
+            stride_kt,
+            stride_kh,
+            stage_k,
+            stride_ss,
+            stride_sp,
+            head,
+            slot,
+            start,
+            num_staged,
+            fresh_index,
+            rsqrt_d,
+            G,
+            D,
+            SG,
+            FRESH_ROTATED,
+        )
         kb, k_row, k_col = _variance_normalize(tl.trans(k), D, G, ITERS, PRECISE)
         k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
         pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
@@ -166,8 +218,24 @@ def quantize_tiles_kernel(
         tl.store(f16 + OFF_KT // 2 + g, _fp16(k_col))
 
         # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
-        v = _load_tile(value_ptr, stride_vt, stride_vh, stage_v, stride_ss, stride_sp,
-                       head, slot, start, num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED)
+        v = _load_tile(
+            value_ptr,
+            stride_vt,
+            stride_vh,
+            stage_v,
+            stride_ss,
+            stride_sp,
+            head,
+            slot,
+            start,
+            num_staged,
+            fresh_index,
+            rsqrt_d,
+            G,
+            D,
+            SG,
+            FRESH_ROTATED,
+        )
         vb, v_row, v_col = _variance_normalize(v, G, D, ITERS, PRECISE)
         v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)
         pack_rows(v_codes, u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)
@@ -178,12 +246,22 @@ def quantize_tiles_kernel(
 
 @triton.jit
 def stage_tokens_kernel(
-    key_ptr, stride_kt, stride_kh,
-    value_ptr, stride_vt, stride_vh,
-    stage_ptr, stride_ss, stride_skv, stride_sp, stride_sh,
-    writes_ptr, num_rows,
+    key_ptr,
+    stride_kt,
+    stride_kh,
+    value_ptr,
+    stride_vt,
+    stride_vh,
+    stage_ptr,
+    stride_ss,
+    stride_skv,
+    stride_sp,
+    stride_sh,
+    writes_ptr,
+    num_rows,
     rsqrt_d,
-    D: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Rotate ``BLOCK_T`` fresh tokens of one KV head and write them to their staging positions.
 
@@ -200,10 +278,20 @@ def stage_tokens_kernel(
     tok = token.to(tl.int64)
     d = tl.arange(0, D)
     mask = live[:, None]
-    dst = stage_ptr + slot[:, None] * stride_ss + pos[:, None] * stride_sp + head * stride_sh + d[None, :]
-    k = tl.load(key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0)
+    dst = (
+        stage_ptr
+        + slot[:, None] * stride_ss
+        + pos[:, None] * stride_sp
+        + head * stride_sh
+        + d[None, :]
+    )
+    k = tl.load(
+        key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0
+    )
     k = fwht_rows(k.to(tl.float32), BLOCK_T, D) * rsqrt_d
     tl.store(dst, round_to(k, stage_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + tok[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(
+        value_ptr + tok[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0
+    )
     v = fwht_rows(v.to(tl.float32), BLOCK_T, D) * rsqrt_d
     tl.store(dst + stride_skv, round_to(v, stage_ptr.dtype.element_ty), mask=mask)

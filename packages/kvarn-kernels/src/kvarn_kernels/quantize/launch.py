@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, TileLayout
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
@@ -57,18 +57,39 @@ def _launch_quantize(
     cache_f16 = kv_cache.view(torch.float16)
     grid = (tiles.shape[0], kv_cache.shape[1])
     quantize_tiles_kernel[grid](
-        key, key.stride(0), key.stride(1),
-        value, value.stride(0), value.stride(1),
-        staging, staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
-        kv_cache, cache_f16, kv_cache.stride(0), kv_cache.stride(1),
+        key,
+        key.stride(0),
+        key.stride(1),
+        value,
+        value.stride(0),
+        value.stride(1),
+        staging,
+        staging.stride(0),
+        staging.stride(1),
+        staging.stride(2),
+        staging.stride(3),
+        kv_cache,
+        cache_f16,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
         tiles,
         float(np.float32(1.0 / math.sqrt(d))),
-        G=p.group_size, D=d, SG=staging.shape[2],
-        KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits, ITERS=iterations,
-        OFF_KC=off["k_codes"], OFF_KS=off["k_scale"], OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"], OFF_VC=off["v_codes"], OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"], OFF_VZ=off["v_zero"],
-        FRESH_ROTATED=fresh_rotated, PRECISE=PRECISE_MATH,
+        G=p.group_size,
+        D=d,
+        SG=staging.shape[2],
+        KEY_BITS=p.key_bits,
+        VALUE_BITS=p.value_bits,
+        ITERS=iterations,
+        OFF_KC=off["k_codes"],
+        OFF_KS=off["k_scale"],
+        OFF_KZ=off["k_zero"],
+        OFF_KT=off["k_token_scale"],
+        OFF_VC=off["v_codes"],
+        OFF_VCS=off["v_channel_scale"],
+        OFF_VS=off["v_scale"],
+        OFF_VZ=off["v_zero"],
+        FRESH_ROTATED=fresh_rotated,
+        PRECISE=PRECISE_MATH,
         num_warps=_num_warps(layout),
     )
 
@@ -97,7 +118,7 @@ def store_kv(
     fresh tokens of this step reuse), then the fresh tokens are written to staging.
     """
     check_tensor("key", key, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
-    num_tokens, num_kv_heads, head_dim = key.shape
+    _, num_kv_heads, head_dim = key.shape
     check_tensor("value", value, dtype=key.dtype, shape=tuple(key.shape), last_dim_contiguous=True)
     p, layout = check_preset(preset, head_dim)
     if plan.group_size != p.group_size:
@@ -109,8 +130,12 @@ def store_kv(
     check_tensor("plan.tiles", plan.tiles, dtype=torch.int32, shape=(None, 5), contiguous=True)
     check_tensor("plan.writes", plan.writes, dtype=torch.int32, shape=(None, 3), contiguous=True)
     check_same_device(
-        kv_cache=kv_cache, key=key, value=value, staging=staging,
-        plan_tiles=plan.tiles, plan_writes=plan.writes,
+        kv_cache=kv_cache,
+        key=key,
+        value=value,
+        staging=staging,
+        plan_tiles=plan.tiles,
+        plan_writes=plan.writes,
     )
     _check_iterations(iterations)
     _launch_quantize(key, value, staging, kv_cache, plan.tiles, layout, iterations, False)
@@ -118,12 +143,22 @@ def store_kv(
     if rows:
         grid = (triton.cdiv(rows, _STAGE_BLOCK_T), num_kv_heads)
         stage_tokens_kernel[grid](
-            key, key.stride(0), key.stride(1),
-            value, value.stride(0), value.stride(1),
-            staging, staging.stride(0), staging.stride(1), staging.stride(2), staging.stride(3),
-            plan.writes, rows,
+            key,
+            key.stride(0),
+            key.stride(1),
+            value,
+            value.stride(0),
+            value.stride(1),
+            staging,
+            staging.stride(0),
+            staging.stride(1),
+            staging.stride(2),
+            staging.stride(3),
+            plan.writes,
+            rows,
             float(np.float32(1.0 / math.sqrt(head_dim))),
-            D=head_dim, BLOCK_T=_STAGE_BLOCK_T,
+            D=head_dim,
+            BLOCK_T=_STAGE_BLOCK_T,
             num_warps=4,
         )
 
@@ -140,7 +175,9 @@ def _dense(
     g, d = k.shape[-2:]
     p, layout = check_preset(preset, d)
     if g != p.group_size:
-        raise ValueError(f"{p.name} tiles hold {p.group_size} tokens, got {g} (shape {list(k.shape)})")
+        raise ValueError(
+            f"{p.name} tiles hold {p.group_size} tokens, got {g} (shape {list(k.shape)})"
+        )
     _check_iterations(iterations)
     lead = tuple(k.shape[:-2])
     n = math.prod(lead)

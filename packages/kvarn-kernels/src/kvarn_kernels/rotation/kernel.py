@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import fwht_rows, round_to
 
@@ -12,8 +12,15 @@ __all__ = ["rotate_rows_kernel"]
 
 @triton.jit
 def rotate_rows_kernel(
-    x_ptr, out_ptr, signs_ptr, num_rows, rsqrt_d,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS_FIRST: tl.constexpr, SIGNS_LAST: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    signs_ptr,
+    num_rows,
+    rsqrt_d,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SIGNS_FIRST: tl.constexpr,
+    SIGNS_LAST: tl.constexpr,
 ):
     """``out = (x * signs?) @ H / sqrt(D) (* signs?)`` for ``BLOCK_R`` contiguous rows."""
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)

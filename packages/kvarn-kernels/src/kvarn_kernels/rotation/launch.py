@@ -7,7 +7,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 
 from kvarn_kernels._guards import MODEL_DTYPES, check_tensor
 from kvarn_kernels.rotation.kernel import rotate_rows_kernel
@@ -27,7 +27,9 @@ def _rotate(
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension, got a scalar")
     if not -x.dim() <= axis < x.dim():
-        raise ValueError(f"axis must be in [{-x.dim()}, {x.dim()}) for x of shape {list(x.shape)}, got {axis}")
+        raise ValueError(
+            f"axis must be in [{-x.dim()}, {x.dim()}) for x of shape {list(x.shape)}, got {axis}"
+        )
     moved = x.movedim(axis, -1)
     d = moved.shape[-1]
     if d < 2 or d & (d - 1) or d > _MAX_DIM:
@@ -43,8 +45,13 @@ def _rotate(
     if rows:
         block_r = 16
         rotate_rows_kernel[(triton.cdiv(rows, block_r),)](
-            flat, out, s, rows, float(np.float32(1.0 / math.sqrt(d))),
-            D=d, BLOCK_R=block_r,
+            flat,
+            out,
+            s,
+            rows,
+            float(np.float32(1.0 / math.sqrt(d))),
+            D=d,
+            BLOCK_R=block_r,
             SIGNS_FIRST=signs is not None and not inverse,
             SIGNS_LAST=signs is not None and inverse,
             num_warps=4,
