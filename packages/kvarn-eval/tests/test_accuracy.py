@@ -39,15 +39,18 @@ def test_compare_logits_matches_numpy_reference() -> None:
     ref = torch.randn(7, 11, generator=gen)
     other = ref + 0.3 * torch.randn(7, 11, generator=gen)
     targets = torch.randint(0, 11, (7,), generator=gen)
-    ref_lp = torch.log_softmax(ref, -1)
-    scores, _ = compare_logits(other, ref_lp, targets)
-    assert scores.kl == pytest.approx(kl_divergence(ref.numpy(), other.numpy()), rel=1e-5)
+    same, ref_lp = compare_logits(ref, None, targets, rows_per_step=3)
+    assert ref_lp is not None
+    torch.testing.assert_close(ref_lp, torch.log_softmax(ref.double(), -1))
+    assert same.kl == pytest.approx(0.0, abs=1e-12) and same.top1 == 1.0
+    scores, none = compare_logits(other, ref_lp, targets, rows_per_step=3)
+    assert none is None
+    assert scores.kl == pytest.approx(kl_divergence(ref.numpy(), other.numpy()), rel=1e-6)
     lp = torch.log_softmax(other.double(), -1)
-    assert scores.nll == pytest.approx(float(-lp[torch.arange(7), targets].mean()), rel=1e-6)
+    assert scores.nll == pytest.approx(float(-lp[torch.arange(7), targets].mean()), rel=1e-9)
     agree = (ref.argmax(-1) == other.argmax(-1)).double().mean()
     assert scores.top1 == pytest.approx(float(agree))
-    same, _ = compare_logits(ref, ref_lp, targets)
-    assert same.kl == pytest.approx(0.0, abs=1e-7) and same.top1 == 1.0
+    assert scores.tokens == 7
 
 
 def test_mean_and_se() -> None:

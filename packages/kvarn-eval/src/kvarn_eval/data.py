@@ -100,7 +100,7 @@ def find_wikitext(
 def _wikitext_from_hub() -> str:
     if importlib.util.find_spec("datasets") is None:
         raise ModuleNotFoundError("the 'datasets' package is not installed")
-    import datasets
+    import datasets  # type: ignore[import-not-found]
 
     split = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
     return "".join(split["text"])

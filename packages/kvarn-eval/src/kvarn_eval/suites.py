@@ -28,10 +28,7 @@ __all__ = [
     "resolve_suites",
 ]
 
-DEFAULT_TASK_METHODS = (
-    "bf16,fp8_e4m3,int4_per_token,kvarn_k4v2_g128,kvarn_k4v4_g128,kvarn_k2v2_g128,"
-    "kivi_k4v2,kivi_k2v2"
-)
+DEFAULT_TASK_METHODS = "bf16,int4_per_token,kvarn_k4v2_g128,kvarn_k2v2_g128,kivi_k4v2,kivi_k2v2"
 
 
 @dataclass
@@ -60,7 +57,7 @@ class BenchOptions:
     reference: str = "bf16"
     num_chunks: int = 8
     chunk_len: int = 1024
-    items: int = 40
+    items: int = 32
     min_context_tokens: int = 512
     block_size: int = 128
     exact_first_block: bool = True

@@ -60,22 +60,37 @@ class ChunkScores:
 
 
 def compare_logits(
-    logits: torch.Tensor, reference_logprobs: torch.Tensor, targets: torch.Tensor
-) -> tuple[ChunkScores, torch.Tensor]:
-    """Scores of ``logits`` ``[T, V]`` against ``reference_logprobs`` ``[T, V]``.
+    logits: torch.Tensor,
+    reference_logprobs: torch.Tensor | None,
+    targets: torch.Tensor,
+    rows_per_step: int = 128,
+) -> tuple[ChunkScores, torch.Tensor | None]:
+    """Scores of ``logits`` ``[T, V]`` against ``reference_logprobs`` ``[T, V]`` (float64).
 
-    ``targets`` ``[T]`` is the next token of each position. Returns the scores and this run's
-    log-probabilities (float64), which serve as the reference when this run is the reference.
+    ``targets`` ``[T]`` is the next token of each position. Without a reference, ``logits`` are
+    compared with themselves and their log-probabilities (float64) are returned too, to serve
+    as the reference of the other methods (``None`` is returned otherwise). Works ``rows_per_step``
+    positions at a time so that large vocabularies (Gemma: 262k) keep temporaries small.
     """
-    logprobs = torch.log_softmax(logits.double(), dim=-1)
-    nll = -logprobs.gather(-1, targets[:, None]).squeeze(-1)
-    kl = (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1)
-    top1 = (logprobs.argmax(-1) == reference_logprobs.argmax(-1)).float()
+    num_rows = logits.shape[0]
+    logprobs = None
+    if reference_logprobs is None:
+        logprobs = torch.empty(logits.shape, dtype=torch.float64)
+    nll_sum = kl_sum = agree = 0.0
+    for start in range(0, num_rows, rows_per_step):
+        rows = slice(start, min(start + rows_per_step, num_rows))
+        lp = torch.log_softmax(logits[rows].double(), dim=-1)
+        if logprobs is not None:
+            logprobs[rows] = lp
+        ref = lp if reference_logprobs is None else reference_logprobs[rows]
+        nll_sum += float(-lp.gather(-1, targets[rows, None]).sum())
+        kl_sum += float((ref.exp() * (ref - lp)).sum())
+        agree += float((lp.argmax(-1) == ref.argmax(-1)).sum())
     scores = ChunkScores(
-        nll=float(nll.double().mean()),
-        kl=float(kl.double().mean()),
-        top1=float(top1.double().mean()),
-        tokens=int(targets.numel()),
+        nll=nll_sum / num_rows,
+        kl=kl_sum / num_rows,
+        top1=agree / num_rows,
+        tokens=int(num_rows),
     )
     return scores, logprobs
 
@@ -211,9 +226,10 @@ def evaluate_perplexity(
                 config = PseudoDecodeConfig(method, block_size, exact_first_block)
                 with pseudo_decode(config):
                     logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+                score, logprobs = compare_logits(logits, ref_logprobs, targets)
                 if ref_logprobs is None:
-                    ref_logprobs = torch.log_softmax(logits.double(), dim=-1)
-                score, _ = compare_logits(logits, ref_logprobs, targets)
+                    ref_logprobs = logprobs
+                del logits, logprobs
                 scores[method.name].append(score)
                 if advance is not None:
                     advance(method.name)
