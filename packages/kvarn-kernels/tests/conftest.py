@@ -16,8 +16,6 @@ from kvarn_math.testing import register_profiles
 register_profiles()
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# One attention config per shape (no first-call autotuning): keeps the GPU run's compile time short.
-os.environ.setdefault("KVARN_KERNELS_AUTOTUNE", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

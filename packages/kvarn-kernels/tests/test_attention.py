@@ -338,3 +338,27 @@ class TestGuards:
             kk.decode_attention(**self._args(), sliding_window=0)
         with pytest.raises(ValueError, match="num_splits"):
             kk.decode_attention(**self._args(), num_splits=0)
+
+
+def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVARN_KERNELS_AUTOTUNE=1 launches the autotuned wrapper (one config in the interpreter)."""
+    preset, d = "kvarn_k4v2_g64", 64
+    batch = build_paged(_sequences([90], 1, d, 6), preset, torch.float32, "cpu")
+    q = torch.from_numpy(make_kv((1, 2, d), "gaussian", 8))
+    args = (
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.125,
+    )
+    plain = kk.decode_attention(q, *args, num_splits=2)
+    monkeypatch.setenv("KVARN_KERNELS_AUTOTUNE", "1")
+    from kvarn_kernels.attention import autotune_enabled
+
+    assert autotune_enabled()
+    tuned = kk.decode_attention(q, *args, num_splits=2)
+    torch.testing.assert_close(plain, tuned, rtol=0, atol=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -325,6 +326,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         contexts = [4096, 16384] if quick else [4096, 16384, 65536]
         store_batch = 256
     presets = args.presets
+    if not args.no_autotune:
+        # Read at every launch (kvarn_kernels.attention.launch.autotune_enabled).
+        os.environ["KVARN_KERNELS_AUTOTUNE"] = "1"
     t0 = time.time()
     hbm = measure_hbm_bandwidth(device, quick)
     cuda = device.type == "cuda"

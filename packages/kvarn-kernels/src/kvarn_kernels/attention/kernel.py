@@ -17,8 +17,6 @@ fp16), fp32 accumulation.  Likewise for values:
 
 from __future__ import annotations
 
-import os
-
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
@@ -104,19 +102,23 @@ def _load_step(
     return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan
 
 
+def default_launch() -> dict[str, int]:
+    """Launch parameters of the untuned kernel (SUB tokens per step, warps, register cap).
+
+    SUB: a tile is walked in G / SUB steps; the unpacked codes of one step, [D, SUB] for K and
+    [SUB, D] for V, live in registers, so SUB trades registers (occupancy, loads in flight)
+    against per-step overhead.  maxnreg=128 lets two 8-warp programs share an SM.
+    """
+    if INTERPRET:
+        return {"SUB": 32, "num_warps": 4, "num_stages": 1}
+    return {"SUB": 32, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
+
+
 def _configs() -> list[triton.Config]:
-    # SUB: tokens per inner step (a tile is walked in G / SUB steps): the unpacked codes of one
-    # step, [D, SUB] for K and [SUB, D] for V, live in registers, so SUB trades registers
-    # (occupancy, loads in flight) against per-step overhead; maxnreg caps registers so two
-    # programs fit an SM.  KVARN_KERNELS_AUTOTUNE=0 (the CPU tests, CUDA-graph-only engines
-    # that cannot afford the first-call tuning) keeps the default alone.
-    default = triton.Config({"SUB": 32}, num_warps=8, num_stages=1, maxnreg=128)
     if INTERPRET:
         return [triton.Config({"SUB": 32}, num_warps=4, num_stages=1)]
-    if os.environ.get("KVARN_KERNELS_AUTOTUNE", "1") == "0":
-        return [default]
     return [
-        default,
+        triton.Config({"SUB": 32}, num_warps=8, num_stages=1, maxnreg=128),
         triton.Config({"SUB": 32}, num_warps=4, num_stages=1),
         triton.Config({"SUB": 32}, num_warps=8, num_stages=1),
         triton.Config({"SUB": 32}, num_warps=4, num_stages=2, maxnreg=168),
@@ -126,17 +128,14 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+def _prune(
+    configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
+) -> list[triton.Config]:
     g = named_args.get("G", kwargs.get("G"))
-    keep = [c for c in configs if g is None or c.kwargs["SUB"] <= g]
+    keep = [c for c in configs if not isinstance(g, int) or c.kwargs["SUB"] <= g]
     return keep or configs[:1]
 
 
-@triton.autotune(
-    configs=_configs(),
-    key=["G", "D", "KEY_BITS", "VALUE_BITS", "BLOCK_M", "FP32", "DECODE"],
-    prune_configs_by={"early_config_prune": _prune},
-)
 @triton.jit
 def attention_partial_kernel(
     q_ptr,
@@ -346,6 +345,16 @@ def attention_partial_kernel(
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+# The same kernel, autotuned over SUB / warps / register caps on its first call per shape
+# (opt-in, see kvarn_kernels.attention.launch: tuning benchmarks on the device, which a CUDA
+# graph capture cannot contain).
+attention_partial_kernel_autotuned = triton.autotune(
+    configs=_configs(),
+    key=["G", "D", "KEY_BITS", "VALUE_BITS", "BLOCK_M", "FP32", "DECODE"],
+    prune_configs_by={"early_config_prune": _prune},
+)(attention_partial_kernel)
 
 
 @triton.jit

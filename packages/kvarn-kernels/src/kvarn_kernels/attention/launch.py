@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -17,7 +18,12 @@ from kvarn_kernels._guards import (
     check_staging,
     check_tensor,
 )
-from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
+from kvarn_kernels.attention.kernel import (
+    attention_combine_kernel,
+    attention_partial_kernel,
+    attention_partial_kernel_autotuned,
+    default_launch,
+)
 
 __all__ = ["choose_num_splits", "decode_attention", "multi_query_attention"]
 
@@ -25,6 +31,15 @@ _LOG2E = 1.4426950408889634
 _MAX_GROUP = 16
 _ATTENTION_HEAD_DIMS = (64, 128, 256)
 _MAX_SPLITS = 64
+
+
+def autotune_enabled() -> bool:
+    """``KVARN_KERNELS_AUTOTUNE=1``: tune the attention kernel on its first call per shape.
+
+    Off by default: tuning benchmarks several configs on the device, which must not happen
+    inside a CUDA graph capture; an engine that enables it must warm every shape up first.
+    """
+    return os.environ.get("KVARN_KERNELS_AUTOTUNE", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -152,7 +167,12 @@ def _run(
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
     off = layout.offsets
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
-    attention_partial_kernel[(num_seqs, num_kv_heads, num_qblocks * num_splits)](
+    grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
+    if autotune_enabled():
+        kernel, launch = attention_partial_kernel_autotuned, {}
+    else:
+        kernel, launch = attention_partial_kernel, default_launch()
+    kernel[grid](
         query,
         query.stride(0),
         query.stride(1),
@@ -197,6 +217,7 @@ def _run(
         OFF_VCS=off["v_channel_scale"],
         OFF_VS=off["v_scale"],
         OFF_VZ=off["v_zero"],
+        **launch,
     )
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
