@@ -101,6 +101,7 @@ def test_bench_end_to_end_on_tiny_model(
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "kvarn_k4v2_g64" in printed and "2 x 256 tokens" in printed
+    assert "text: 6/6 (kvarn_k4v2_g64)" in printed  # progress lines when not on a terminal
     payload = json.loads((out / "results.json").read_text())
     (result,) = payload["results"]
     assert result["suite"] == "text" and result["source"] == str(text)

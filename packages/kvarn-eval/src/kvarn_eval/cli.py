@@ -201,9 +201,18 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
 
     def factory(description: str, total: int) -> Callable[[str], None]:
         task_id = progress.add_task(description, total=total, step="")
+        done = 0
+        began = time.perf_counter()
+        # without a terminal (CI logs) rich draws nothing until the end: print a line per ~10%
+        every = max(1, total // 10)
 
         def advance(step: str) -> None:
+            nonlocal done
+            done += 1
             progress.update(task_id, advance=1, step=step)
+            if not console.is_terminal and (done % every == 0 or done == total):
+                elapsed = time.perf_counter() - began
+                console.print(f"{description}: {done}/{total} ({step}) {elapsed:.0f} s")
 
         return advance
 
