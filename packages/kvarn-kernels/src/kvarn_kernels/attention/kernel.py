@@ -159,6 +159,7 @@ def attention_partial_kernel(
     acc_ptr,
     ml_ptr,
     num_q_heads,
+    num_splits,
     qk_scale,
     window,
     rsqrt_d,
@@ -171,7 +172,6 @@ def attention_partial_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    SPLITS: tl.constexpr,
     DECODE: tl.constexpr,
     FP32: tl.constexpr,
     SUB: tl.constexpr,
@@ -186,13 +186,13 @@ def attention_partial_kernel(
 ):
     """Partial attention of one (sequence, KV head, query block, split).
 
-    Writes ``acc`` ``[num_q_tokens, Hq, SPLITS, D]`` (unnormalized, rotated frame) and
-    ``ml`` ``[num_q_tokens, Hq, SPLITS, 2]`` (running max in log2 units, softmax denominator).
+    Writes ``acc`` ``[num_q_tokens, Hq, num_splits, D]`` (unnormalized, rotated frame) and
+    ``ml`` ``[num_q_tokens, Hq, num_splits, 2]`` (running max in log2 units, softmax denominator).
     """
     seq = tl.program_id(0)
     hkv = tl.program_id(1)
-    qblk = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    qblk = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     if DECODE:
         q_first = seq
         nq = 1
@@ -228,7 +228,7 @@ def attention_partial_kernel(
         hi = (seq_len - nq + last_q) // SUB + 1
         lo = tl.maximum(seq_len - nq + qblk * BLOCK_Q - window + 1, 0) // SUB
         lo = tl.where(window > 0, lo, 0)
-        per = tl.cdiv(hi - lo, SPLITS)
+        per = tl.cdiv(hi - lo, num_splits)
         c0 = lo + split * per
         c1 = tl.minimum(c0 + per, hi)
 
@@ -341,7 +341,7 @@ def attention_partial_kernel(
             else:
                 acc += dot_lowp(p.to(v.dtype), v)
 
-        part = (tok * num_q_heads + head.to(tl.int64)) * SPLITS + split
+        part = (tok * num_q_heads + head.to(tl.int64)) * num_splits + split
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -362,6 +362,7 @@ def attention_combine_kernel(
     acc_ptr,
     ml_ptr,
     num_q_heads,
+    num_splits,
     out_ptr,
     stride_ot,
     stride_oh,
@@ -370,7 +371,6 @@ def attention_combine_kernel(
     D: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DECODE: tl.constexpr,
 ):
@@ -385,8 +385,8 @@ def attention_combine_kernel(
         head = (hkv * GROUP + h).to(tl.int64)
         hmask = h < GROUP
         sp = tl.arange(0, BLOCK_S)
-        mask = hmask[:, None] & (sp < SPLITS)[None, :]
-        part = (tok * num_q_heads + head)[:, None] * SPLITS + sp[None, :]  # [BLOCK_H, BLOCK_S]
+        mask = hmask[:, None] & (sp < num_splits)[None, :]
+        part = (tok * num_q_heads + head)[:, None] * num_splits + sp[None, :]  # [BLOCK_H, BLOCK_S]
         m = tl.load(ml_ptr + part * 2, mask=mask, other=float("-inf"))
         denom_part = tl.load(ml_ptr + part * 2 + 1, mask=mask, other=0.0)
         m_max = tl.max(m, axis=1)
