@@ -414,15 +414,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
             report["store"].append(store)
             print(json.dumps(store), flush=True)
+    report["autotune_choices"] = _autotune_choices()
     report["elapsed_s"] = time.time() - t0
     return report
+
+
+def _autotune_choices() -> dict[str, str]:
+    """The attention config the autotuner picked per key (empty without autotuning)."""
+    from kvarn_kernels.attention.kernel import attention_partial_kernel_autotuned
+
+    cache = getattr(attention_partial_kernel_autotuned, "cache", {}) or {}
+    return {str(k): str(v) for k, v in cache.items()}
 
 
 def _splits(case: _Case) -> int:
     from kvarn_kernels.attention import choose_num_splits
 
     chunks = case.block_table.shape[1] + 1
-    return choose_num_splits(case.b, case.hkv, chunks, case.device)
+    return choose_num_splits(case.b, case.hkv, chunks, case.device, case.layout.group_size)
 
 
 def _fmt(x: object, spec: str) -> str:
@@ -482,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--presets", nargs="+", default=["kvarn_k4v2_g128"])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
+    parser.add_argument(
+        "--no-autotune", action="store_true", help="attention with its default config only"
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",

@@ -47,15 +47,27 @@ def _next_pow2(n: int) -> int:
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_chunks: int, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    max_chunks: int,
+    device: torch.device,
+    group_size: int = 128,
 ) -> int:
-    """Split-K factor: enough programs to fill the GPU (~4 per SM), at least 4 chunks each."""
+    """Split-K factor: about 4 programs per SM, each with at least 256 tokens to walk.
+
+    Args:
+        num_seqs, num_kv_heads: the batch (programs = seqs x KV heads x splits).
+        max_chunks: tiles a sequence can span (block-table width + staged tiles).
+        device: the GPU (CPU: 1).
+        group_size: ``G``.
+    """
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, num_seqs * num_kv_heads)
     want = -(-4 * sms // programs)
-    return int(max(1, min(want, max(1, max_chunks // 4), _MAX_SPLITS)))
+    most = max(1, max_chunks * group_size // 256)
+    return int(max(1, min(want, most, _MAX_SPLITS)))
 
 
 def _check_common(
@@ -147,7 +159,7 @@ def _run(
         return out
     max_chunks = block_table.shape[1] + staging.shape[2] // g
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
     if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
     group = num_q_heads // num_kv_heads
