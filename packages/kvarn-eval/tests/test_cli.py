@@ -110,3 +110,19 @@ def test_bench_end_to_end_on_tiny_model(
     assert payload["options"]["block_size"] == 64
     assert (out / "accuracy.png").stat().st_size > 0
     assert "| kivi_k2v2 |" in (out / "results.md").read_text()
+
+
+def test_leading_bos() -> None:
+    from conftest import word_tokenizer
+
+    from kvarn_eval.suites import leading_bos
+
+    assert leading_bos(word_tokenizer()) is None
+
+    class BosTokenizer:
+        bos_token_id = 7
+
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            return {"input_ids": [7, 9] if add_special_tokens else [9]}
+
+    assert leading_bos(BosTokenizer()) == 7

@@ -189,6 +189,15 @@ def _step_progress(
     yield ctx.progress(description, total)
 
 
+def leading_bos(tokenizer: Any) -> int | None:
+    """The BOS id when ``tokenizer`` starts every encoded text with it, else ``None``."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    return int(bos) if ids and ids[0] == bos else None
+
+
 def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> dict[str, Any]:
     from kvarn_eval.accuracy.perplexity import evaluate_perplexity
     from kvarn_eval.data import chunk_tokens
@@ -196,7 +205,9 @@ def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> di
     opts = ctx.options
     lm = ctx.model
     methods, skipped = ctx.methods(opts.methods)
-    need = opts.num_chunks * opts.chunk_len
+    bos = leading_bos(lm.tokenizer)
+    text_len = opts.chunk_len - (bos is not None)
+    need = opts.num_chunks * text_len
     # tokenizing 1.3 MB takes seconds: tokenize a prefix that is long enough, growing if not
     ids: list[int] = []
     prefix = need * 8
@@ -205,7 +216,10 @@ def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> di
         if len(ids) > need or prefix >= len(text):
             break
         prefix *= 2
-    chunks = chunk_tokens(ids, opts.num_chunks, opts.chunk_len)
+    chunks = chunk_tokens(ids, opts.num_chunks, text_len)
+    if bos is not None:
+        # models trained with a BOS token (Gemma) expect it first; it is input only, not scored
+        chunks = [[bos, *chunk] for chunk in chunks]
     with _step_progress(ctx, suite, len(chunks) * len(methods)) as advance:
         result = evaluate_perplexity(
             lm.model,
