@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import build_paged, nan_like_staging, staged_reference, unwritten_cache
+from kernel_testing import build_paged, nan_like_staging, staged_reference, unwritten_cache
 from kvarn_math import PRESETS, encode_tiles, get_preset, reference_attention, rotate, tile_layout
 from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
-from test_store import assert_records_match
+from test_kernels_store import assert_records_match
 
 import kvarn_kernels as kk
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import build_paged, staged_reference
+from kernel_testing import build_paged, staged_reference
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvarn_math import get_preset, reference_attention

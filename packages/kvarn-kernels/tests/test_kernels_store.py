@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import nan_like_staging, unwritten_cache
+from kernel_testing import nan_like_staging, unwritten_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvarn_math import (
