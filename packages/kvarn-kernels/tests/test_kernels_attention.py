@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_testing import build_paged, staged_reference
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from kernel_testing import build_paged, staged_reference
 from kvarn_math import get_preset, reference_attention
 from kvarn_math.testing import assert_close_rms, make_kv
 
@@ -362,3 +362,34 @@ def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert autotune_enabled()
     tuned = kk.decode_attention(q, *args, num_splits=2)
     torch.testing.assert_close(plain, tuned, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("sub", "prefetch"), [(32, 1), (64, 2), (64, 1)])
+def test_other_launch_configs(monkeypatch: pytest.MonkeyPatch, sub: int, prefetch: int) -> None:
+    """The configs the GPU autotuner may pick (SUB, prefetch depth) meet the same tolerance."""
+    from kvarn_kernels.attention import launch
+
+    preset, d = "kvarn_k4v2_g128", 64
+    batch = build_paged(_sequences([300, 40], 1, d, 2), preset, torch.float32, "cpu")
+    q = make_kv((2, 4, d), "gaussian", 1)
+    monkeypatch.setattr(
+        launch,
+        "default_launch",
+        lambda: {"SUB": sub, "PREFETCH": prefetch, "num_warps": 4, "num_stages": 1},
+    )
+    for splits in (1, 3):
+        got = kk.decode_attention(
+            torch.from_numpy(q),
+            batch.kv_cache,
+            batch.staging,
+            batch.block_table,
+            batch.seq_lens,
+            batch.quantized_lens,
+            batch.staging_slots,
+            preset,
+            0.125,
+            num_splits=splits,
+        )
+        for b, ref in enumerate(batch.refs):
+            want = reference_attention(q[b : b + 1], ref, 0.125)
+            assert_close_rms(want, got[b : b + 1].numpy(), TOL[torch.float32])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_testing import nan_like_staging, unwritten_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_testing import nan_like_staging, unwritten_cache
 from kvarn_math import (
     PRESETS,
     decode_tiles,

@@ -102,6 +102,59 @@ def _load_step(
     return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan
 
 
+@triton.jit
+def _attend_step(
+    q,
+    qpos,
+    window,
+    c,
+    m_i,
+    l_i,
+    acc,
+    k_raw,
+    k_scale,
+    k_zero,
+    k_tok,
+    v_raw,
+    v_scale,
+    v_zero,
+    v_chan,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Online-softmax update with one step (SUB tokens) of a quantized tile, from its bytes."""
+    j = tl.arange(0, SUB)
+    k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
+    qk = q * k_scale.to(tl.float32)[None, :]
+    q_amax = tl.max(tl.abs(qk), axis=1)
+    q_amax = tl.where(q_amax > 0, q_amax, 1.0)
+    qn = qk / q_amax[:, None]
+    if FP32:
+        raw = tl.dot(qn, k_codes.to(tl.float32), input_precision="ieee")
+    else:
+        raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
+    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
+    s = (raw * q_amax[:, None] + bias[:, None]) * k_tok.to(tl.float32)[None, :]
+    s = tl.where(_visible(c * SUB + j, qpos, window), s, float("-inf"))
+    p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+
+    v_codes = unpack_loaded(v_raw, SUB, D, VALUE_BITS)  # [SUB, D]
+    v_scale = v_scale.to(tl.float32)
+    v_amax = tl.max(tl.abs(v_scale), axis=0)
+    v_amax = tl.where(v_amax > 0, v_amax, 1.0)
+    pn = p * (v_scale / v_amax)[None, :]
+    if FP32:
+        pv = tl.dot(pn, v_codes.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(pn.to(tl.float16), v_codes.to(tl.float16))
+    pz = tl.sum(p * v_zero.to(tl.float32)[None, :], axis=1)
+    acc += (pv * v_amax + pz[:, None]) * v_chan.to(tl.float32)[None, :]
+    return m_i, l_i, acc
+
+
 def default_launch() -> dict[str, int]:
     """Launch parameters of the untuned kernel (SUB tokens per step, warps, register cap).
 
@@ -110,21 +163,23 @@ def default_launch() -> dict[str, int]:
     against per-step overhead.  maxnreg=128 lets two 8-warp programs share an SM.
     """
     if INTERPRET:
-        return {"SUB": 32, "num_warps": 4, "num_stages": 1}
-    return {"SUB": 32, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
+        return {"SUB": 32, "PREFETCH": 2, "num_warps": 4, "num_stages": 1}
+    return {"SUB": 32, "PREFETCH": 2, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
 
 
 def _configs() -> list[triton.Config]:
     if INTERPRET:
-        return [triton.Config({"SUB": 32}, num_warps=4, num_stages=1)]
+        return [triton.Config({"SUB": 32, "PREFETCH": 2}, num_warps=4, num_stages=1)]
+    cfg = triton.Config
     return [
-        triton.Config({"SUB": 32}, num_warps=8, num_stages=1, maxnreg=128),
-        triton.Config({"SUB": 32}, num_warps=4, num_stages=1),
-        triton.Config({"SUB": 32}, num_warps=8, num_stages=1),
-        triton.Config({"SUB": 32}, num_warps=4, num_stages=2, maxnreg=168),
-        triton.Config({"SUB": 64}, num_warps=4, num_stages=1),
-        triton.Config({"SUB": 64}, num_warps=8, num_stages=1),
-        triton.Config({"SUB": 64}, num_warps=8, num_stages=2, maxnreg=168),
+        cfg({"SUB": 32, "PREFETCH": 2}, num_warps=8, num_stages=1, maxnreg=128),
+        cfg({"SUB": 32, "PREFETCH": 1}, num_warps=8, num_stages=1, maxnreg=128),
+        cfg({"SUB": 32, "PREFETCH": 2}, num_warps=4, num_stages=1, maxnreg=128),
+        cfg({"SUB": 32, "PREFETCH": 2}, num_warps=8, num_stages=1),
+        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=8, num_stages=1, maxnreg=168),
+        cfg({"SUB": 64, "PREFETCH": 2}, num_warps=8, num_stages=1),
+        cfg({"SUB": 64, "PREFETCH": 2}, num_warps=4, num_stages=1),
+        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=4, num_stages=1),
     ]
 
 
@@ -175,6 +230,7 @@ def attention_partial_kernel(
     DECODE: tl.constexpr,
     FP32: tl.constexpr,
     SUB: tl.constexpr,
+    PREFETCH: tl.constexpr,
     OFF_KC: tl.constexpr,
     OFF_KS: tl.constexpr,
     OFF_KZ: tl.constexpr,
@@ -239,8 +295,9 @@ def attention_partial_kernel(
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
         head_off = (stride_cb, hkv.to(tl.int64) * stride_ch)
         c_end = tl.minimum(c1, n_quant)
-        # Software prefetch in registers: step c+1's bytes are in flight while step c computes,
-        # and the block id of step c+2 while those land (the cache is read once, stream-like).
+        # Software prefetch in registers: the packed bytes of the next PREFETCH steps are in
+        # flight while step c computes (they are small: codes stay packed until used), and the
+        # block id one step further ahead; the cache is read once, front to back.
         ok = c0 < c_end
         blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
         k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
@@ -264,17 +321,39 @@ def attention_partial_kernel(
             OFF_VS,
             OFF_VZ,
         )
-        blk_next = tl.load(bt_row + (c0 + 1) // PARTS, mask=c0 + 1 < c_end, other=0)
-        for c in range(c0, c_end):
-            ok_next = c + 1 < c_end
-            (k_raw_n, k_scale_n, k_zero_n, k_tok_n, v_raw_n, v_scale_n, v_zero_n, v_chan_n) = (
-                _load_step(
+        ok1 = c0 + 1 < c_end
+        blk1 = tl.load(bt_row + (c0 + 1) // PARTS, mask=ok1, other=0)
+        if PREFETCH == 2:
+            k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
+                cache_u8_ptr,
+                cache_f16_ptr,
+                blk1,
+                head_off,
+                (c0 + 1) % PARTS,
+                ok1,
+                G,
+                D,
+                SUB,
+                KEY_BITS,
+                VALUE_BITS,
+                OFF_KC,
+                OFF_KS,
+                OFF_KZ,
+                OFF_KT,
+                OFF_VC,
+                OFF_VCS,
+                OFF_VS,
+                OFF_VZ,
+            )
+            blk2 = tl.load(bt_row + (c0 + 2) // PARTS, mask=c0 + 2 < c_end, other=0)
+            for c in range(c0, c_end):
+                k_raw2, k_scale2, k_zero2, k_tok2, v_raw2, v_scale2, v_zero2, v_chan2 = _load_step(
                     cache_u8_ptr,
                     cache_f16_ptr,
-                    blk_next,
+                    blk2,
                     head_off,
-                    (c + 1) % PARTS,
-                    ok_next,
+                    (c + 2) % PARTS,
+                    c + 2 < c_end,
                     G,
                     D,
                     SUB,
@@ -289,37 +368,81 @@ def attention_partial_kernel(
                     OFF_VS,
                     OFF_VZ,
                 )
-            )
-            blk_next = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
-
-            k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
-            qk = q * k_scale.to(tl.float32)[None, :]
-            q_amax = tl.max(tl.abs(qk), axis=1)
-            q_amax = tl.where(q_amax > 0, q_amax, 1.0)
-            qn = qk / q_amax[:, None]
-            if FP32:
-                raw = tl.dot(qn, k_codes.to(tl.float32), input_precision="ieee")
-            else:
-                raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
-            bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
-            s = (raw * q_amax[:, None] + bias[:, None]) * k_tok.to(tl.float32)[None, :]
-            s = tl.where(_visible(c * SUB + j, qpos, window), s, float("-inf"))
-            p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
-
-            v_codes = unpack_loaded(v_raw, SUB, D, VALUE_BITS)  # [SUB, D]
-            v_scale = v_scale.to(tl.float32)
-            v_amax = tl.max(tl.abs(v_scale), axis=0)
-            v_amax = tl.where(v_amax > 0, v_amax, 1.0)
-            pn = p * (v_scale / v_amax)[None, :]
-            if FP32:
-                pv = tl.dot(pn, v_codes.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(pn.to(tl.float16), v_codes.to(tl.float16))
-            pz = tl.sum(p * v_zero.to(tl.float32)[None, :], axis=1)
-            acc += (pv * v_amax + pz[:, None]) * v_chan.to(tl.float32)[None, :]
-
-            k_raw, k_scale, k_zero, k_tok = k_raw_n, k_scale_n, k_zero_n, k_tok_n
-            v_raw, v_scale, v_zero, v_chan = v_raw_n, v_scale_n, v_zero_n, v_chan_n
+                blk2 = tl.load(bt_row + (c + 3) // PARTS, mask=c + 3 < c_end, other=0)
+                m_i, l_i, acc = _attend_step(
+                    q,
+                    qpos,
+                    window,
+                    c,
+                    m_i,
+                    l_i,
+                    acc,
+                    k_raw,
+                    k_scale,
+                    k_zero,
+                    k_tok,
+                    v_raw,
+                    v_scale,
+                    v_zero,
+                    v_chan,
+                    D,
+                    SUB,
+                    KEY_BITS,
+                    VALUE_BITS,
+                    FP32,
+                )
+                k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
+                v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
+                k_raw1, k_scale1, k_zero1, k_tok1 = k_raw2, k_scale2, k_zero2, k_tok2
+                v_raw1, v_scale1, v_zero1, v_chan1 = v_raw2, v_scale2, v_zero2, v_chan2
+        else:
+            for c in range(c0, c_end):
+                k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
+                    cache_u8_ptr,
+                    cache_f16_ptr,
+                    blk1,
+                    head_off,
+                    (c + 1) % PARTS,
+                    c + 1 < c_end,
+                    G,
+                    D,
+                    SUB,
+                    KEY_BITS,
+                    VALUE_BITS,
+                    OFF_KC,
+                    OFF_KS,
+                    OFF_KZ,
+                    OFF_KT,
+                    OFF_VC,
+                    OFF_VCS,
+                    OFF_VS,
+                    OFF_VZ,
+                )
+                blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
+                m_i, l_i, acc = _attend_step(
+                    q,
+                    qpos,
+                    window,
+                    c,
+                    m_i,
+                    l_i,
+                    acc,
+                    k_raw,
+                    k_scale,
+                    k_zero,
+                    k_tok,
+                    v_raw,
+                    v_scale,
+                    v_zero,
+                    v_chan,
+                    D,
+                    SUB,
+                    KEY_BITS,
+                    VALUE_BITS,
+                    FP32,
+                )
+                k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
+                v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
 
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
         for c in range(tl.maximum(c0, n_quant), c1):
