@@ -375,7 +375,7 @@ def test_other_launch_configs(monkeypatch: pytest.MonkeyPatch, sub: int, prefetc
     monkeypatch.setattr(
         launch,
         "default_launch",
-        lambda: {"SUB": sub, "PREFETCH": prefetch, "num_warps": 4, "num_stages": 1},
+        lambda decode=True: {"SUB": sub, "PREFETCH": prefetch, "num_warps": 4, "num_stages": 1},
     )
     for splits in (1, 3):
         got = kk.decode_attention(

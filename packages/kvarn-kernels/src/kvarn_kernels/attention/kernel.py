@@ -155,16 +155,20 @@ def _attend_step(
     return m_i, l_i, acc
 
 
-def default_launch() -> dict[str, int]:
-    """Launch parameters of the untuned kernel (SUB tokens per step, warps, register cap).
+def default_launch(decode: bool = True) -> dict[str, int]:
+    """Launch parameters of the untuned kernel.
 
     SUB: a tile is walked in G / SUB steps; the unpacked codes of one step, [D, SUB] for K and
     [SUB, D] for V, live in registers, so SUB trades registers (occupancy, loads in flight)
-    against per-step overhead.  maxnreg=128 lets two 8-warp programs share an SM.
+    against per-step overhead.  PREFETCH: steps whose bytes are loaded ahead.  Decode caps
+    registers at 128 so two 8-warp programs share an SM; multi-query programs carry up to 64
+    rows and keep all registers.
     """
     if INTERPRET:
         return {"SUB": 32, "PREFETCH": 2, "num_warps": 4, "num_stages": 1}
-    return {"SUB": 32, "PREFETCH": 2, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
+    if decode:
+        return {"SUB": 32, "PREFETCH": 2, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
+    return {"SUB": 32, "PREFETCH": 1, "num_warps": 8, "num_stages": 1}
 
 
 def _configs() -> list[triton.Config]:
