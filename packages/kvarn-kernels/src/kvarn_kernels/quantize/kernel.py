@@ -25,11 +25,13 @@ def _std(x, AXIS: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _imbalance(x, R: tl.constexpr, C: tl.constexpr):
+    """``(imbalance, column stds)``: the stds are reused by the next sweep, which starts from
+    the very tile just scored (bit-identical to recomputing them, as kvarn-math does)."""
     std_c = _std(x, 0, R)
     std_r = _std(x, 1, C)
     ratio_c = tl.div_rn(tl.max(std_c, axis=0), tl.maximum(tl.min(std_c, axis=0), 1e-8))
     ratio_r = tl.div_rn(tl.max(std_r, axis=0), tl.maximum(tl.min(std_r, axis=0), 1e-8))
-    return ratio_c + ratio_r
+    return ratio_c + ratio_r, std_c
 
 
 @triton.jit
@@ -59,17 +61,16 @@ def _variance_normalize(
     x = tl.div_rn(raw, rms)
     log_r = tl.zeros([R], dtype=tl.float32)
     log_c = tl.zeros([C], dtype=tl.float32)
-    best = _imbalance(x, R, C)
+    best, std_c_cur = _imbalance(x, R, C)  # apply(x, 0, 0) == x exactly
     best_r = log_r
     best_c = log_c
     for _ in range(ITERS):
-        cur = _apply(x, log_r, log_c, PRECISE)
-        std_c = tl.minimum(tl.maximum(_std(cur, 0, R), 1e-3), 1e3)
+        std_c = tl.minimum(tl.maximum(std_c_cur, 1e-3), 1e3)
         log_c = tl.minimum(tl.maximum(log_c + log_f32(std_c, PRECISE), -0.3), 10.0)
         cur = _apply(x, log_r, log_c, PRECISE)
         std_r = tl.minimum(tl.maximum(_std(cur, 1, C), 1e-3), 1e3)
         log_r = tl.minimum(tl.maximum(log_r + log_f32(std_r, PRECISE), -0.3), 10.0)
-        score = _imbalance(_apply(x, log_r, log_c, PRECISE), R, C)
+        score, std_c_cur = _imbalance(_apply(x, log_r, log_c, PRECISE), R, C)
         better = score < best
         best = tl.where(better, score, best)
         best_r = tl.where(better, log_r, best_r)
@@ -169,13 +170,15 @@ def quantize_tiles_kernel(
     FRESH_ROTATED: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    """One program = one tile of one KV head: gather, rotate, normalize, round, pack, store.
+    """One program = keys or values of one tile of one KV head: gather, rotate, normalize,
+    round, pack, store (grid: tiles x KV heads x 2).
 
     ``tiles`` rows: ``block_id, slot, start_pos, num_staged, fresh_index`` (block -1: skip).
     Byte offsets ``stride_cb``/``stride_ch`` of ``cache_u8``; ``cache_f16`` aliases it.
     """
     tile = tl.program_id(0)
     head = tl.program_id(1)
+    kv = tl.program_id(2)  # 0: keys, 1: values (separate programs halve the tile's latency)
     meta = tiles_ptr + tile * 5
     block = tl.load(meta)
     if block >= 0:
@@ -191,57 +194,30 @@ def quantize_tiles_kernel(
         stage_k = stage_ptr + head.to(tl.int64) * stride_sh
         stage_v = stage_k + stride_skv
 
-        # Keys: the tile as [D, G] (rows are channels), quantized per channel over tokens.
-        k = _load_tile(
-            key_ptr,
-            stride_kt,
-            stride_kh,
-            stage_k,
-            stride_ss,
-            stride_sp,
-            head,
-            slot,
-            start,
-            num_staged,
-            fresh_index,
-            rsqrt_d,
-            G,
-            D,
-            SG,
-            FRESH_ROTATED,
-        )
-        kb, k_row, k_col = _variance_normalize(tl.trans(k), D, G, ITERS, PRECISE)
-        k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
-        pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
-        tl.store(f16 + OFF_KS // 2 + d, _fp16(k_step * k_row))
-        tl.store(f16 + OFF_KZ // 2 + d, _fp16(k_lo * k_row))
-        tl.store(f16 + OFF_KT // 2 + g, _fp16(k_col))
-
-        # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
-        v = _load_tile(
-            value_ptr,
-            stride_vt,
-            stride_vh,
-            stage_v,
-            stride_ss,
-            stride_sp,
-            head,
-            slot,
-            start,
-            num_staged,
-            fresh_index,
-            rsqrt_d,
-            G,
-            D,
-            SG,
-            FRESH_ROTATED,
-        )
-        vb, v_row, v_col = _variance_normalize(v, G, D, ITERS, PRECISE)
-        v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)
-        pack_rows(v_codes, u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)
-        tl.store(f16 + OFF_VCS // 2 + d, _fp16(v_col))
-        tl.store(f16 + OFF_VS // 2 + g, _fp16(v_step * v_row))
-        tl.store(f16 + OFF_VZ // 2 + g, _fp16(v_lo * v_row))
+        if kv == 0:
+            # Keys: the tile as [D, G] (rows are channels), quantized per channel over tokens.
+            k = _load_tile(
+                key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp, head, slot, start,
+                num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED,
+            )  # fmt: skip
+            kb, k_row, k_col = _variance_normalize(tl.trans(k), D, G, ITERS, PRECISE)
+            k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
+            pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
+            tl.store(f16 + OFF_KS // 2 + d, _fp16(k_step * k_row))
+            tl.store(f16 + OFF_KZ // 2 + d, _fp16(k_lo * k_row))
+            tl.store(f16 + OFF_KT // 2 + g, _fp16(k_col))
+        else:
+            # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
+            v = _load_tile(
+                value_ptr, stride_vt, stride_vh, stage_v, stride_ss, stride_sp, head, slot,
+                start, num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED,
+            )  # fmt: skip
+            vb, v_row, v_col = _variance_normalize(v, G, D, ITERS, PRECISE)
+            v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)
+            pack_rows(v_codes, u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)
+            tl.store(f16 + OFF_VCS // 2 + d, _fp16(v_col))
+            tl.store(f16 + OFF_VS // 2 + g, _fp16(v_step * v_row))
+            tl.store(f16 + OFF_VZ // 2 + g, _fp16(v_lo * v_row))
 
 
 @triton.jit

@@ -55,7 +55,7 @@ def _launch_quantize(
     p, d = layout.preset, layout.head_dim
     off = layout.offsets
     cache_f16 = kv_cache.view(torch.float16)
-    grid = (tiles.shape[0], kv_cache.shape[1])
+    grid = (tiles.shape[0], kv_cache.shape[1], 2)  # (tile, KV head, keys|values)
     quantize_tiles_kernel[grid](
         key,
         key.stride(0),
