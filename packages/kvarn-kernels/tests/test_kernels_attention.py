@@ -393,3 +393,29 @@ def test_other_launch_configs(monkeypatch: pytest.MonkeyPatch, sub: int, prefetc
         for b, ref in enumerate(batch.refs):
             want = reference_attention(q[b : b + 1], ref, 0.125)
             assert_close_rms(want, got[b : b + 1].numpy(), TOL[torch.float32])
+
+
+def test_empty_padding_rows_give_zeros() -> None:
+    """A row with seq_len 0 (CUDA-graph padding) attends to nothing and returns zeros."""
+    preset, d = "kvarn_k4v2_g64", 64
+    batch = build_paged(_sequences([70, 5], 1, d, 3), preset, torch.float32, "cpu")
+    seq_lens = batch.seq_lens.clone()
+    qlens = batch.quantized_lens.clone()
+    seq_lens[1] = 0
+    qlens[1] = 0
+    q = torch.from_numpy(make_kv((2, 2, d), "gaussian", 2))
+    out = kk.decode_attention(
+        q,
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        seq_lens,
+        qlens,
+        batch.staging_slots,
+        preset,
+        0.125,
+        num_splits=2,
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    want = reference_attention(q[:1].numpy(), batch.refs[0], 0.125)
+    assert_close_rms(want, out[:1].numpy(), TOL[torch.float32])

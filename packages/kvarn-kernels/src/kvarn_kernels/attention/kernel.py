@@ -520,7 +520,8 @@ def attention_combine_kernel(
         m_max = tl.where(hmask, m_max, 0.0)
         w = tl.exp2(m - m_max[:, None])
         denom = tl.sum(w * denom_part, axis=1)
-        denom = tl.where(hmask, denom, 1.0)
+        # 1 where nothing was attended (a padding row with seq_len 0): the output is then 0.
+        denom = tl.where(hmask & (denom > 0), denom, 1.0)
         d = tl.arange(0, D)
         acc = tl.load(
             acc_ptr + part[:, :, None] * D + d[None, None, :], mask=mask[:, :, None], other=0.0
