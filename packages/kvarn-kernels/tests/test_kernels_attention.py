@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
@@ -10,8 +11,6 @@ from hypothesis import strategies as st
 from kernel_testing import build_paged, staged_reference
 from kvarn_math import get_preset, reference_attention
 from kvarn_math.testing import assert_close_rms, make_kv
-
-import kvarn_kernels as kk
 
 pytestmark = pytest.mark.interpreter
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
@@ -11,8 +12,6 @@ from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
 from test_kernels_store import assert_records_match
-
-import kvarn_kernels as kk
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -7,10 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import kvarn_kernels
 import kvarn_math
 import pytest
-
-import kvarn_kernels
 
 
 def test_import_does_not_initialize_cuda_or_import_vllm() -> None:

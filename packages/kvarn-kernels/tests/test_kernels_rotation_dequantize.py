@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
@@ -14,8 +15,6 @@ from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math import rotate as ref_rotate
 from kvarn_math import unrotate as ref_unrotate
 from kvarn_math.testing import make_kv
-
-import kvarn_kernels as kk
 
 pytestmark = pytest.mark.interpreter
 

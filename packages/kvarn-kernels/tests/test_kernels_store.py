@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
@@ -20,8 +21,6 @@ from kvarn_math import (
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.metrics import relative_error
 from kvarn_math.testing import code_agreement, kv_tiles, make_kv
-
-import kvarn_kernels as kk
 
 pytestmark = pytest.mark.interpreter
 

@@ -48,12 +48,12 @@ def check_tensor(
             raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(
-            want is not None and got != want for want, got in zip(shape, t.shape, strict=True)
-        ):
-            want_s = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {want_s}, got {list(t.shape)}")
+    if shape is not None and (
+        t.dim() != len(shape)
+        or any(want is not None and got != want for want, got in zip(shape, t.shape, strict=True))
+    ):
+        want_s = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want_s}, got {list(t.shape)}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
     if last_dim_contiguous and t.dim() and t.stride(-1) != 1:
