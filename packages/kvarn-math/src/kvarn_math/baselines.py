@@ -44,7 +44,8 @@ _FP16_BYTES = 2
 
 def _fp16_round(x: npt.NDArray[np.floating]) -> F32:
     fmax = float(np.finfo(np.float16).max)
-    return np.clip(x, -fmax, fmax).astype(np.float16).astype(np.float32)
+    out: F32 = np.clip(x, -fmax, fmax).astype(np.float16).astype(np.float32)
+    return out
 
 
 def _rtn_fp16(x: F32, bits: int) -> F32:

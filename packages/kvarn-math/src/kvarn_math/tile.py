@@ -50,7 +50,8 @@ F32 = npt.NDArray[np.float32]
 
 
 def _fp16(x: npt.NDArray[np.floating]) -> npt.NDArray[np.float16]:
-    return np.clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)
+    out: npt.NDArray[np.float16] = np.clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)
+    return out
 
 
 def check_finite(x: npt.NDArray[np.floating], name: str) -> None:
