@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+from hypothesis import settings
 from kvarn_math import QuantizedSequence, get_preset, quantize_sequence, rotate, tile_layout
 
 UNWRITTEN_BYTE = 0xFF  # fp16 0xFFFF is NaN: a kernel reading an unwritten record field sees NaN
@@ -116,3 +117,9 @@ def staged_reference(ref: QuantizedSequence, dtype: torch.dtype) -> QuantizedSeq
     return QuantizedSequence(
         ref.preset, ref.head_dim, ref.records, through(ref.tail_k), through(ref.tail_v)
     )
+
+
+def examples(ci_count: int) -> settings:
+    """``ci_count`` hypothesis examples under the ``ci`` profile (25 by default), scaled with the
+    loaded profile (``dev`` doubles it, ``nightly`` gives 40x), for tests slow in the interpreter."""
+    return settings(max_examples=max(1, ci_count * settings.default.max_examples // 25))

@@ -6,9 +6,9 @@ import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
-from kernel_testing import build_paged, staged_reference
+from kernel_testing import build_paged, examples, staged_reference
 from kvarn_math import get_preset, reference_attention
 from kvarn_math.testing import assert_close_rms, make_kv
 
@@ -118,13 +118,13 @@ def test_decode_matches_reference_fp32(case: dict[str, object]) -> None:
     _run_decode(case, torch.float32)
 
 
-@settings(max_examples=8)
+@examples(8)
 @given(decode_cases(), st.sampled_from([torch.float16, torch.bfloat16]))
 def test_decode_matches_reference_half(case: dict[str, object], dtype: torch.dtype) -> None:
     _run_decode(case, dtype)
 
 
-@settings(max_examples=3)
+@examples(3)
 @given(st.integers(0, 2**31), st.sampled_from(["kvarn_k4v2_g64", "kvarn_k4v4_g64"]))
 def test_decode_head_dim_256(seed: int, preset: str) -> None:
     _run_decode(
@@ -221,7 +221,7 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
     assert torch.isnan(out[int(loc[-1]) :]).all(), "padding rows were written"
 
 
-@settings(max_examples=15)
+@examples(15)
 @given(mqa_cases())
 @example(
     {
@@ -240,14 +240,14 @@ def test_multi_query_matches_reference_fp32(case: dict[str, object]) -> None:
     _run_mqa(case, torch.float32)
 
 
-@settings(max_examples=6)
+@examples(6)
 @given(mqa_cases())
 def test_multi_query_speculative_staging(case: dict[str, object]) -> None:
     """Verify step: the query tokens' own K/V sit uncommitted in a 2-tile staging."""
     _run_mqa(case, torch.float32, staging_tiles=2)
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(mqa_cases(), st.sampled_from([torch.float16, torch.bfloat16]))
 def test_multi_query_half(case: dict[str, object], dtype: torch.dtype) -> None:
     _run_mqa(case, dtype)

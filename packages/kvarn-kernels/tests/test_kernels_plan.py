@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kernel_testing import examples
 from kvarn_kernels import plan_store
 
 G = 64
@@ -61,7 +62,7 @@ def schedules(draw: st.DrawFn) -> dict[str, object]:
     return {"spec": spec, "reqs": reqs, "prompt": [draw(st.integers(0, 3 * G)) for _ in range(n)]}
 
 
-@settings(max_examples=200)
+@examples(200)
 @given(schedules())
 def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object]) -> None:
     reqs, spec = sched["reqs"], sched["spec"]

@@ -6,8 +6,9 @@ import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kernel_testing import examples
 from kvarn_math import PRESETS, get_preset, random_signs
 from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import dequantize_tiles as ref_dequantize_tiles
@@ -19,7 +20,7 @@ from kvarn_math.testing import make_kv
 pytestmark = pytest.mark.interpreter
 
 
-@settings(max_examples=15)
+@examples(15)
 @given(
     st.sampled_from([2, 8, 64, 128, 256, 512]),
     st.lists(st.integers(1, 5), min_size=0, max_size=2),
@@ -65,7 +66,7 @@ def test_rotate_guards() -> None:
         kk.rotate(torch.zeros(3, 64), signs=np.ones(32))
 
 
-@settings(max_examples=10)
+@examples(10)
 @given(st.sampled_from(list(PRESETS)), st.sampled_from([64, 128]), st.integers(0, 2**31))
 def test_decode_and_dequantize_tiles_match_reference(preset: str, d: int, seed: int) -> None:
     g = get_preset(preset).group_size

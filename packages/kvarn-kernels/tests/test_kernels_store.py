@@ -6,9 +6,9 @@ import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import nan_like_staging, unwritten_cache
+from kernel_testing import examples, nan_like_staging, unwritten_cache
 from kvarn_math import (
     PRESETS,
     decode_tiles,
@@ -53,7 +53,7 @@ def assert_records_match(
         )
 
 
-@settings(max_examples=20)
+@examples(20)
 @given(
     st.sampled_from(list(PRESETS)),
     st.data(),
@@ -89,7 +89,7 @@ def test_quantize_tiles_codes_are_bit_exact_on_typical_tiles() -> None:
             )
 
 
-@settings(max_examples=6)
+@examples(6)
 @given(
     st.sampled_from([torch.float16, torch.bfloat16]), kv_tiles(group_size=64, head_dim=64, batch=1)
 )
@@ -165,7 +165,7 @@ def _store_schedule(
     return cache, staging, cached
 
 
-@settings(max_examples=5)
+@examples(5)
 @given(
     st.lists(st.sampled_from([1, 3, 63, 64, 65, 100]), min_size=1, max_size=5),
     st.lists(st.sampled_from([1, 2, 64, 130]), min_size=1, max_size=4),
