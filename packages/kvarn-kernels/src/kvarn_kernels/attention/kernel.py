@@ -29,7 +29,12 @@ from kvarn_kernels._triton import (
     unpack_loaded,
 )
 
-__all__ = ["attention_combine_kernel", "attention_partial_kernel"]
+__all__ = [
+    "attention_combine_kernel",
+    "attention_partial_kernel",
+    "attention_partial_kernel_autotuned",
+    "default_launch",
+]
 
 # A finite "minus infinity" for the running max, so exp2 of differences stays 0 or 1.
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
