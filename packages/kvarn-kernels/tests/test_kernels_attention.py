@@ -363,7 +363,7 @@ def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(plain, tuned, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("sub", "prefetch"), [(32, 1), (64, 2), (64, 1)])
+@pytest.mark.parametrize(("sub", "prefetch"), [(32, 1), (64, 2), (64, 1), (128, 1), (128, 2)])
 def test_other_launch_configs(monkeypatch: pytest.MonkeyPatch, sub: int, prefetch: int) -> None:
     """The configs the GPU autotuner may pick (SUB, prefetch depth) meet the same tolerance."""
     from kvarn_kernels.attention import launch
@@ -374,7 +374,7 @@ def test_other_launch_configs(monkeypatch: pytest.MonkeyPatch, sub: int, prefetc
     monkeypatch.setattr(
         launch,
         "default_launch",
-        lambda decode=True: {"SUB": sub, "PREFETCH": prefetch, "num_warps": 4, "num_stages": 1},
+        lambda *args: {"SUB": sub, "PREFETCH": prefetch, "num_warps": 4, "num_stages": 1},
     )
     for splits in (1, 3):
         got = kk.decode_attention(

@@ -183,7 +183,7 @@ def _run(
     if autotune_enabled():
         kernel, launch = attention_partial_kernel_autotuned, {}
     else:
-        kernel, launch = attention_partial_kernel, default_launch(decode)
+        kernel, launch = attention_partial_kernel, default_launch(decode, d, g)
     kernel[grid](
         query,
         query.stride(0),
