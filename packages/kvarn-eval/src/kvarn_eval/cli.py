@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reference", default="bf16", help="method compared against (bf16)")
     bench.add_argument("--chunks", type=_positive, default=None, help="perplexity chunks (8)")
     bench.add_argument("--tokens", type=_positive, default=None, help="tokens per chunk (1024)")
-    bench.add_argument("--items", type=_positive, default=None, help="items per task (32)")
+    bench.add_argument("--items", type=_positive, default=None, help="items per task (24)")
     bench.add_argument(
         "--min-context",
         type=int,
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """Validated :class:`BenchOptions` from parsed ``bench`` arguments."""
-    sizes = dict(QUICK) if args.quick else {"num_chunks": 8, "chunk_len": 1024, "items": 32}
+    sizes = dict(QUICK) if args.quick else {"num_chunks": 8, "chunk_len": 1024, "items": 24}
     if args.chunks is not None:
         sizes["num_chunks"] = args.chunks
     if args.tokens is not None:

@@ -245,7 +245,8 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
             ax.set_ylabel(f"perplexity change vs {result['reference']} (%)")
         else:
             ax.set_ylabel(f"{result['primary_metric']} (%)")
-        ax.set_xlabel("bits per element (scales included)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bits per element (scales included, log scale)")
         ax.set_title(result["suite"], fontsize=9)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(results) :]:

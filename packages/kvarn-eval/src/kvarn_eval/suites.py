@@ -57,7 +57,7 @@ class BenchOptions:
     reference: str = "bf16"
     num_chunks: int = 8
     chunk_len: int = 1024
-    items: int = 32
+    items: int = 24
     min_context_tokens: int = 512
     block_size: int = 128
     exact_first_block: bool = True
