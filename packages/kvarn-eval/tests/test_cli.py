@@ -114,7 +114,6 @@ def test_bench_end_to_end_on_tiny_model(
 
 def test_leading_bos() -> None:
     from conftest import word_tokenizer
-
     from kvarn_eval.suites import leading_bos
 
     assert leading_bos(word_tokenizer()) is None
