@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import word_text
+from eval_helpers import word_text
 from kvarn_eval import cli
 from kvarn_eval.suites import SUITES, BenchOptions, Suite, register_suite, resolve_suites
 
@@ -113,7 +113,7 @@ def test_bench_end_to_end_on_tiny_model(
 
 
 def test_leading_bos() -> None:
-    from conftest import word_tokenizer
+    from eval_helpers import word_tokenizer
     from kvarn_eval.suites import leading_bos
 
     assert leading_bos(word_tokenizer()) is None

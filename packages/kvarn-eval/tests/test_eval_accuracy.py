@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import HEAD_DIM, tiny_llama, word_text, word_tokenizer
+from eval_helpers import HEAD_DIM, tiny_llama, word_text, word_tokenizer
 from kvarn_eval.accuracy import (
     Unquantized,
     build_prompt,

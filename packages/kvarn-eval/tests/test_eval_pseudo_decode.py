@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import HEAD_DIM, tiny_llama
+from eval_helpers import HEAD_DIM, tiny_llama
 from kvarn_eval.accuracy import (
     PseudoDecodeConfig,
     Unquantized,
