@@ -56,3 +56,22 @@ def test_signatures_match_kvarn_math(name: str) -> None:
 def test_public_api_is_exported() -> None:
     for name in kvarn_kernels.__all__:
         assert hasattr(kvarn_kernels, name), name
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused() -> None:
+    code = textwrap.dedent(
+        """
+        import torch, kvarn_kernels
+        try:
+            kvarn_kernels.rotate(torch.zeros(2, 64))
+        except ValueError as exc:
+            assert "CUDA device" in str(exc), exc
+            print("ok")
+        """
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 from kvarn_math.layout import Preset, TileLayout, get_preset, tile_layout
 
+from kvarn_kernels._triton import INTERPRET
+
 __all__ = [
     "MODEL_DTYPES",
     "check_cache",
@@ -62,7 +64,7 @@ def check_tensor(
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device; returns it."""
+    """All tensors on one device, a CUDA one unless Triton's interpreter runs; returns it."""
     devices = {name: t.device for name, t in tensors.items()}
     first_name, first = next(iter(devices.items()))
     for name, dev in devices.items():
@@ -70,6 +72,10 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             raise ValueError(
                 f"{name} must be on the same device as {first_name} ({first}), got {dev}"
             )
+    if first.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"{first_name} must be on a CUDA device (or run with TRITON_INTERPRET=1), got {first}"
+        )
     return first
 
 

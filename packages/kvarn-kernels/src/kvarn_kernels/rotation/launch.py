@@ -9,7 +9,7 @@ import numpy.typing as npt
 import torch
 import triton  # type: ignore[import-untyped]
 
-from kvarn_kernels._guards import MODEL_DTYPES, check_tensor
+from kvarn_kernels._guards import MODEL_DTYPES, check_same_device, check_tensor
 from kvarn_kernels.rotation.kernel import rotate_rows_kernel
 
 __all__ = ["rotate", "unrotate"]
@@ -24,6 +24,7 @@ def _rotate(
     inverse: bool,
 ) -> torch.Tensor:
     check_tensor("x", x, dtype=MODEL_DTYPES)
+    check_same_device(x=x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension, got a scalar")
     if not -x.dim() <= axis < x.dim():
