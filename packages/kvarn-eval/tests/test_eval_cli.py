@@ -125,3 +125,18 @@ def test_leading_bos() -> None:
             return {"input_ids": [7, 9] if add_special_tokens else [9]}
 
     assert leading_bos(BosTokenizer()) == 7
+
+
+def test_missing_torch_names_the_install_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from kvarn_eval import models
+
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util,
+        "find_spec",
+        lambda name: None if name == "torch" else real_find_spec(name),
+    )
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 2
+    assert "pip install torch" in capsys.readouterr().out

@@ -277,6 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (MissingDependencyError, FileNotFoundError, ValueError) as exc:
         console.print(f"[red]kvarn-eval {args.command}: {exc}[/]")
         return 2
+    except ModuleNotFoundError as exc:
+        console.print(
+            f"[red]kvarn-eval {args.command}: the module {exc.name!r} is missing; the accuracy "
+            "suites need the models extra: pip install 'kvarn-eval[models]'[/]"
+        )
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,7 +15,6 @@ from typing import Any
 
 from kvarn_math.baselines import Method
 
-from kvarn_eval.accuracy.methods import select_methods, supported_for
 from kvarn_eval.models import DEFAULT_MODEL, LoadedModel, load_model
 
 __all__ = [
@@ -105,6 +104,8 @@ class BenchContext:
 
     def methods(self, spec: str) -> tuple[list[Method], dict[str, str]]:
         """Methods of ``spec`` that the model's head_dim supports (reference first added)."""
+        from kvarn_eval.accuracy.methods import select_methods, supported_for
+
         methods = select_methods(spec, self.options.block_size)
         if self.options.reference not in [m.name for m in methods]:
             methods = select_methods(self.options.reference, self.options.block_size) + methods
