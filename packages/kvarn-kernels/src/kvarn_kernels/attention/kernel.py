@@ -160,6 +160,181 @@ def _attend_step(
     return m_i, l_i, acc
 
 
+@triton.jit
+def _as_f16(codes):
+    """Small non-negative integer codes (int16, < 1024) to fp16 without a conversion
+    instruction: 0x6400 is 1024.0 and the code fills its mantissa, so subtracting 1024 is exact."""
+    return (codes | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _load_step_phased(
+    cache_u8_ptr,
+    cache_f16_ptr,
+    block,
+    head_off,
+    part,
+    ok,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+):
+    """Loads of one step for 4-bit keys, split by token parity (the two nibbles of a key byte
+    are tokens 2m and 2m+1), and value channel scales split by channel phase."""
+    NBK: tl.constexpr = SUB // 2
+    PV: tl.constexpr = 8 // VALUE_BITS
+    NBV: tl.constexpr = D // PV  # bytes per value row == channels per phase
+    rec = block.to(tl.int64) * head_off[0] + head_off[1]
+    u8 = cache_u8_ptr + rec
+    f16 = cache_f16_ptr + rec // 2
+    d = tl.arange(0, D)
+    mm = tl.arange(0, NBK)
+    nv = tl.arange(0, NBV)
+    k_off = OFF_KC + part * NBK + d[:, None] * (G // 2) + mm[None, :]
+    k_raw = tl.load(u8 + k_off, mask=ok, other=0).to(tl.int16)  # [D, NBK]
+    k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
+    k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
+    even = part * SUB + 2 * mm
+    k_tok0 = tl.load(f16 + OFF_KT // 2 + even, mask=ok, other=0.0)
+    k_tok1 = tl.load(f16 + OFF_KT // 2 + even + 1, mask=ok, other=0.0)
+    v_off = OFF_VC + even[:, None] * NBV + nv[None, :]
+    v_raw0 = tl.load(u8 + v_off, mask=ok, other=0).to(tl.int16)  # [NBK, NBV] rows 2m
+    v_raw1 = tl.load(u8 + v_off + NBV, mask=ok, other=0).to(tl.int16)  # rows 2m + 1
+    v_scale0 = tl.load(f16 + OFF_VS // 2 + even, mask=ok, other=0.0)
+    v_scale1 = tl.load(f16 + OFF_VS // 2 + even + 1, mask=ok, other=0.0)
+    v_zero0 = tl.load(f16 + OFF_VZ // 2 + even, mask=ok, other=0.0)
+    v_zero1 = tl.load(f16 + OFF_VZ // 2 + even + 1, mask=ok, other=0.0)
+    v_chan0 = tl.load(f16 + OFF_VCS // 2 + PV * nv, mask=ok, other=0.0)
+    v_chan1 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 1, mask=ok, other=0.0)
+    if PV == 4:
+        v_chan2 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 2, mask=ok, other=0.0)
+        v_chan3 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 3, mask=ok, other=0.0)
+    else:
+        v_chan2 = v_chan0
+        v_chan3 = v_chan1
+    return (
+        k_raw,
+        k_scale,
+        k_zero,
+        k_tok0,
+        k_tok1,
+        v_raw0,
+        v_raw1,
+        v_scale0,
+        v_scale1,
+        v_zero0,
+        v_zero1,
+        v_chan0,
+        v_chan1,
+        v_chan2,
+        v_chan3,
+    )
+
+
+@triton.jit
+def _pv_dot(pn0, pn1, codes0, codes1, FP32: tl.constexpr):
+    c0 = _as_f16(codes0)
+    c1 = _as_f16(codes1)
+    if FP32:
+        return tl.dot(pn0, c0.to(tl.float32), input_precision="ieee") + tl.dot(
+            pn1, c1.to(tl.float32), input_precision="ieee"
+        )
+    else:
+        return tl.dot(pn0.to(tl.float16), c0) + tl.dot(pn1.to(tl.float16), c1)
+
+
+@triton.jit
+def _attend_step_phased(
+    q,
+    qpos,
+    window,
+    c,
+    m_i,
+    l_i,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    k_raw,
+    k_scale,
+    k_zero,
+    k_tok0,
+    k_tok1,
+    v_raw0,
+    v_raw1,
+    v_scale0,
+    v_scale1,
+    v_zero0,
+    v_zero1,
+    v_chan0,
+    v_chan1,
+    v_chan2,
+    v_chan3,
+    SUB: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """One step for 4-bit keys without any register reshuffle: the low and high nibbles of the
+    key bytes are the even and odd tokens (softmax does not care about order), each value bit
+    offset is a channel phase with its own accumulator (interleaved once, after the loop)."""
+    NBK: tl.constexpr = SUB // 2
+    mm = tl.arange(0, NBK)
+    qk = q * k_scale.to(tl.float32)[None, :]
+    q_amax = tl.max(tl.abs(qk), axis=1)
+    q_amax = tl.where(q_amax > 0, q_amax, 1.0)
+    qn = qk / q_amax[:, None]
+    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
+    kc0 = _as_f16(k_raw & 15)  # [D, NBK] tokens 2m
+    kc1 = _as_f16(k_raw >> 4)  # tokens 2m + 1
+    if FP32:
+        s0 = tl.dot(qn, kc0.to(tl.float32), input_precision="ieee")
+        s1 = tl.dot(qn, kc1.to(tl.float32), input_precision="ieee")
+    else:
+        s0 = tl.dot(qn.to(tl.float16), kc0)
+        s1 = tl.dot(qn.to(tl.float16), kc1)
+    s0 = (s0 * q_amax[:, None] + bias[:, None]) * k_tok0.to(tl.float32)[None, :]
+    s1 = (s1 * q_amax[:, None] + bias[:, None]) * k_tok1.to(tl.float32)[None, :]
+    pos0 = c * SUB + 2 * mm
+    s0 = tl.where(_visible(pos0, qpos, window), s0, float("-inf"))
+    s1 = tl.where(_visible(pos0 + 1, qpos, window), s1, float("-inf"))
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(s0 - m_new[:, None])
+    p1 = tl.exp2(s1 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+
+    vs0 = v_scale0.to(tl.float32)
+    vs1 = v_scale1.to(tl.float32)
+    v_amax = tl.maximum(tl.max(tl.abs(vs0), axis=0), tl.max(tl.abs(vs1), axis=0))
+    v_amax = tl.where(v_amax > 0, v_amax, 1.0)
+    pn0 = p0 * (vs0 / v_amax)[None, :]
+    pn1 = p1 * (vs1 / v_amax)[None, :]
+    pz = tl.sum(p0 * v_zero0.to(tl.float32)[None, :], axis=1)
+    pz += tl.sum(p1 * v_zero1.to(tl.float32)[None, :], axis=1)
+    if VALUE_BITS == 2:
+        t0 = _pv_dot(pn0, pn1, v_raw0 & 3, v_raw1 & 3, FP32)
+        t1 = _pv_dot(pn0, pn1, (v_raw0 >> 2) & 3, (v_raw1 >> 2) & 3, FP32)
+        t2 = _pv_dot(pn0, pn1, (v_raw0 >> 4) & 3, (v_raw1 >> 4) & 3, FP32)
+        t3 = _pv_dot(pn0, pn1, v_raw0 >> 6, v_raw1 >> 6, FP32)
+        acc2 = acc2 * alpha[:, None] + (t2 * v_amax + pz[:, None]) * v_chan2.to(tl.float32)[None, :]
+        acc3 = acc3 * alpha[:, None] + (t3 * v_amax + pz[:, None]) * v_chan3.to(tl.float32)[None, :]
+    else:
+        t0 = _pv_dot(pn0, pn1, v_raw0 & 15, v_raw1 & 15, FP32)
+        t1 = _pv_dot(pn0, pn1, v_raw0 >> 4, v_raw1 >> 4, FP32)
+    acc0 = acc0 * alpha[:, None] + (t0 * v_amax + pz[:, None]) * v_chan0.to(tl.float32)[None, :]
+    acc1 = acc1 * alpha[:, None] + (t1 * v_amax + pz[:, None]) * v_chan1.to(tl.float32)[None, :]
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
 def default_launch(
     decode: bool = True, head_dim: int = 128, group_size: int = 128
 ) -> dict[str, int]:
@@ -243,6 +418,7 @@ def attention_partial_kernel(
     FP32: tl.constexpr,
     SUB: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PHASED: tl.constexpr,
     OFF_KC: tl.constexpr,
     OFF_KS: tl.constexpr,
     OFF_KZ: tl.constexpr,
@@ -310,39 +486,123 @@ def attention_partial_kernel(
         # Software prefetch in registers: the packed bytes of the next PREFETCH steps are in
         # flight while step c computes (they are small: codes stay packed until used), and the
         # block id one step further ahead; the cache is read once, front to back.
-        ok = c0 < c_end
-        blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
-        k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
-            cache_u8_ptr,
-            cache_f16_ptr,
-            blk,
-            head_off,
-            c0 % PARTS,
-            ok,
-            G,
-            D,
-            SUB,
-            KEY_BITS,
-            VALUE_BITS,
-            OFF_KC,
-            OFF_KS,
-            OFF_KZ,
-            OFF_KT,
-            OFF_VC,
-            OFF_VCS,
-            OFF_VS,
-            OFF_VZ,
-        )
-        ok1 = c0 + 1 < c_end
-        blk1 = tl.load(bt_row + (c0 + 1) // PARTS, mask=ok1, other=0)
-        if PREFETCH == 2:
-            k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
+        if PHASED:
+            NBV: tl.constexpr = D * VALUE_BITS // 8
+            acc0 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
+            acc3 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
+            ok = c0 < c_end
+            blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
+            (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
+                _load_step_phased(
+                    cache_u8_ptr,
+                    cache_f16_ptr,
+                    blk,
+                    head_off,
+                    c0 % PARTS,
+                    ok,
+                    G,
+                    D,
+                    SUB,
+                    VALUE_BITS,
+                    OFF_KC,
+                    OFF_KS,
+                    OFF_KZ,
+                    OFF_KT,
+                    OFF_VC,
+                    OFF_VCS,
+                    OFF_VS,
+                    OFF_VZ,
+                )
+            )
+            blk1 = tl.load(bt_row + (c0 + 1) // PARTS, mask=c0 + 1 < c_end, other=0)
+            for c in range(c0, c_end):
+                (
+                    nkr,
+                    nks,
+                    nkz,
+                    nkt0,
+                    nkt1,
+                    nvr0,
+                    nvr1,
+                    nvs0,
+                    nvs1,
+                    nvz0,
+                    nvz1,
+                    nvc0,
+                    nvc1,
+                    nvc2,
+                    nvc3,
+                ) = _load_step_phased(
+                    cache_u8_ptr,
+                    cache_f16_ptr,
+                    blk1,
+                    head_off,
+                    (c + 1) % PARTS,
+                    c + 1 < c_end,
+                    G,
+                    D,
+                    SUB,
+                    VALUE_BITS,
+                    OFF_KC,
+                    OFF_KS,
+                    OFF_KZ,
+                    OFF_KT,
+                    OFF_VC,
+                    OFF_VCS,
+                    OFF_VS,
+                    OFF_VZ,
+                )
+                blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
+                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
+                    q,
+                    qpos,
+                    window,
+                    c,
+                    m_i,
+                    l_i,
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    kr,
+                    ks,
+                    kz,
+                    kt0,
+                    kt1,
+                    vr0,
+                    vr1,
+                    vs0,
+                    vs1,
+                    vz0,
+                    vz1,
+                    vc0,
+                    vc1,
+                    vc2,
+                    vc3,
+                    SUB,
+                    VALUE_BITS,
+                    FP32,
+                )
+                kr, ks, kz, kt0, kt1 = nkr, nks, nkz, nkt0, nkt1
+                vr0, vr1, vs0, vs1, vz0, vz1 = nvr0, nvr1, nvs0, nvs1, nvz0, nvz1
+                vc0, vc1, vc2, vc3 = nvc0, nvc1, nvc2, nvc3
+            # Channel d = PV * n + phase: interleave the phase accumulators once.
+            if VALUE_BITS == 2:
+                acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_M, D])
+            else:
+                acc = tl.reshape(tl.join(acc0, acc1), [BLOCK_M, D])
+        else:
+            ok = c0 < c_end
+            blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
+            k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
                 cache_u8_ptr,
                 cache_f16_ptr,
-                blk1,
+                blk,
                 head_off,
-                (c0 + 1) % PARTS,
-                ok1,
+                c0 % PARTS,
+                ok,
                 G,
                 D,
                 SUB,
@@ -357,65 +617,16 @@ def attention_partial_kernel(
                 OFF_VS,
                 OFF_VZ,
             )
-            blk2 = tl.load(bt_row + (c0 + 2) // PARTS, mask=c0 + 2 < c_end, other=0)
-            for c in range(c0, c_end):
-                k_raw2, k_scale2, k_zero2, k_tok2, v_raw2, v_scale2, v_zero2, v_chan2 = _load_step(
-                    cache_u8_ptr,
-                    cache_f16_ptr,
-                    blk2,
-                    head_off,
-                    (c + 2) % PARTS,
-                    c + 2 < c_end,
-                    G,
-                    D,
-                    SUB,
-                    KEY_BITS,
-                    VALUE_BITS,
-                    OFF_KC,
-                    OFF_KS,
-                    OFF_KZ,
-                    OFF_KT,
-                    OFF_VC,
-                    OFF_VCS,
-                    OFF_VS,
-                    OFF_VZ,
-                )
-                blk2 = tl.load(bt_row + (c + 3) // PARTS, mask=c + 3 < c_end, other=0)
-                m_i, l_i, acc = _attend_step(
-                    q,
-                    qpos,
-                    window,
-                    c,
-                    m_i,
-                    l_i,
-                    acc,
-                    k_raw,
-                    k_scale,
-                    k_zero,
-                    k_tok,
-                    v_raw,
-                    v_scale,
-                    v_zero,
-                    v_chan,
-                    D,
-                    SUB,
-                    KEY_BITS,
-                    VALUE_BITS,
-                    FP32,
-                )
-                k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
-                v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
-                k_raw1, k_scale1, k_zero1, k_tok1 = k_raw2, k_scale2, k_zero2, k_tok2
-                v_raw1, v_scale1, v_zero1, v_chan1 = v_raw2, v_scale2, v_zero2, v_chan2
-        else:
-            for c in range(c0, c_end):
+            ok1 = c0 + 1 < c_end
+            blk1 = tl.load(bt_row + (c0 + 1) // PARTS, mask=ok1, other=0)
+            if PREFETCH == 2:
                 k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
                     cache_u8_ptr,
                     cache_f16_ptr,
                     blk1,
                     head_off,
-                    (c + 1) % PARTS,
-                    c + 1 < c_end,
+                    (c0 + 1) % PARTS,
+                    ok1,
                     G,
                     D,
                     SUB,
@@ -430,31 +641,108 @@ def attention_partial_kernel(
                     OFF_VS,
                     OFF_VZ,
                 )
-                blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
-                m_i, l_i, acc = _attend_step(
-                    q,
-                    qpos,
-                    window,
-                    c,
-                    m_i,
-                    l_i,
-                    acc,
-                    k_raw,
-                    k_scale,
-                    k_zero,
-                    k_tok,
-                    v_raw,
-                    v_scale,
-                    v_zero,
-                    v_chan,
-                    D,
-                    SUB,
-                    KEY_BITS,
-                    VALUE_BITS,
-                    FP32,
-                )
-                k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
-                v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
+                blk2 = tl.load(bt_row + (c0 + 2) // PARTS, mask=c0 + 2 < c_end, other=0)
+                for c in range(c0, c_end):
+                    k_raw2, k_scale2, k_zero2, k_tok2, v_raw2, v_scale2, v_zero2, v_chan2 = (
+                        _load_step(
+                            cache_u8_ptr,
+                            cache_f16_ptr,
+                            blk2,
+                            head_off,
+                            (c + 2) % PARTS,
+                            c + 2 < c_end,
+                            G,
+                            D,
+                            SUB,
+                            KEY_BITS,
+                            VALUE_BITS,
+                            OFF_KC,
+                            OFF_KS,
+                            OFF_KZ,
+                            OFF_KT,
+                            OFF_VC,
+                            OFF_VCS,
+                            OFF_VS,
+                            OFF_VZ,
+                        )
+                    )
+                    blk2 = tl.load(bt_row + (c + 3) // PARTS, mask=c + 3 < c_end, other=0)
+                    m_i, l_i, acc = _attend_step(
+                        q,
+                        qpos,
+                        window,
+                        c,
+                        m_i,
+                        l_i,
+                        acc,
+                        k_raw,
+                        k_scale,
+                        k_zero,
+                        k_tok,
+                        v_raw,
+                        v_scale,
+                        v_zero,
+                        v_chan,
+                        D,
+                        SUB,
+                        KEY_BITS,
+                        VALUE_BITS,
+                        FP32,
+                    )
+                    k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
+                    v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
+                    k_raw1, k_scale1, k_zero1, k_tok1 = k_raw2, k_scale2, k_zero2, k_tok2
+                    v_raw1, v_scale1, v_zero1, v_chan1 = v_raw2, v_scale2, v_zero2, v_chan2
+            else:
+                for c in range(c0, c_end):
+                    k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = (
+                        _load_step(
+                            cache_u8_ptr,
+                            cache_f16_ptr,
+                            blk1,
+                            head_off,
+                            (c + 1) % PARTS,
+                            c + 1 < c_end,
+                            G,
+                            D,
+                            SUB,
+                            KEY_BITS,
+                            VALUE_BITS,
+                            OFF_KC,
+                            OFF_KS,
+                            OFF_KZ,
+                            OFF_KT,
+                            OFF_VC,
+                            OFF_VCS,
+                            OFF_VS,
+                            OFF_VZ,
+                        )
+                    )
+                    blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
+                    m_i, l_i, acc = _attend_step(
+                        q,
+                        qpos,
+                        window,
+                        c,
+                        m_i,
+                        l_i,
+                        acc,
+                        k_raw,
+                        k_scale,
+                        k_zero,
+                        k_tok,
+                        v_raw,
+                        v_scale,
+                        v_zero,
+                        v_chan,
+                        D,
+                        SUB,
+                        KEY_BITS,
+                        VALUE_BITS,
+                        FP32,
+                    )
+                    k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
+                    v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
 
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
         for c in range(tl.maximum(c0, n_quant), c1):

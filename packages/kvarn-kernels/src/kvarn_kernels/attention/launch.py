@@ -221,6 +221,7 @@ def _run(
         BLOCK_M=block_m,
         DECODE=decode,
         FP32=fp32,
+        PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
         OFF_KC=off["k_codes"],
         OFF_KS=off["k_scale"],
         OFF_KZ=off["k_zero"],
