@@ -282,3 +282,12 @@ class TestGuards:
             kk.quantize_tiles(torch.zeros(32, 64), torch.zeros(32, 64), "kvarn_k4v2_g64")
         with pytest.raises(ValueError, match="head_dim must be one of"):
             kk.quantize_tiles(torch.zeros(64, 48), torch.zeros(64, 48), "kvarn_k4v2_g64")
+
+
+def test_clip_ratios_are_refused() -> None:
+    """kvarn-math's experimental clipping search is not implemented: non-default values raise."""
+    k = torch.zeros(64, 64)
+    with pytest.raises(ValueError, match="clip_ratios must be"):
+        kk.quantize_tiles(k, k, "kvarn_k4v2_g64", clip_ratios=(0.9,))
+    with pytest.raises(ValueError, match="clip_ratios must be"):
+        kk.encode_tiles(k, k, "kvarn_k4v2_g64", clip_ratios=(0.9,))

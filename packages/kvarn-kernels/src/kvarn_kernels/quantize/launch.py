@@ -34,6 +34,16 @@ def _num_warps(layout: TileLayout) -> int:
     return 4 if elems <= 4096 else 8 if elems <= 8192 else 16
 
 
+def _check_clip_ratios(clip_ratios: tuple[float, ...]) -> None:
+    # kvarn-math's experimental per-row clipping search is not part of any preset; the kernels
+    # implement the format's definition (plain min/max RTN) only.
+    if tuple(clip_ratios) != ():
+        raise ValueError(
+            f"clip_ratios must be () (plain RTN) in kvarn-kernels, got {clip_ratios!r}; the "
+            "clipping search exists only in kvarn_math"
+        )
+
+
 def _check_iterations(iterations: int) -> int:
     if not isinstance(iterations, int) or iterations < 0:
         raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
@@ -200,6 +210,7 @@ def quantize_tiles(
     v: torch.Tensor,
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
+    clip_ratios: tuple[float, ...] = (),
 ) -> torch.Tensor:
     """Rotate and encode dense tiles (``kvarn_math.quantize_tiles`` on the GPU).
 
@@ -207,11 +218,13 @@ def quantize_tiles(
         k, v: ``[..., G, D]`` original-frame keys (after RoPE) and values, fp16/bf16/fp32.
         preset: the preset; ``G`` must be its group size.
         iterations: variance-normalization sweeps.
+        clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
 
     Returns:
         uint8 ``[..., tile_bytes]`` records.  The rotated tokens are rounded to ``k.dtype``
         before quantizing, exactly as :func:`store_kv` does through its staging area.
     """
+    _check_clip_ratios(clip_ratios)
     return _dense(k, v, preset, iterations, rotated=False)
 
 
@@ -220,13 +233,16 @@ def encode_tiles(
     v_rot: torch.Tensor,
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
+    clip_ratios: tuple[float, ...] = (),
 ) -> torch.Tensor:
     """Encode dense tiles already in the rotated frame (``kvarn_math.encode_tiles``).
 
     Args:
         k_rot, v_rot: ``[..., G, D]`` rotated keys and values.
+        clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
 
     Returns:
         uint8 ``[..., tile_bytes]`` records.
     """
+    _check_clip_ratios(clip_ratios)
     return _dense(k_rot, v_rot, preset, iterations, rotated=True)
