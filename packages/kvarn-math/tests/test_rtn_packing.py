@@ -52,3 +52,16 @@ def test_rtn_constant_row() -> None:
     q = quantize_rows(np.full((2, 8), 7.0), 4)
     assert np.all(q.codes == 0) and np.all(q.step == 0)
     np.testing.assert_array_equal(dequantize_rows(q), np.full((2, 8), 7.0))
+
+
+@given(st.integers(1, 4), st.integers(0, 2**31))
+def test_clip_search_never_increases_row_error(bits: int, seed: int) -> None:
+    x = np.random.default_rng(seed).standard_t(3, size=(8, 64)).astype(np.float32)
+    plain = quantize_rows(x, bits)
+    clipped = quantize_rows(x, bits, clip_ratios=(0.9, 0.8, 0.7))
+    err_plain = ((dequantize_rows(plain) - x) ** 2).sum(-1)
+    err_clip = ((dequantize_rows(clipped) - x) ** 2).sum(-1)
+    assert np.all(err_clip <= err_plain * (1 + 1e-6))
+    assert clipped.codes.max() < 2**bits
+    with pytest.raises(ValueError, match="clip ratios"):
+        quantize_rows(x, bits, clip_ratios=(1.5,))

@@ -233,17 +233,20 @@ class KVarN(Method):
 
     name: str = "kvarn_k4v2_g128"
     group_size: int = 128
+    clip_ratios: tuple[float, ...] = ()
 
     @property
     def preset(self) -> Preset:
-        """The :class:`~kvarn_math.layout.Preset` called ``name``."""
-        return get_preset(self.name)
+        """The :class:`~kvarn_math.layout.Preset` this method stores (``name`` up to a ``+``)."""
+        return get_preset(self.name.split("+")[0])
 
     @classmethod
-    def of(cls, preset: str | Preset) -> KVarN:
-        """The method for ``preset``."""
+    def of(cls, preset: str | Preset, clip_ratios: tuple[float, ...] = ()) -> KVarN:
+        """The method for ``preset``; with ``clip_ratios`` the experimental clip search
+        (named ``<preset>+clip``, same bytes)."""
         p = get_preset(preset)
-        return cls(name=p.name, group_size=p.group_size)
+        name = f"{p.name}+clip" if clip_ratios else p.name
+        return cls(name=name, group_size=p.group_size, clip_ratios=tuple(clip_ratios))
 
     def bytes_per_token_per_head(self, head_dim: int) -> float:
         return tile_layout(self.preset, head_dim).bytes_per_token_per_head
@@ -252,7 +255,10 @@ class KVarN(Method):
         ka, va = _check_kv(k, v, self.group_size)
         d = ka.shape[-1]
         records = quantize_tiles(
-            _tiles(ka, self.group_size), _tiles(va, self.group_size), self.preset
+            _tiles(ka, self.group_size),
+            _tiles(va, self.group_size),
+            self.preset,
+            clip_ratios=self.clip_ratios,
         )
         k_hat, v_hat = dequantize_tiles(records, self.preset, d)
         return _untiles(k_hat), _untiles(v_hat)

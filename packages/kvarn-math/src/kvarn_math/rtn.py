@@ -46,18 +46,70 @@ class RowQuantized:
     bits: int
 
 
-def quantize_rows(x: npt.ArrayLike, bits: int) -> RowQuantized:
-    """Quantize each row of ``x`` ``[..., R, C]`` (float32 arithmetic) to ``bits`` bits."""
+def quantize_rows(x: npt.ArrayLike, bits: int, clip_ratios: tuple[float, ...] = ()) -> RowQuantized:
+    """Quantize each row of ``x`` ``[..., R, C]`` (float32 arithmetic) to ``bits`` bits.
+
+    Args:
+        x: ``[..., R, C]``.
+        bits: 1..8.
+        clip_ratios: experimental (not part of any preset): also try each row's range shrunk
+            about its midpoint by these factors (e.g. ``(0.9, 0.8)``) and keep, per row, the
+            candidate with the least squared error.  ``()`` is plain min/max RTN.
+    """
     check_bits(bits)
     arr = np.asarray(x, dtype=np.float32)
+    if clip_ratios:
+        return _quantize_rows_clipped(arr, bits, clip_ratios)
     levels = np.float32(2**bits - 1)
     lo = arr.min(axis=-1)
     step = ((arr.max(axis=-1) - lo) / levels).astype(np.float32)
+    return _round(arr, lo, step, bits)
+
+
+def _round(
+    arr: npt.NDArray[np.float32],
+    lo: npt.NDArray[np.float32],
+    step: npt.NDArray[np.float32],
+    bits: int,
+) -> RowQuantized:
+    levels = np.float32(2**bits - 1)
     safe = np.where(step > 0, step, np.float32(1.0))
     scaled = (arr - lo[..., None]) / safe[..., None]
     codes = np.clip(np.rint(scaled), 0, levels)
     codes = np.where(step[..., None] > 0, codes, 0).astype(np.uint8)
     return RowQuantized(codes=codes, step=step, lo=lo.astype(np.float32), bits=int(bits))
+
+
+def _quantize_rows_clipped(
+    arr: npt.NDArray[np.float32], bits: int, clip_ratios: tuple[float, ...]
+) -> RowQuantized:
+    levels = np.float32(2**bits - 1)
+    lo0, hi0 = arr.min(axis=-1), arr.max(axis=-1)
+    mid, half = (lo0 + hi0) / 2, (hi0 - lo0) / 2
+    best: RowQuantized | None = None
+    best_err: npt.NDArray[np.float32] = np.full(arr.shape[:-1], np.inf, dtype=np.float32)
+    for ratio in (1.0, *clip_ratios):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"clip ratios must lie in (0, 1], got {ratio}")
+        lo = (mid - np.float32(ratio) * half).astype(np.float32)
+        step = (np.float32(2 * ratio) * half / levels).astype(np.float32)
+        cand = _round(arr, lo, step, bits)
+        err: npt.NDArray[np.float32] = np.asarray(
+            np.sum((dequantize_rows(cand) - arr) ** 2, axis=-1, dtype=np.float32)
+        )
+        if best is None:
+            best, best_err = cand, err
+            continue
+        take = err < best_err
+        best = RowQuantized(
+            codes=np.where(take[..., None], cand.codes, best.codes),
+            step=np.where(take, cand.step, best.step),
+            lo=np.where(take, cand.lo, best.lo),
+            bits=bits,
+        )
+        best_err = np.where(take, err, best_err)
+    assert best is not None
+    return best
 
 
 def dequantize_rows(q: RowQuantized) -> npt.NDArray[np.float32]:

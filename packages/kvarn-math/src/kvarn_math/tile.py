@@ -98,6 +98,7 @@ def encode_tiles(
     v_rot: npt.ArrayLike,
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
+    clip_ratios: tuple[float, ...] = (),
 ) -> npt.NDArray[np.uint8]:
     """Encode rotated tiles into records.
 
@@ -106,6 +107,9 @@ def encode_tiles(
         v_rot: ``[..., G, D]`` values in the rotated frame.
         preset: preset name or :class:`Preset`; ``G`` must equal its group size.
         iterations: variance-normalization sweeps.
+        clip_ratios: experimental range clipping searched per row (see
+            :func:`kvarn_math.rtn.quantize_rows`); ``()`` (the format's definition) is plain RTN.
+            Records stay in the same byte format either way.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records laid out as :mod:`kvarn_math.layout` says.
@@ -119,9 +123,9 @@ def encode_tiles(
     out = np.zeros((*lead, lay.tile_bytes), dtype=np.uint8)
 
     kb = variance_normalize(np.swapaxes(k, -1, -2), iterations)  # [..., D, G]
-    kq = quantize_rows(kb.tile, p.key_bits)
+    kq = quantize_rows(kb.tile, p.key_bits, clip_ratios)
     vb = variance_normalize(v, iterations)  # [..., G, D]
-    vq = quantize_rows(vb.tile, p.value_bits)
+    vq = quantize_rows(vb.tile, p.value_bits, clip_ratios)
 
     values: dict[str, npt.NDArray[np.generic]] = {
         "k_codes": pack(kq.codes, p.key_bits),
@@ -227,6 +231,7 @@ def quantize_tiles(
     v: npt.ArrayLike,
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
+    clip_ratios: tuple[float, ...] = (),
 ) -> npt.NDArray[np.uint8]:
     """Rotate (Hadamard over channels) and encode tiles in the original frame.
 
@@ -235,6 +240,7 @@ def quantize_tiles(
         v: ``[..., G, D]`` original-frame values.
         preset: preset name or :class:`Preset`.
         iterations: variance-normalization sweeps.
+        clip_ratios: experimental, see :func:`encode_tiles`.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records.
@@ -243,7 +249,9 @@ def quantize_tiles(
     v_arr = np.asarray(v, dtype=np.float32)
     check_finite(k_arr, "k")
     check_finite(v_arr, "v")
-    return encode_tiles(rotate(k_arr, axis=-1), rotate(v_arr, axis=-1), preset, iterations)
+    return encode_tiles(
+        rotate(k_arr, axis=-1), rotate(v_arr, axis=-1), preset, iterations, clip_ratios
+    )
 
 
 def dequantize_tiles(
