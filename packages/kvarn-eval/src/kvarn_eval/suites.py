@@ -8,8 +8,7 @@ A suite is a name, a description, what it needs (a GPU or not) and a function fr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,13 +182,6 @@ def resolve_suites(spec: str | Sequence[str] | None) -> list[Suite]:
     return chosen
 
 
-@contextmanager
-def _step_progress(
-    ctx: BenchContext, description: str, total: int
-) -> Iterator[Callable[[str], None]]:
-    yield ctx.progress(description, total)
-
-
 def leading_bos(tokenizer: Any) -> int | None:
     """The BOS id when ``tokenizer`` starts every encoded text with it, else ``None``."""
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -221,19 +213,19 @@ def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> di
     if bos is not None:
         # models trained with a BOS token (Gemma) expect it first; it is input only, not scored
         chunks = [[bos, *chunk] for chunk in chunks]
-    with _step_progress(ctx, suite, len(chunks) * len(methods)) as advance:
-        result = evaluate_perplexity(
-            lm.model,
-            chunks,
-            methods,
-            head_dim=lm.head_dim,
-            reference=opts.reference,
-            block_size=opts.block_size,
-            exact_first_block=opts.exact_first_block,
-            suite=suite,
-            source=source,
-            advance=advance,
-        )
+    advance = ctx.progress(suite, len(chunks) * len(methods))
+    result = evaluate_perplexity(
+        lm.model,
+        chunks,
+        methods,
+        head_dim=lm.head_dim,
+        reference=opts.reference,
+        block_size=opts.block_size,
+        exact_first_block=opts.exact_first_block,
+        suite=suite,
+        source=source,
+        advance=advance,
+    )
     result.skipped = skipped
     return result.to_dict()
 
@@ -269,20 +261,20 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
         pad_id = lm.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = lm.tokenizer.eos_token_id or 0
-        with _step_progress(ctx, task, len(prepared) * len(methods)) as advance:
-            result = evaluate_task(
-                lm.model,
-                task,
-                TASKS[task].kind,
-                prepared,
-                methods,
-                head_dim=lm.head_dim,
-                pad_id=int(pad_id),
-                reference=opts.reference,
-                block_size=opts.block_size,
-                exact_first_block=opts.exact_first_block,
-                advance=advance,
-            )
+        advance = ctx.progress(task, len(prepared) * len(methods))
+        result = evaluate_task(
+            lm.model,
+            task,
+            TASKS[task].kind,
+            prepared,
+            methods,
+            head_dim=lm.head_dim,
+            pad_id=int(pad_id),
+            reference=opts.reference,
+            block_size=opts.block_size,
+            exact_first_block=opts.exact_first_block,
+            advance=advance,
+        )
         result.skipped = skipped
         return result.to_dict()
 
