@@ -121,7 +121,8 @@ def plan_store(
             it, pass the previous step's ``quantized_lens``.
         query_start_loc: ``[B+1]`` first batch row of each request's fresh tokens; default
             ``cumsum(num_new)`` with a leading 0.
-        max_tiles, max_writes: pad ``tiles``/``writes`` to this many rows (fixed shapes for
+        max_tiles: pad ``tiles``/``writes`` to this many rows (fixed shapes for
+        max_writes: pad ``tiles``/``writes`` to this many rows (fixed shapes for
             CUDA graphs); padding rows hold -1 and are skipped.
 
     Returns:

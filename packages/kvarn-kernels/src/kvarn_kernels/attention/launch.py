@@ -56,7 +56,8 @@ def choose_num_splits(
     """Split-K factor: about 4 programs per SM, each with at least 256 tokens to walk.
 
     Args:
-        num_seqs, num_kv_heads: the batch (programs = seqs x KV heads x splits).
+        num_seqs: the batch (programs = seqs x KV heads x splits).
+        num_kv_heads: the batch (programs = seqs x KV heads x splits).
         max_chunks: tiles a sequence can span (block-table width + staged tiles).
         device: the GPU (CPU: 1).
         group_size: ``G``.

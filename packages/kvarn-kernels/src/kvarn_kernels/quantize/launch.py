@@ -116,7 +116,8 @@ def store_kv(
     """Store one layer's fresh K/V of a step: quantize completed tiles, stage the rest.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32, original frame
+        key: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32, original frame
+        value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32, original frame
             (after RoPE); last dim contiguous, other strides free.
         kv_cache: uint8 ``[num_blocks, num_kv_heads, tile_bytes]``, written in place.
         staging: ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` rotated frame, written in place.
@@ -215,7 +216,8 @@ def quantize_tiles(
     """Rotate and encode dense tiles (``kvarn_math.quantize_tiles`` on the GPU).
 
     Args:
-        k, v: ``[..., G, D]`` original-frame keys (after RoPE) and values, fp16/bf16/fp32.
+        k: ``[..., G, D]`` original-frame keys (after RoPE) and values, fp16/bf16/fp32.
+        v: ``[..., G, D]`` original-frame keys (after RoPE) and values, fp16/bf16/fp32.
         preset: the preset; ``G`` must be its group size.
         iterations: variance-normalization sweeps.
         clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
@@ -238,7 +240,8 @@ def encode_tiles(
     """Encode dense tiles already in the rotated frame (``kvarn_math.encode_tiles``).
 
     Args:
-        k_rot, v_rot: ``[..., G, D]`` rotated keys and values.
+        k_rot: ``[..., G, D]`` rotated keys and values.
+        v_rot: ``[..., G, D]`` rotated keys and values.
         clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
 
     Returns:
