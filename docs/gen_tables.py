@@ -59,7 +59,9 @@ def main() -> int:
             if not args.check:
                 page.write_text(new)
     if args.check and stale:
-        print(f"stale generated tables in {', '.join(map(str, stale))}: run python docs/gen_tables.py")
+        print(
+            f"stale generated tables in {', '.join(map(str, stale))}: run python docs/gen_tables.py"
+        )
         return 1
     print("generated tables are up to date" if args.check else f"updated {len(stale)} page(s)")
     return 0
