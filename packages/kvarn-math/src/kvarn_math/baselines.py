@@ -171,29 +171,16 @@ class KIVI(Method):
 
 
 @dataclass(frozen=True)
-class HadamardRTN(Method):
+class HadamardRTN(KIVI):
     """Rotate, then K per channel over the tile and V per token (KVarN minus normalization)."""
 
     name: str = "hadamard_rtn_k4v2"
-    group_size: int = 128
-    key_bits: int = 4
-    value_bits: int = 2
-
-    def __post_init__(self) -> None:
-        check_bits(self.key_bits, "key_bits")
-        check_bits(self.value_bits, "value_bits")
-
-    def bytes_per_token_per_head(self, head_dim: int) -> float:
-        return KIVI.bytes_per_token_per_head(self, head_dim)  # type: ignore[arg-type]
 
     def roundtrip(self, k: npt.ArrayLike, v: npt.ArrayLike) -> tuple[F32, F32]:
         ka, va = _check_kv(k, v, self.group_size)
-        k_rot, v_rot = rotate(ka, axis=-1), rotate(va, axis=-1)
-        k_tiles = _tiles(k_rot, self.group_size)
-        k_hat = np.swapaxes(_rtn_fp16(np.swapaxes(k_tiles, -1, -2), self.key_bits), -1, -2)
-        v_hat = _rtn_fp16(v_rot, self.value_bits)
+        k_hat, v_hat = super().roundtrip(rotate(ka, axis=-1), rotate(va, axis=-1))
         return (
-            unrotate(_untiles(k_hat), axis=-1).astype(np.float32),
+            unrotate(k_hat, axis=-1).astype(np.float32),
             unrotate(v_hat, axis=-1).astype(np.float32),
         )
 
