@@ -226,37 +226,45 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         f"head_dim {lm.head_dim}"
     )
     results: list[dict[str, Any]] = []
+    environment = report.environment_info()
+
+    def save() -> Path:
+        # written after every suite, so an interrupted run keeps what it finished
+        payload = {
+            "model": {
+                "name": options.model,
+                "path": lm.path,
+                "head_dim": lm.head_dim,
+                "num_kv_heads": lm.num_kv_heads,
+                "num_layers": lm.num_layers,
+            },
+            "options": vars(options),
+            "environment": environment,
+            "seconds": time.perf_counter() - started,
+            "complete": len(results) == len(suites),
+            "results": results,
+        }
+        (out_dir / "results.md").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.md").write_text(
+            "\n\n".join(report.markdown_table(r) for r in results) + "\n"
+        )
+        return report.write_json(out_dir / "results.json", payload)
+
     with progress:
         for suite in suites:
             suite_start = time.perf_counter()
             result = suite.run(ctx)
             result["seconds"] = time.perf_counter() - suite_start
             results.append(result)
+            json_path = save()
     report.print_tables(results, console)
-    payload = {
-        "model": {
-            "name": options.model,
-            "path": lm.path,
-            "head_dim": lm.head_dim,
-            "num_kv_heads": lm.num_kv_heads,
-            "num_layers": lm.num_layers,
-        },
-        "options": vars(options),
-        "environment": report.environment_info(),
-        "seconds": time.perf_counter() - started,
-        "results": results,
-    }
-    json_path = report.write_json(out_dir / "results.json", payload)
-    (out_dir / "results.md").write_text(
-        "\n\n".join(report.markdown_table(r) for r in results) + "\n"
-    )
     console.print(f"wrote {json_path} and {out_dir / 'results.md'}")
     if not args.no_plot:
         title = f"{options.model}: KV-cache methods under pseudo-decode"
         plot = report.plot_results(results, out_dir / "accuracy.png", title)
         if plot is not None:
             console.print(f"wrote {plot}")
-    console.print(f"total {payload['seconds']:.0f} s")
+    console.print(f"total {time.perf_counter() - started:.0f} s")
     return 0
 
 
