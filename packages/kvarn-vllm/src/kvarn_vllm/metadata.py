@@ -142,7 +142,9 @@ def split_rows(num_cached: np.ndarray, num_new: np.ndarray) -> BatchSplit:
     rows = np.arange(num_new.shape[0], dtype=np.int32)
     parts = {"decode": rows[decode_mask], "fresh": rows[fresh_mask], "context": rows[context_mask]}
     nonempty = [k for k, v in parts.items() if v.size]
-    uniform = nonempty[0] if len(nonempty) == 1 else None
+    # A kind is the whole batch only if every row is of it: a row without tokens (padding)
+    # belongs to no kind, so such a batch takes the gathered path.
+    uniform = nonempty[0] if len(nonempty) == 1 and parts[nonempty[0]].size == rows.size else None
     return BatchSplit(uniform=uniform, **parts)
 
 
