@@ -12,20 +12,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvarn_math.baselines import Method, standard_methods
 from kvarn_math.metrics import attention_output_error, sqnr_db
+from kvarn_math.testing_data import synthetic_kv
 
 __all__ = ["Row", "measure", "format_report", "main"]
 
 Row = dict[str, float | str | int]
-
-
-def _synthetic(head_dim: int, tokens: int, heads: int, seed: int) -> tuple[np.ndarray, ...]:
-    from kvarn_math.testing_data import synthetic_kv
-
-    return synthetic_kv(head_dim, tokens, heads, seed)
 
 
 def measure(
@@ -38,7 +31,7 @@ def measure(
     """Measure every method at every head_dim; returns one row per (method, head_dim)."""
     rows: list[Row] = []
     for d in head_dims:
-        q, k, v = _synthetic(d, tokens, heads, seed)
+        q, k, v = synthetic_kv(d, tokens, heads, seed)
         for m in methods if methods is not None else standard_methods():
             k_hat, v_hat = m.roundtrip(k, v)
             kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
