@@ -160,33 +160,22 @@ def _make_impl_class() -> type:
             window = self.sliding_window
             if md.decode is not None:
                 g = md.decode
-                if g.token_index is None:
-                    kernels.decode_attention(
-                        query[: md.num_reqs],
-                        kv_cache,
-                        staging,
-                        g.block_table,
-                        g.seq_lens,
-                        g.quantized_lens,
-                        g.staging_slots,
-                        self.preset,
-                        self.scale,
-                        sliding_window=window,
-                        out=output[: md.num_reqs],
-                    )
-                else:
-                    res = kernels.decode_attention(
-                        query.index_select(0, g.token_index),
-                        kv_cache,
-                        staging,
-                        g.block_table,
-                        g.seq_lens,
-                        g.quantized_lens,
-                        g.staging_slots,
-                        self.preset,
-                        self.scale,
-                        sliding_window=window,
-                    )
+                # The whole batch writes its output in place; gathered rows are scattered back.
+                whole = g.token_index is None
+                res = kernels.decode_attention(
+                    query[: md.num_reqs] if whole else query.index_select(0, g.token_index),
+                    kv_cache,
+                    staging,
+                    g.block_table,
+                    g.seq_lens,
+                    g.quantized_lens,
+                    g.staging_slots,
+                    self.preset,
+                    self.scale,
+                    sliding_window=window,
+                    out=output[: md.num_reqs] if whole else None,
+                )
+                if not whole:
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
