@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples
-from kvarn_kernels import plan_store
+from kvarn_kernels import plan_store, plan_store_device
 
 G = 64
 
@@ -107,6 +108,7 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             staging_tiles=s_tiles,
             num_quantized=quant,
         )
+        assert_device_plan_equals(plan, cached, new, committed_after, slots, table, s_tiles, quant)
         sim.apply(plan, batch)
         quant = plan.quantized_lens.tolist()
         for i in range(n):
@@ -122,6 +124,63 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             assert sim.writes_per_block[block] == 1
             assert sim.blocks[block] == [committed_tok[i][p] for p in range(t * G, (t + 1) * G)]
         assert quant[i] == (max(committed_tok[i], default=-1) + 1) // G * G or spec
+
+
+def assert_device_plan_equals(  # type: ignore[no-untyped-def]
+    plan, cached, new, committed, slots, table, s_tiles, quant
+) -> None:
+    """plan_store_device, given the committed count as ``num_drafts``, makes the same plan."""
+    n = len(cached)
+    seq = np.add(cached, new)
+    qsl = np.concatenate([[0], np.cumsum(new)])
+
+    def t(x: object) -> torch.Tensor:
+        return torch.tensor(np.asarray(x), dtype=torch.int32)
+
+    dev = plan_store_device(
+        t(seq),
+        t(qsl),
+        t(seq - np.asarray(committed)),
+        t(quant),
+        t(slots),
+        torch.from_numpy(table[:n]),
+        "kvarn_k4v2_g64",
+        staging_tiles=s_tiles,
+        max_tiles=plan.num_tiles + 2,
+        max_writes=int(qsl[-1]) + 2,
+    )
+    tiles, writes = dev.tiles.numpy(), dev.writes.numpy()
+    np.testing.assert_array_equal(tiles[: plan.num_tiles], plan.tiles.numpy())
+    assert (tiles[plan.num_tiles :] == -1).all()
+    np.testing.assert_array_equal(writes[writes[:, 0] >= 0], plan.writes.numpy())
+    assert (writes[writes[:, 0] < 0] == -1).all()
+    np.testing.assert_array_equal(dev.quantized_lens.numpy(), plan.quantized_lens.numpy())
+    np.testing.assert_array_equal(dev.seq_lens.numpy(), plan.seq_lens.numpy())
+
+
+def test_device_plan_padding_rows_and_shapes() -> None:
+    """Rows without tokens (CUDA-graph padding) plan nothing; shapes are the fixed maxima."""
+    t = torch.tensor
+    dev = plan_store_device(
+        t([70, 0], dtype=torch.int32),
+        t([0, 7, 7], dtype=torch.int32),
+        t([5, 0], dtype=torch.int32),
+        t([0, 0], dtype=torch.int32),
+        t([3, 1], dtype=torch.int32),
+        t([[4, 9], [0, 0]], dtype=torch.int32),
+        "kvarn_k4v2_g64",
+        staging_tiles=2,
+        max_tiles=3,
+        max_writes=9,
+    )
+    assert dev.tiles.shape == (3, 5) and dev.writes.shape == (9, 3)
+    # committed = 70 - 5 = 65: tile 0 (block 4), 63 staged tokens + batch row 0 (position 63)
+    assert dev.tiles[0].tolist() == [4, 3, 0, 63, 0]
+    assert (dev.tiles[1:] == -1).all()
+    # tokens 1..6 (positions 64..69) go to staging, token 0 is in the tile; rows 7, 8 padding
+    assert dev.writes[:, 0].tolist() == [-1, 1, 2, 3, 4, 5, 6, -1, -1]
+    assert dev.writes[1].tolist() == [1, 3, 64]
+    assert dev.quantized_lens.tolist() == [64, 0]
 
 
 def test_chunked_prefill_plan_takes_full_tiles_from_the_batch() -> None:

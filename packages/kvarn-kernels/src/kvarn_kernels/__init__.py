@@ -12,7 +12,7 @@ from kvarn_kernels.cache import (
     staging_shape,
 )
 from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
-from kvarn_kernels.plan import StorePlan, plan_store
+from kvarn_kernels.plan import StorePlan, plan_store, plan_store_device
 from kvarn_kernels.quantize import encode_tiles, quantize_tiles, store_kv
 from kvarn_kernels.rotation import rotate, unrotate
 
@@ -32,6 +32,7 @@ __all__ = [
     "encode_tiles",
     "multi_query_attention",
     "plan_store",
+    "plan_store_device",
     "quantize_tiles",
     "rotate",
     "staging_bytes",

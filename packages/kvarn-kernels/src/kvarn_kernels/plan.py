@@ -11,6 +11,11 @@ positions per slot:
   from staging when ``p < num_cached`` (written by an earlier step), else from the fresh batch;
 * fresh tokens at positions ``p >= q_after`` are written to ``staging[slot, :, p % (S*G)]``;
 * afterwards staging holds ``[q_after, seq_len)``, which must fit: ``seq_len - q_after <= S*G``.
+
+:func:`plan_store_device` makes the same plan with torch ops on whatever device its inputs live
+on, without a host synchronization and with fixed output shapes: for engines whose host view of
+the lengths is only an upper bound (speculative decoding with asynchronous scheduling, where the
+number of accepted drafts is known only on the GPU).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy.typing as npt
 import torch
 from kvarn_math.layout import Preset, get_preset
 
-__all__ = ["TILE_FIELDS", "WRITE_FIELDS", "StorePlan", "plan_store"]
+__all__ = ["TILE_FIELDS", "WRITE_FIELDS", "StorePlan", "plan_store", "plan_store_device"]
 
 TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
 WRITE_FIELDS = ("token_index", "slot", "staging_pos")
@@ -252,3 +257,126 @@ def _pad(name: str, rows: IntArray, size: int | None) -> IntArray:
     out = np.full((size, rows.shape[1]), -1, dtype=np.int64)
     out[: rows.shape[0]] = rows
     return out
+
+
+def plan_store_device(
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_drafts: torch.Tensor,
+    num_quantized: torch.Tensor,
+    staging_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    preset: str | Preset,
+    *,
+    staging_tiles: int,
+    max_tiles: int,
+    max_writes: int,
+) -> StorePlan:
+    """:func:`plan_store` computed on the device from the step's real lengths (no host sync).
+
+    Every output has a fixed shape (``max_tiles``, ``max_writes``) and every decision (which
+    tiles are committed, which tokens go to staging) is made from device tensors, so the plan
+    can be built while the host only knows upper bounds of the lengths, and inside a CUDA
+    graph capture. Rows of ``tiles`` and ``writes`` that are not needed hold -1 (skipped by
+    :func:`kvarn_kernels.store_kv`); unlike :func:`plan_store`, skipped write rows can sit
+    between real ones.
+
+    Args:
+        seq_lens: ``[B]`` int tokens of each request after the step (real, not an upper
+            bound); 0 for a padding row.
+        query_start_loc: ``[B+1]`` int first batch row of each request's fresh tokens; the
+            request has ``query_start_loc[b+1] - query_start_loc[b]`` fresh tokens (its last
+            ones, positions ``seq_len - num_new .. seq_len - 1``).
+        num_drafts: ``[B]`` int how many of the request's last fresh tokens are unverified
+            speculative drafts (0 without speculation). The other tokens are committed:
+            ``num_committed = seq_len - num_drafts``.
+        num_quantized: ``[B]`` int tokens in quantized tiles before the step (a multiple of
+            ``G``, the previous step's ``quantized_lens`` for the request).
+        staging_slots: ``[B]`` int each request's staging slot.
+        block_table: ``[B, max_blocks]`` int block ids (or any int code the caller maps
+            afterwards) on the same device.
+        preset: the cache preset (gives ``G``).
+        staging_tiles: ``S``; staging holds ``S*G`` positions per slot. The caller must size it
+            so that ``seq_len - quantized_len <= S*G`` after every step (not checked here: that
+            would need a host sync).
+        max_tiles: rows of ``tiles``; at least the number of tiles committed this step.
+        max_writes: rows of ``writes``; at least the number of fresh tokens
+            (``query_start_loc[B]``). Token ``i`` of the batch owns write row ``i``.
+
+    Returns:
+        :class:`StorePlan` on the inputs' device; ``num_tiles`` / ``num_writes`` are the
+        padded sizes (the real counts are only on the device).
+    """
+    p = get_preset(preset)
+    g = p.group_size
+    if not isinstance(staging_tiles, int) or staging_tiles < 1:
+        raise ValueError(f"staging_tiles must be a positive int, got {staging_tiles!r}")
+    sg = staging_tiles * g
+    b = seq_lens.shape[0]
+    for name, t, shape in (
+        ("seq_lens", seq_lens, (b,)),
+        ("query_start_loc", query_start_loc, (b + 1,)),
+        ("num_drafts", num_drafts, (b,)),
+        ("num_quantized", num_quantized, (b,)),
+        ("staging_slots", staging_slots, (b,)),
+    ):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] < b:
+        raise ValueError(
+            f"block_table must be [B={b}, max_blocks] ints, got shape {list(block_table.shape)}"
+        )
+    for name, n in (("max_tiles", max_tiles), ("max_writes", max_writes)):
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    dev = seq_lens.device
+    i64 = torch.int64
+    qsl = query_start_loc.to(i64)
+    total = seq_lens.to(i64)
+    new = qsl[1:] - qsl[:-1]
+    cached = total - new
+    committed = total - num_drafts.to(i64).clamp(min=0)
+    committed = torch.maximum(committed, cached)
+    q_before = num_quantized.to(i64)
+    q_after = torch.maximum(q_before, committed // g * g)
+    slots = staging_slots.to(i64)
+    max_blocks = block_table.shape[1]
+
+    # Tiles [q_before / G, q_after / G) of every request, flattened in request order.
+    counts = (q_after - q_before) // g
+    ends = torch.cumsum(counts, 0)
+    j = torch.arange(max_tiles, dtype=i64, device=dev)
+    owner = torch.searchsorted(ends, j, right=True).clamp(max=max(b - 1, 0))
+    if b:
+        tile_ok = j < ends[-1]
+        t = q_before[owner] // g + j - (ends[owner] - counts[owner])
+        start = t * g
+        staged = (cached[owner] - start).clamp(0, g)
+        fresh = torch.where(staged < g, qsl[owner] + start + staged - cached[owner], 0)
+        col = t.clamp(0, max(max_blocks - 1, 0))
+        block = block_table[owner, col].to(i64)
+        tiles = torch.stack([block, slots[owner], start, staged, fresh], dim=1)
+        tiles = torch.where(tile_ok[:, None], tiles, -1)
+    else:
+        tiles = torch.full((max_tiles, 5), -1, dtype=i64, device=dev)
+
+    # Write row i = batch token i, kept when its position is past the quantized tiles.
+    i = torch.arange(max_writes, dtype=i64, device=dev)
+    if b:
+        wowner = torch.searchsorted(qsl[1:], i, right=True).clamp(max=b - 1)
+        pos = cached[wowner] + i - qsl[wowner]
+        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & (pos >= q_after[wowner])
+        writes = torch.stack([i, slots[wowner], pos % sg], dim=1)
+        writes = torch.where(write_ok[:, None], writes, -1)
+    else:
+        writes = torch.full((max_writes, 3), -1, dtype=i64, device=dev)
+    return StorePlan(
+        tiles=tiles.to(torch.int32).contiguous(),
+        writes=writes.to(torch.int32).contiguous(),
+        seq_lens=total.to(torch.int32),
+        quantized_lens=q_after.to(torch.int32),
+        num_tiles=max_tiles,
+        num_writes=max_writes,
+        group_size=g,
+        staging_tiles=staging_tiles,
+    )
