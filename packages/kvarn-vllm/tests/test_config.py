@@ -63,8 +63,9 @@ def test_staging_tiles_for_speculation():
     assert staging_tiles_for(None, 128) == 1
     assert staging_tiles_for(0, 128) == 1
     assert staging_tiles_for(1, 128) == 2
-    assert staging_tiles_for(128, 128) == 2
-    assert staging_tiles_for(129, 128) == 3
+    assert staging_tiles_for(8, 64) == 2
+    assert staging_tiles_for(64, 128) == 2
+    assert staging_tiles_for(65, 128) == 3
     assert parse_kv_cache_dtype("kvarn_k4v2_g64", num_speculative_tokens=3).staging_tiles == 2
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         staging_tiles_for(-1, 128)

@@ -35,7 +35,9 @@ __all__ = [
     "wrap_attention_kv_cache_spec",
     "wrap_backend_selection",
     "triton_prefill",
+    "wrap_draft_decode_metadata",
     "wrap_v2_runner_attn_preparation",
+    "wrap_v2_runner_add_requests",
 ]
 
 SUPPORTED = ((0, 26, 0), (0, 27, 0))
@@ -253,6 +255,55 @@ def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepF
 
     runner_cls.prepare_attn = _mark(prepare_attn, original_real)
     runner_cls.prepare_dummy_attn = _mark(prepare_dummy_attn, original_dummy)
+    return True
+
+
+def wrap_v2_runner_add_requests(on_added: Callable[[Any], None]) -> bool:
+    """Report the request-state rows the V2 runner (re)assigns in ``add_requests``.
+
+    New and resumed (after preemption) requests both come through
+    ``GPUModelRunner.add_requests(scheduler_output)`` in vLLM 0.26's V2 runner; a
+    resumed request may get the same row it had, so the row alone cannot tell.
+    """
+    module_name = "vllm.v1.worker.gpu.model_runner"
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    runner_cls = module.GPUModelRunner
+    original = runner_cls.add_requests
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def add_requests(self, scheduler_output):
+        result = original(self, scheduler_output)
+        index = self.req_states.req_id_to_index
+        on_added(
+            [index[r.req_id] for r in scheduler_output.scheduled_new_reqs if r.req_id in index]
+        )
+        return result
+
+    runner_cls.add_requests = _mark(add_requests, original)
+    return True
+
+
+def wrap_draft_decode_metadata(scope: Callable[[], Any]) -> bool:
+    """Run ``DraftModelSpeculator._build_draft_attn_metadata`` inside ``scope()``.
+
+    vLLM 0.26's V2 drafters (EAGLE, EAGLE-3, MTP) build attention metadata for their
+    decode steps 2..k with that method, through the same builder interface as a target
+    step; nothing in ``CommonAttentionMetadata`` says the step's tokens are all drafts.
+    """
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    original = DraftModelSpeculator._build_draft_attn_metadata
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def _build_draft_attn_metadata(self, *args, **kwargs):
+        with scope():
+            return original(self, *args, **kwargs)
+
+    DraftModelSpeculator._build_draft_attn_metadata = _mark(_build_draft_attn_metadata, original)
     return True
 
 

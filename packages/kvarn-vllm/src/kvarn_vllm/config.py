@@ -81,13 +81,17 @@ class KvarnConfig:
 def staging_tiles_for(num_speculative_tokens: int | None, group_size: int) -> int:
     """``S``: tiles of staging a request needs, given the speculative tokens per step.
 
-    A verify step writes ``1 + k`` positions; the committed prefix never moves back past
-    the last full tile, so the open tile plus ``ceil(k / G)`` more cover every write.
+    Staging holds ``[quantized_len, seq_len)``. A tile is quantized in the first step in
+    which all its tokens are committed (accepted), so after a step the committed length
+    is at least the step's first position + 1 and staging spans less than ``G`` committed
+    positions plus the step's ``k`` drafts. A drafter's decode steps (EAGLE, MTP) then
+    write up to ``k - 1`` more draft positions past the accepted ones, for less than
+    ``G + 2k`` positions in all: ``S = 1 + ceil(2k / G)`` (2 for ``k <= G / 2``).
     """
     k = num_speculative_tokens or 0
     if k < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
-    return 1 + -(-k // group_size)
+    return 1 + -(-2 * k // group_size)
 
 
 def parse_kv_cache_dtype(

@@ -28,7 +28,14 @@ __all__ = ["KvarnAttentionImpl", "staging_report"]  # noqa: F822 (built lazily)
 
 logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
-_STAGING: dict[str, Any] = {"bytes": 0, "layers": 0, "slots": 0, "tokens": 0, "logged": False}
+_STAGING: dict[str, Any] = {
+    "bytes": 0,
+    "layers": 0,
+    "slots": 0,
+    "tokens": 0,
+    "staging_tiles": 1,
+    "logged": False,
+}
 
 
 def staging_report() -> dict[str, Any]:
@@ -50,6 +57,14 @@ def log_staging_once() -> None:
         _STAGING["layers"],
         _STAGING["bytes"] / 2**30,
     )
+    if _STAGING.get("staging_tiles", 1) > 1:
+        logger.info(
+            "kvarn: speculative decoding: staging holds S=%d tiles (%d tokens) per request and "
+            "layer, so that a complete tile waits there until its tokens are accepted; draft "
+            "layers run on the same kvarn format.",
+            _STAGING["staging_tiles"],
+            _STAGING["tokens"],
+        )
 
 
 def _make_impl_class() -> type:
@@ -129,6 +144,7 @@ def _make_impl_class() -> type:
                 _STAGING["layers"] += 1
                 _STAGING["slots"] = num_slots
                 _STAGING["tokens"] = self.config.staging_tokens
+                _STAGING["staging_tiles"] = self.config.staging_tiles
 
         def forward(
             self,

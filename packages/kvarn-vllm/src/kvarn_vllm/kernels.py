@@ -15,12 +15,14 @@ __all__ = [
     "kernels_module",
     "multi_query_attention",
     "plan_store",
+    "plan_store_device",
     "staging_bytes",
     "store_kv",
 ]
 
 _REQUIRED = (
     "plan_store",
+    "plan_store_device",
     "store_kv",
     "decode_attention",
     "multi_query_attention",
@@ -55,6 +57,11 @@ def kernels_module() -> ModuleType:
 def plan_store(*args, **kwargs):
     """``kvarn_kernels.plan_store`` (host, once per step)."""
     return kernels_module().plan_store(*args, **kwargs)
+
+
+def plan_store_device(*args, **kwargs):
+    """``kvarn_kernels.plan_store_device`` (device, once per step under speculation)."""
+    return kernels_module().plan_store_device(*args, **kwargs)
 
 
 def store_kv(*args, **kwargs):

@@ -37,6 +37,7 @@ import numpy as np
 from kvarn_vllm.config import KvarnConfig, parse_kv_cache_dtype
 
 __all__ = [
+    "SPEC_METHODS",
     "STEP",
     "BatchSplit",
     "KvarnMetadata",
@@ -48,6 +49,9 @@ __all__ = [
 
 logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
+SPEC_METHODS = ("eagle", "eagle3", "mtp")
+"""Speculative methods served (vLLM 0.26's V2 runner drafts them one token per step)."""
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -58,11 +62,17 @@ class StepRecord:
         num_reqs: real (unpadded) requests in the batch.
         slots: ``[num_reqs]`` int32, request-state row of each batch row (staging slot);
             None for a dummy (profiling, warm-up, capture) batch.
+        num_drafts: ``[num_reqs]`` int32 speculative drafts scheduled per row (the row's
+            last tokens; 0 without speculation), or None.
+        new_rows: ``[num_reqs]`` bool, the row's request was (re)added to its request-state
+            row this step (new, or resumed after preemption), or None.
     """
 
     serial: int
     num_reqs: int
     slots: np.ndarray | None
+    num_drafts: np.ndarray | None = None
+    new_rows: np.ndarray | None = None
 
 
 class _StepChannel:
@@ -71,12 +81,44 @@ class _StepChannel:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._record = StepRecord(serial=0, num_reqs=0, slots=None)
+        self._added: set[int] = set()
+        self._draft_depth = threading.local()
+
+    def report_added(self, rows: Any) -> None:
+        """Request-state rows (re)assigned to a request in this step (before report_real)."""
+        with self._lock:
+            self._added.update(int(r) for r in rows)
 
     def report_real(self, input_batch: Any) -> None:
         num_reqs = int(input_batch.num_reqs)
         slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int32).copy()
+        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        num_drafts = np.zeros(num_reqs, dtype=np.int32)
+        if drafts is not None:
+            num_drafts[:] = np.asarray(drafts, dtype=np.int32)[:num_reqs]
         with self._lock:
-            self._record = StepRecord(self._record.serial + 1, num_reqs, slots)
+            new_rows = np.isin(slots, np.fromiter(self._added, dtype=np.int32))
+            self._added.clear()
+            self._record = StepRecord(
+                self._record.serial + 1, num_reqs, slots, num_drafts, new_rows
+            )
+
+    def draft_steps(self) -> Any:
+        """Context manager: metadata built inside it is for a drafter's decode step."""
+        channel = self
+
+        class _Scope:
+            def __enter__(self) -> None:
+                channel._draft_depth.value = channel.in_draft_step + 1
+
+            def __exit__(self, *exc: object) -> None:
+                channel._draft_depth.value = channel.in_draft_step - 1
+
+        return _Scope()
+
+    @property
+    def in_draft_step(self) -> int:
+        return getattr(self._draft_depth, "value", 0)
 
     def report_dummy(self, input_batch: Any) -> None:
         with self._lock:
@@ -89,6 +131,24 @@ class _StepChannel:
 
 
 STEP = _StepChannel()
+
+# Per-process device state of speculative decoding, shared by every builder of the process
+# (target groups, the drafter's own builders): tokens in quantized tiles per request-state
+# row, and its value before the current step (so that every builder of a step, whichever
+# runs first, plans from the same starting point).
+_SPEC_STATE: dict[str, Any] = {}
+
+
+def _spec_state(device: Any, num_rows: int) -> dict[str, Any]:
+    import torch
+
+    key = str(device)
+    state = _SPEC_STATE.get(key)
+    if state is None or state["quantized"].numel() < num_rows:
+        quantized = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        state = {"quantized": quantized, "before": quantized.clone(), "serial": -1}
+        _SPEC_STATE[key] = state
+    return state
 
 
 @functools.lru_cache(maxsize=4)
@@ -212,12 +272,24 @@ def _make_builder_class() -> type:
 
             preset_name = getattr(kv_cache_spec, "kvarn_preset", "")
             spec_cfg = vllm_config.speculative_config
+            self.speculative = spec_cfg is not None
+            num_spec = 0
             if spec_cfg is not None:
-                raise ValueError(
-                    "kvarn-vllm does not serve speculative decoding yet (layers "
-                    f"{layer_names[:2]}...); run without --speculative-config or with "
-                    "kv_cache_dtype auto"
-                )
+                method = getattr(spec_cfg, "method", None)
+                if method not in SPEC_METHODS:
+                    hint = (
+                        " vLLM 0.26 runs n-gram (prompt lookup) speculation only on its V1 "
+                        "model runner, and kvarn needs the V2 runner."
+                        if method in ("ngram", "ngram_gpu")
+                        else ""
+                    )
+                    raise ValueError(
+                        f"kvarn-vllm serves speculative decoding with the methods "
+                        f"{', '.join(SPEC_METHODS)}; got method {method!r} (layers "
+                        f"{layer_names[:2]}...).{hint} Use one of those methods, or "
+                        "kv_cache_dtype auto/fp8 for this one."
+                    )
+                num_spec = int(spec_cfg.num_speculative_tokens or 0)
             if not vllm_config.use_v2_model_runner:
                 raise ValueError(
                     "kvarn-vllm needs vLLM's V2 model runner, which gives each running "
@@ -229,7 +301,9 @@ def _make_builder_class() -> type:
             from kvarn_vllm.impl import log_staging_once
 
             log_staging_once()
-            self.config: KvarnConfig = parse_kv_cache_dtype(preset_name)
+            self.config: KvarnConfig = parse_kv_cache_dtype(
+                preset_name, num_speculative_tokens=num_spec
+            )
             self.preset = self.config.preset
             sched = vllm_config.scheduler_config
             self.max_num_reqs = int(sched.max_num_seqs)
@@ -253,6 +327,8 @@ def _make_builder_class() -> type:
                 ("quantized_lens", r),
                 ("slots", r),
                 ("qsl", r + 1),
+                ("drafts", r),
+                ("new_rows", r),
             ):
                 self._layout[name] = (offset, size)
                 offset += size
@@ -263,6 +339,8 @@ def _make_builder_class() -> type:
             self._device_buf = torch.zeros(offset, dtype=torch.int32, device=device)
             self._pin = torch.cuda.is_available() and device.type == "cuda"
             self._last_serial = -1
+            self._spec = _spec_state(device, self.max_num_reqs) if self.speculative else None
+            # Verify rows (1 + k tokens) are "context" rows: multi_query_attention.
             self._init_reorder_batch_threshold(1)
 
         def _view(self, buf, name: str, n: int, cols: int = 1):
@@ -274,6 +352,8 @@ def _make_builder_class() -> type:
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
             record = STEP.record
+            if self.speculative and STEP.in_draft_step:
+                return self._build_draft_step(common_attn_metadata, record)
             fresh_step = record.slots is not None and record.serial != self._last_serial
             self._last_serial = record.serial
             return self._build(common_attn_metadata, record if fresh_step else None)
@@ -318,7 +398,19 @@ def _make_builder_class() -> type:
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
             plan = None
             quantized = np.zeros(num_reqs, dtype=np.int32)
-            if record is not None or capture:
+            on_device = record is not None and self.speculative
+            if on_device:
+                # Lengths on the host are upper bounds (accepted drafts are known on the
+                # GPU only): the plan is made on the device after the copy below.
+                real = min(record.num_reqs, num_reqs)
+                for name, values in (
+                    ("drafts", record.num_drafts),
+                    ("new_rows", record.new_rows),
+                ):
+                    if values is not None:
+                        s, _ = self._layout[name]
+                        host[s : s + real] = np.asarray(values[:real], dtype=np.int32)
+            elif record is not None or capture:
                 plan = kernels.plan_store(
                     num_cached if record is not None else np.zeros(num_reqs, np.int32),
                     num_new if record is not None else np.zeros(num_reqs, np.int32),
@@ -393,7 +485,9 @@ def _make_builder_class() -> type:
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
             dev_slots = self._view(buf, "slots", num_reqs)
             dev_plan = None
-            if plan is not None:
+            if on_device:
+                dev_plan = self._device_plan(cam, record, num_reqs, int(qsl[-1]), buf)
+            elif plan is not None:
                 tiles = self._view(buf, "tiles", plan.tiles.shape[0], 5)
                 writes = self._view(buf, "writes", plan.writes.shape[0], 3)
                 if tiles.shape[0]:
@@ -444,9 +538,139 @@ def _make_builder_class() -> type:
                 **groups,
             )
 
+        def _device_plan(self, cam, record: StepRecord, num_reqs: int, num_tokens: int, buf):
+            """This step's store plan from the device lengths (speculative decoding).
+
+            ``cam.seq_lens`` is exact on the device; the committed length of a row is
+            ``seq_len - num_drafts``. Tiles already quantized come from the shared
+            per-row state, reset for requests (re)added this step.
+            """
+            import torch
+
+            from kvarn_vllm import kernels
+
+            g = self.preset.group_size
+            seq = cam.seq_lens[:num_reqs].to(torch.int32)
+            qsl = self._view(buf, "qsl", num_reqs + 1)
+            slots = self._view(buf, "slots", num_reqs)
+            drafts = self._view(buf, "drafts", num_reqs)
+            new_rows = self._view(buf, "new_rows", num_reqs)
+            spec = self._spec
+            if spec["serial"] != record.serial:
+                spec["before"].copy_(spec["quantized"])
+                spec["serial"] = record.serial
+            floor = (seq - (qsl[1:] - qsl[:-1])) // g * g
+            before = spec["before"][slots.long()]
+            before = torch.where(new_rows > 0, floor, torch.minimum(before, floor))
+            plan = kernels.plan_store_device(
+                seq,
+                qsl,
+                drafts,
+                before,
+                slots,
+                cam.block_table_tensor[:num_reqs],
+                self.preset,
+                staging_tiles=self.config.staging_tiles,
+                max_tiles=self.max_tiles,
+                max_writes=num_tokens,
+            )
+            tiles = self._view(buf, "tiles", self.max_tiles, 5)
+            writes = self._view(buf, "writes", num_tokens, 3)
+            tiles.copy_(plan.tiles)
+            writes.copy_(plan.writes)
+            dev_seq = self._view(buf, "seq_lens", num_reqs)
+            dev_quant = self._view(buf, "quantized_lens", num_reqs)
+            dev_seq.copy_(seq)
+            dev_quant.copy_(plan.quantized_lens)
+            real = min(record.num_reqs, num_reqs)
+            spec["quantized"].index_copy_(0, slots[:real].long(), plan.quantized_lens[:real])
+            return replace(
+                plan, tiles=tiles, writes=writes, seq_lens=dev_seq, quantized_lens=dev_quant
+            )
+
+        def _build_draft_step(self, cam, record: StepRecord):
+            """A drafter's decode step (one token per row, e.g. EAGLE/MTP steps 2..k).
+
+            Its token is a draft: it goes to staging at ``seq_len - 1`` and nothing is
+            committed (the drafter's layers commit with the target's plan of the next
+            step, whose draft prefill rewrites these positions).
+            """
+            import torch
+
+            num_reqs = int(cam.num_reqs)
+            qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int32)
+            if np.any(np.diff(qsl) > 1):
+                raise ValueError(
+                    "kvarn-vllm: a drafter decode step with several query tokens per "
+                    "request (parallel drafting) is not supported"
+                )
+            real = min(record.num_reqs, num_reqs) if record.slots is not None else 0
+            host = np.zeros(self._device_buf.numel(), dtype=np.int32)
+            if real:
+                s, _ = self._layout["slots"]
+                host[s : s + real] = record.slots[:real]
+            s, _ = self._layout["qsl"]
+            host[s : s + num_reqs + 1] = qsl
+            used = self._layout["qsl"][0] + num_reqs + 1
+            src = torch.from_numpy(host[:used])
+            if self._pin:
+                src = src.pin_memory()
+            self._device_buf[:used].copy_(src, non_blocking=True)
+            buf = self._device_buf
+            g, sg = self.preset.group_size, self.config.staging_tokens
+            seq = cam.seq_lens[:num_reqs].to(torch.int32)
+            if not real:  # dummy (profiling) draft step: attend the row's own token only
+                seq = seq.clamp(max=1)
+            slots = self._view(buf, "slots", num_reqs)
+            dev_seq = self._view(buf, "seq_lens", num_reqs)
+            dev_quant = self._view(buf, "quantized_lens", num_reqs)
+            dev_seq.copy_(seq)
+            last = (seq - 1).clamp(min=0)
+            dev_quant.copy_(torch.minimum(self._spec["quantized"][slots.long()], last // g * g))
+            rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
+            ok = (rows < real) & (seq > 0)
+            writes = torch.stack([rows, slots, last % sg], dim=1)
+            tiles = self._view(buf, "tiles", num_reqs, 5)
+            tiles.fill_(-1)
+            dev_writes = self._view(buf, "writes", num_reqs, 3)
+            dev_writes.copy_(torch.where(ok[:, None], writes, -1))
+            from kvarn_kernels import StorePlan
+
+            plan = StorePlan(
+                tiles=tiles,
+                writes=dev_writes,
+                seq_lens=dev_seq,
+                quantized_lens=dev_quant,
+                num_tiles=num_reqs,
+                num_writes=num_reqs,
+                group_size=g,
+                staging_tiles=self.config.staging_tiles,
+            )
+            group = RowGroup(
+                rows=None,
+                token_index=None,
+                query_start_loc=self._view(buf, "qsl", num_reqs + 1),
+                seq_lens=dev_seq,
+                quantized_lens=dev_quant,
+                staging_slots=slots,
+                block_table=cam.block_table_tensor[:num_reqs],
+                max_query_len=1,
+                max_seq_len=int(cam.max_seq_len),
+                num_tokens=num_reqs,
+                query_start_loc_host=qsl,
+            )
+            return KvarnMetadata(
+                num_reqs=num_reqs,
+                num_actual_tokens=int(cam.num_actual_tokens),
+                plan=plan if real else None,
+                decode=group,
+                fresh=None,
+                context=None,
+            )
+
         def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:
             # Copy only up to the last region this step uses.
-            end = self._layout["qsl"][0] + num_reqs + 1
+            end = self._layout["new_rows"][0] + num_reqs
             for kind, (_rows, n_tokens, _, _, _) in group_hosts.items():
                 if kind != uniform:
                     end = max(end, self._layout[f"{kind}_tokens"][0] + n_tokens)

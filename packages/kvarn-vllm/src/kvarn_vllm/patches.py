@@ -132,6 +132,13 @@ def _install_step_hook():
     from kvarn_vllm.metadata import STEP
 
     compat.wrap_v2_runner_attn_preparation(STEP.report_real, STEP.report_dummy)
+    compat.wrap_v2_runner_add_requests(STEP.report_added)
+
+
+def _install_draft_hook():
+    from kvarn_vllm.metadata import STEP
+
+    compat.wrap_draft_decode_metadata(STEP.draft_steps)
 
 
 LEDGER: tuple[Patch, ...] = (
@@ -180,14 +187,35 @@ LEDGER: tuple[Patch, ...] = (
     ),
     Patch(
         name="request-rows",
-        target="vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_attn / prepare_dummy_attn",
+        target="vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_attn / "
+        "prepare_dummy_attn / add_requests",
         why="Staging for open tiles must follow a request across steps; vLLM 0.26's "
-        "CommonAttentionMetadata carries no request identity.",
-        how="Wrap both methods to hand the step's InputBatch.idx_mapping_np (request-state "
-        "rows, fixed for a request's life) to kvarn's builder before vLLM builds metadata.",
-        remove_when="vLLM >= 0.33: CommonAttentionMetadata.req_idx.",
+        "CommonAttentionMetadata carries no request identity, no per-row draft count and "
+        "no sign that a row's request is new (under speculative decoding the per-row count "
+        "of quantized tiles lives on the GPU and must be reset for a new or resumed request).",
+        how="Wrap prepare_attn / prepare_dummy_attn to hand the step's "
+        "InputBatch.idx_mapping_np (request-state rows, fixed for a request's life) and "
+        "num_draft_tokens_per_req to kvarn's builder before vLLM builds metadata; wrap "
+        "add_requests to report the rows (re)assigned this step.",
+        remove_when="vLLM >= 0.33: CommonAttentionMetadata.req_idx (the draft count and the "
+        "new-request signal would still be needed for speculative decoding).",
         scope="worker",
         apply=_install_step_hook,
+    ),
+    Patch(
+        name="draft-steps",
+        target="vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator."
+        "_build_draft_attn_metadata",
+        why="A drafter's decode steps 2..k (EAGLE, EAGLE-3, MTP) build metadata through the "
+        "same builder call as a target step; their single token per row is a draft that "
+        "must go to staging without committing anything, and kvarn cannot tell such a "
+        "build from a target decode step.",
+        how="Wrap the method so that builds inside it run in STEP.draft_steps(); kvarn's "
+        "builder then plans a staging write at seq_len - 1 per row and no tile.",
+        remove_when="vLLM passes a draft/verify flag (or per-row committed lengths) in "
+        "CommonAttentionMetadata (not in 0.33).",
+        scope="worker",
+        apply=_install_draft_hook,
     ),
 )
 

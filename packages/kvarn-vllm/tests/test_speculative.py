@@ -1,0 +1,245 @@
+"""Speculative decoding through kvarn's builder and a real vLLM Attention layer, on CPU.
+
+Verify steps of ``1 + k`` tokens with random rejections (the host lengths an optimistic upper
+bound, as under async scheduling; the plan comes from the device lengths), drafter decode
+steps inside ``STEP.draft_steps()``, and a new request in a reused request-state row. Each
+query's output is checked against kvarn-math's reference over the accepted tokens: tiles
+``[0, quantized_len)`` as records, the rest exact.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kvarn_vllm import metadata as md
+
+PRESET, G, HQ, HKV, D, K = "kvarn_k4v4_g64", 64, 2, 1, 64, 4
+MAX_BLOCKS = 4
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="runs the kvarn kernels on CPU tensors: needs TRITON_INTERPRET=1",
+)
+
+
+class SpecHarness:
+    """One kvarn layer and its builder with speculative decoding configured (k = 4)."""
+
+    def __init__(self, vllm_config_factory, monkeypatch):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        self.vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
+        self.vc.cache_config.block_size = G
+        # The builder and the layer read only these two fields of the speculative config.
+        object.__setattr__(
+            self.vc,
+            "speculative_config",
+            SimpleNamespace(method="eagle", num_speculative_tokens=K),
+        )
+        torch.set_default_dtype(torch.float16)
+        try:
+            with set_current_vllm_config(self.vc):
+                self.layer = Attention(
+                    num_heads=HQ,
+                    head_size=D,
+                    scale=D**-0.5,
+                    num_kv_heads=HKV,
+                    cache_config=self.vc.cache_config,
+                    prefix="model.layers.0.self_attn.attn",
+                )
+        finally:
+            torch.set_default_dtype(torch.float32)
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        spec = self.layer.get_kv_cache_spec(self.vc)
+        builder_cls = self.layer.attn_backend.get_builder_cls()
+        self.builder = builder_cls(spec, [self.layer.layer_name], self.vc, torch.device("cpu"))
+        shape = self.layer.attn_backend.get_kv_cache_shape(16, G, HKV, D)
+        self.kv_cache = torch.zeros(shape, dtype=torch.uint8)
+        self.block_table = torch.arange(16, dtype=torch.int32).reshape(4, MAX_BLOCKS).flip(1)
+        gen = torch.Generator().manual_seed(0)
+        self.rand = lambda *s: torch.randn(*s, generator=gen).to(torch.float16)
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> accepted K, V
+
+    def cam(self, slots, cached, num_new, upper_bound):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        num_new = np.asarray(num_new, dtype=np.int32)
+        seq = np.asarray(cached, dtype=np.int32) + num_new
+        qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl),
+            query_start_loc_cpu=torch.from_numpy(qsl),
+            seq_lens=torch.from_numpy(seq),
+            num_reqs=len(slots),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq.max()),
+            block_table_tensor=self.block_table[slots].contiguous(),
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            seq_lens_cpu_upper_bound=None
+            if upper_bound is None
+            else torch.from_numpy(seq + np.asarray(upper_bound, dtype=np.int32)),
+        )
+
+    def run(self, meta, reqs):
+        """reqs: (slot, num_cached, K/V rows of the step). Returns (q, out)."""
+        k = torch.cat([kv[0] for _, _, kv in reqs])
+        v = torch.cat([kv[1] for _, _, kv in reqs])
+        q = self.rand(k.shape[0], HQ, D)
+        out = torch.full((k.shape[0], HQ, D), float("nan"), dtype=torch.float16)
+        self.layer.impl.forward(self.layer, q, k, v, self.kv_cache, meta, output=out)
+        return q, out
+
+    def reference(self, slot, k, v, quantized, q_rows):
+        """kvarn-math over ``k``/``v``: tiles [0, quantized) as records, the rest exact."""
+        from kvarn_math import QuantizedSequence, quantize_sequence, reference_attention
+
+        kf, vf = k.float().numpy(), v.float().numpy()
+        records = quantize_sequence(kf[:quantized], vf[:quantized], PRESET).records
+        seq = QuantizedSequence(
+            records=records,
+            preset=records_preset(),
+            head_dim=D,
+            tail_k=kf[quantized:],
+            tail_v=vf[quantized:],
+        )
+        return torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
+
+
+def records_preset():
+    from kvarn_math import get_preset
+
+    return get_preset(PRESET)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def assert_matches(h, got, k, v, quantized, q, where):
+    """Close to the reference with tiles [0, quantized) as records; when there are records,
+    much closer to it than to exact attention (so the records, not exact K/V, were read).
+    The kernel quantizes the fp16-rounded rotated tokens, the reference the fp32 ones."""
+    want = h.reference(None, k, v, quantized, q)
+    if not quantized:
+        assert _rel(got, want) < 3e-3, where
+        return
+    exact = h.reference(None, k, v, 0, q)
+    assert _rel(got, want) < 0.02, where
+    assert _rel(got, want) < 0.5 * _rel(got, exact), where
+
+
+def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch):
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
+    slot = 2
+    rng = np.random.default_rng(1)
+    # Prompt: 61 tokens, committed (no drafts), a new request in its row.
+    k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
+    md.STEP.report_added([slot])
+    md.STEP.report_real(
+        SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
+    )
+    meta = h.builder.build(0, h.cam([slot], [0], [61], [0]))
+    h.run(meta, [(slot, 0, (k0, v0))])
+    h.kv[slot] = (k0, v0)
+    cached = 61
+    checked_quantized = set()
+    for step in range(14):
+        accepted = int(rng.choice([0, 0, 1, K, 2]))
+        real_k, real_v = h.rand(1 + K, HKV, D), h.rand(1 + K, HKV, D)
+        # The host only knows an upper bound (as if every earlier draft was accepted).
+        md.STEP.report_real(
+            SimpleNamespace(
+                num_reqs=1,
+                idx_mapping_np=np.array([slot]),
+                num_draft_tokens_per_req=np.array([K], dtype=np.int32),
+            )
+        )
+        meta = h.builder.build(0, h.cam([slot], [cached], [1 + K], [3 * step]))
+        assert meta.context is not None and meta.decode is None  # verify -> multi-query
+        q, out = h.run(meta, [(slot, cached, (real_k, real_v))])
+        quantized = int(meta.plan.quantized_lens[0])
+        # Committed: everything before the step plus its first (sampled) token.
+        assert quantized == (cached + 1) // G * G
+        checked_quantized.add(quantized)
+        ak, av = h.kv[slot]
+        step_k, step_v = torch.cat([ak, real_k]), torch.cat([av, real_v])
+        for j in range(1 + K):
+            pos = cached + j
+            assert_matches(
+                h,
+                out[j : j + 1],
+                step_k[: pos + 1],
+                step_v[: pos + 1],
+                quantized,
+                q[j : j + 1],
+                (step, j),
+            )
+        h.kv[slot] = (step_k[: cached + 1 + accepted], step_v[: cached + 1 + accepted])
+        cached += 1 + accepted
+        # A drafter decode step: one draft token per row at the next position.
+        dk, dv = h.rand(1, HKV, D), h.rand(1, HKV, D)
+        with md.STEP.draft_steps():
+            dmeta = h.builder.build(0, h.cam([slot], [cached], [1], None))
+        assert dmeta.plan is not None and (dmeta.plan.tiles == -1).all()
+        assert dmeta.plan.writes[0].tolist() == [0, slot, cached % (2 * G)]
+        assert int(dmeta.decode.quantized_lens[0]) == quantized  # drafts commit nothing
+        dq, dout = h.run(dmeta, [(slot, cached, (dk, dv))])
+        ak, av = h.kv[slot]
+        assert_matches(h, dout, torch.cat([ak, dk]), torch.cat([av, dv]), quantized, dq, step)
+        # The next verify step rewrites that position with the real token.
+    assert {0, 64} <= checked_quantized  # the walk crossed a tile boundary
+
+
+def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory, monkeypatch):
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    slot = 1
+
+    def build(cached, new, drafts, added):
+        if added:
+            md.STEP.report_added([slot])
+        md.STEP.report_real(
+            SimpleNamespace(
+                num_reqs=1,
+                idx_mapping_np=np.array([slot]),
+                num_draft_tokens_per_req=np.array([drafts], dtype=np.int32),
+            )
+        )
+        return h.builder.build(0, h.cam([slot], [cached], [new], [0]))
+
+    assert int(build(0, 130, 0, True).plan.quantized_lens[0]) == 128
+    # A new request takes the row with a 64-token prefix-cache hit: its quantized tiles are
+    # the hit, not the previous owner's 128 (nothing is re-quantized from staging).
+    meta = build(64, 5, 4, True)
+    assert int(meta.plan.quantized_lens[0]) == 64
+    assert (meta.plan.tiles == -1).all()
+    # The same request continues: state carried on the device.
+    meta = build(66, 5, 4, False)
+    assert int(meta.plan.quantized_lens[0]) == 64
+
+
+def test_ngram_is_refused_with_the_reason(vllm_config_factory, monkeypatch):
+    vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
+    object.__setattr__(
+        vc, "speculative_config", SimpleNamespace(method="ngram", num_speculative_tokens=4)
+    )
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    from kvarn_vllm.config import parse_kv_cache_dtype
+    from kvarn_vllm.spec import make_layer_spec
+
+    spec = make_layer_spec(
+        parse_kv_cache_dtype(PRESET),
+        block_size=G,
+        num_kv_heads=HKV,
+        head_size=D,
+        head_size_v=D,
+        sliding_window=None,
+    )
+    with pytest.raises(ValueError, match="V1 model runner"):
+        md.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
