@@ -3,12 +3,15 @@
 kvarn-eval bench                  accuracy on SmolLM2-135M (about ten minutes on 2 CPU cores)
 kvarn-eval bench --quick          a smoke run (a minute or two)
 kvarn-eval bench --suites all --methods kvarn,bf16 --items 200 --out results/
+kvarn-eval bench --suites throughput --gpu-models qwen3-8b --caches bf16@FLASH_ATTN,kvarn
+kvarn-eval report DIR [DIR ...]   tables and plots again, merging the GPU runs of several DIRs
 kvarn-eval list                   suites, methods and built-in models
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import sys
 import time
@@ -18,12 +21,15 @@ from typing import Any
 
 from kvarn_eval import __version__
 from kvarn_eval.models import BUILTIN_MODELS, DEFAULT_MODEL, MissingDependencyError
+from kvarn_eval.serving.options import ServingOptions
 from kvarn_eval.suites import (
     DEFAULT_SUITES,
     DEFAULT_TASK_METHODS,
     SUITES,
     BenchContext,
     BenchOptions,
+    Suite,
+    explicit_suite_names,
     resolve_suites,
 )
 
@@ -40,6 +46,165 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
+    defaults = ServingOptions()
+    gpu = bench.add_argument_group(
+        "GPU suites (kernels, throughput, capacity, vllm_greedy)",
+        "Each vLLM engine runs in its own process; a crash or timeout is recorded and the run "
+        "goes on. Per-run records land in OUT/runs/ as soon as each finishes.",
+    )
+    gpu.add_argument(
+        "--gpu-models",
+        default=",".join(defaults.gpu_models),
+        help="model shapes with dummy weights for throughput and capacity "
+        "(llama-3.1-8b, qwen3-8b, qwen3-32b; default all three)",
+    )
+    gpu.add_argument(
+        "--caches",
+        default=defaults.caches,
+        help="KV caches: DTYPE[@BACKEND] comma-separated, or 'default', 'kvarn', 'turboquant' "
+        "(default: bf16@FLASH_ATTN, bf16@TRITON_ATTN, fp8@TRITON_ATTN, every TurboQuant and "
+        "kvarn preset)",
+    )
+    gpu.add_argument(
+        "--prompt-lens",
+        type=_int_list,
+        default=defaults.prompt_lens,
+        help="prompt tokens of each throughput burst (default 4096,16384,32768)",
+    )
+    gpu.add_argument(
+        "--output-len", type=_positive, default=defaults.output_len, help="tokens out (1024)"
+    )
+    gpu.add_argument(
+        "--requests",
+        type=_positive,
+        default=None,
+        help="requests per burst (default: as many as fill the cache, up to --max-num-seqs)",
+    )
+    gpu.add_argument(
+        "--fill",
+        type=_positive_float,
+        default=defaults.fill,
+        help="share of each KV cache a burst fills (default 1.0)",
+    )
+    gpu.add_argument("--max-num-seqs", type=_positive, default=defaults.max_num_seqs, help="(512)")
+    gpu.add_argument(
+        "--gpu-memory-utilization",
+        type=_positive_float,
+        default=defaults.gpu_memory_utilization,
+        help="(0.9)",
+    )
+    gpu.add_argument(
+        "--tensor-parallel-size", "--tp", type=_positive, default=1, help="GPUs per engine (1)"
+    )
+    gpu.add_argument("--eager", action="store_true", help="no CUDA graphs (capacity, throughput)")
+    gpu.add_argument(
+        "--run-timeout",
+        type=_positive_float,
+        default=defaults.run_timeout,
+        help=f"seconds before one engine run is killed ({defaults.run_timeout:.0f})",
+    )
+    gpu.add_argument(
+        "--max-seconds",
+        type=_positive_float,
+        default=None,
+        help="wall-clock budget of the whole bench: runs get what is left and are skipped "
+        "when too little is (e.g. 540 inside a 10-minute call)",
+    )
+    gpu.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="vLLM's engine core inside the worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+    )
+    gpu.add_argument(
+        "--greedy-model",
+        default=None,
+        help="model of vllm_greedy (default --model; a .gguf file is converted once)",
+    )
+    gpu.add_argument(
+        "--greedy-caches",
+        default=defaults.greedy_caches,
+        help=f"caches of vllm_greedy; the first bf16 one is the reference ({defaults.greedy_caches})",
+    )
+    gpu.add_argument(
+        "--vllm-greedy-prompts",
+        type=_positive,
+        default=defaults.greedy_prompts,
+        help=f"prompts of vllm_greedy ({defaults.greedy_prompts})",
+    )
+    gpu.add_argument(
+        "--vllm-greedy-tokens",
+        type=_positive,
+        default=defaults.greedy_tokens,
+        help=f"greedy tokens per prompt in vllm_greedy ({defaults.greedy_tokens})",
+    )
+    gpu.add_argument(
+        "--noise-max-num-seqs",
+        type=int,
+        default=defaults.greedy_noise_max_num_seqs,
+        help="vllm_greedy's noise run: the reference cache again with this max_num_seqs "
+        f"({defaults.greedy_noise_max_num_seqs}; 0 skips it)",
+    )
+    gpu.add_argument("--kernel-quick", action="store_true", help="kvarn_kernels.bench --quick")
+    gpu.add_argument(
+        "--kernel-presets",
+        default=defaults.kernel_presets,
+        help=f"presets of the kernel benchmark ({defaults.kernel_presets})",
+    )
+
+
+def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
+    """Validated :class:`ServingOptions` from parsed ``bench`` arguments.
+
+    Args:
+        args: the parsed ``bench`` arguments.
+    """
+    return ServingOptions(
+        gpu_models=tuple(m.strip() for m in args.gpu_models.split(",") if m.strip()),
+        caches=args.caches,
+        prompt_lens=tuple(args.prompt_lens),
+        output_len=args.output_len,
+        requests=args.requests,
+        fill=args.fill,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.eager,
+        run_timeout=args.run_timeout,
+        max_seconds=args.max_seconds,
+        engine_in_process=args.engine_in_process,
+        greedy_model=args.greedy_model,
+        greedy_caches=args.greedy_caches,
+        greedy_prompts=args.vllm_greedy_prompts,
+        greedy_tokens=args.vllm_greedy_tokens,
+        greedy_noise_max_num_seqs=args.noise_max_num_seqs,
+        kernel_quick=args.kernel_quick,
+        kernel_presets=args.kernel_presets,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +279,34 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"smoke run: {QUICK['num_chunks']} chunks of {QUICK['chunk_len']} tokens, "
         f"{QUICK['items']} items per task (explicit sizes still win)",
     )
-    bench.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
+    bench.add_argument("--no-plot", action="store_true", help="skip the matplotlib plots")
+    bench.add_argument(
+        "--greedy-prompts", type=_positive, default=8, help="prompts of the CPU greedy suite (8)"
+    )
+    bench.add_argument(
+        "--greedy-prompt-len",
+        type=_positive,
+        default=384,
+        help="tokens per prompt of the CPU greedy suite (384)",
+    )
+    bench.add_argument(
+        "--greedy-tokens",
+        type=_positive,
+        default=32,
+        help="greedy tokens per prompt in the CPU greedy suite (32)",
+    )
+    _add_gpu_arguments(bench)
+
+    report_parser = sub.add_parser(
+        "report",
+        help="tables, JSON and plots again from bench output folders (merging their GPU runs)",
+        description="Reads each DIR's results.json and the per-run records under DIR/runs/, "
+        "merges the GPU runs of all DIRs into one table per suite, prints the tables and "
+        "writes results.json, results.md and the plots into --out.",
+    )
+    report_parser.add_argument("dirs", nargs="+", help="bench output folders")
+    report_parser.add_argument("--out", default=None, help="output folder (default: the first DIR)")
+    report_parser.add_argument("--no-plot", action="store_true", help="skip the plots")
 
     sub.add_parser("list", help="list suites, methods and built-in models")
     return parser
@@ -142,6 +334,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         exact_first_block=not args.no_exact_first_block,
         text_file=args.text,
         threads=args.threads,
+        greedy_prompts=args.greedy_prompts,
+        greedy_prompt_len=args.greedy_prompt_len,
+        greedy_tokens=args.greedy_tokens,
+        serving=serving_options_from_args(args),
     )
 
 
@@ -170,6 +366,64 @@ def _list(console: Any) -> int:
     return 0
 
 
+def _ready_suites(args: argparse.Namespace, options: BenchOptions, console: Any) -> list[Suite]:
+    """The selected suites whose preflight passes; a suite named explicitly must pass."""
+    explicit = explicit_suite_names(args.suites)
+    ready = []
+    for suite in resolve_suites(args.suites):
+        if suite.preflight is not None:
+            try:
+                suite.preflight(options)
+            except (MissingDependencyError, ValueError) as exc:
+                if suite.name in explicit:
+                    raise
+                console.print(f"skipping suite {suite.name}: {exc}", markup=False)
+                continue
+        ready.append(suite)
+    if not ready:
+        raise ValueError(f"none of the suites selected by {args.suites!r} can run here")
+    return ready
+
+
+def _write_outputs(
+    out_dir: Path,
+    results: Sequence[dict[str, Any]],
+    console: Any,
+    title: str,
+    plot: bool,
+) -> None:
+    """Print the tables and draw the plots (accuracy.png, serving.png) into ``out_dir``."""
+    from kvarn_eval import report
+
+    report.print_tables(results, console)
+    if not plot:
+        return
+    try:
+        written = [
+            report.plot_results(results, out_dir / "accuracy.png", title),
+            report.plot_serving(results, out_dir / "serving.png", title),
+        ]
+    except ImportError as exc:
+        console.print(
+            f"no plots: {exc}; run 'kvarn-eval report {out_dir}' where matplotlib is installed",
+            markup=False,
+        )
+        return
+    for path in written:
+        if path is not None:
+            console.print(f"wrote {path}", markup=False)
+
+
+def _save(out_dir: Path, payload: dict[str, Any], results: Sequence[dict[str, Any]]) -> Path:
+    from kvarn_eval import report
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.md").write_text(
+        "\n\n".join(report.markdown_table(r) for r in results) + "\n"
+    )
+    return report.write_json(out_dir / "results.json", {**payload, "results": list(results)})
+
+
 def _bench(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import (
         BarColumn,
@@ -183,7 +437,7 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     from kvarn_eval import report
 
     options = options_from_args(args)
-    suites = resolve_suites(args.suites)
+    suites = _ready_suites(args, options, console)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe_model = Path(options.model).name or "model"
     out_dir = Path(args.out) if args.out else Path("kvarn-bench") / f"{safe_model}-{stamp}"
@@ -216,40 +470,45 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
 
         return advance
 
-    ctx = BenchContext(options=options, progress=factory)
-    started = time.perf_counter()
-    console.print(f"kvarn-eval bench: model {options.model}, suites {[s.name for s in suites]}")
-    with console.status("loading the model (a built-in GGUF is converted once, ~1 min)"):
-        lm = ctx.model
-    console.print(
-        f"model {lm.path}: {lm.num_layers} layers, {lm.num_kv_heads} KV heads, "
-        f"head_dim {lm.head_dim}"
-    )
     results: list[dict[str, Any]] = []
-    environment = report.environment_info()
+    started = time.perf_counter()
+    payload: dict[str, Any] = {
+        "model": {"name": options.model},
+        "options": dataclasses.asdict(options),
+        "environment": report.environment_info(),
+        "complete": False,
+        "suites": [s.name for s in suites],
+    }
 
-    def save() -> Path:
-        # written after every suite, so an interrupted run keeps what it finished
-        payload = {
-            "model": {
-                "name": options.model,
-                "path": lm.path,
-                "head_dim": lm.head_dim,
-                "num_kv_heads": lm.num_kv_heads,
-                "num_layers": lm.num_layers,
-            },
-            "options": vars(options),
-            "environment": environment,
-            "seconds": time.perf_counter() - started,
-            "complete": len(results) == len(suites),
-            "results": results,
-        }
-        (out_dir / "results.md").parent.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.md").write_text(
-            "\n\n".join(report.markdown_table(r) for r in results) + "\n"
+    def save(partial: dict[str, Any] | None = None) -> Path:
+        # after every suite and every GPU run, so an interrupted run keeps what it finished
+        done = results + ([partial] if partial is not None else [])
+        payload["seconds"] = time.perf_counter() - started
+        payload["complete"] = partial is None and len(results) == len(suites)
+        return _save(out_dir, payload, done)
+
+    ctx = BenchContext(
+        options=options,
+        progress=factory,
+        out_dir=out_dir,
+        echo=lambda line: console.print(line, markup=False, highlight=False),
+        checkpoint=save,
+    )
+    console.print(f"kvarn-eval bench: model {options.model}, suites {[s.name for s in suites]}")
+    if any(s.loads_model for s in suites):
+        with console.status("loading the model (a built-in GGUF is converted once, ~1 min)"):
+            lm = ctx.model
+        console.print(
+            f"model {lm.path}: {lm.num_layers} layers, {lm.num_kv_heads} KV heads, "
+            f"head_dim {lm.head_dim}"
         )
-        return report.write_json(out_dir / "results.json", payload)
-
+        payload["model"].update(
+            path=lm.path,
+            head_dim=lm.head_dim,
+            num_kv_heads=lm.num_kv_heads,
+            num_layers=lm.num_layers,
+        )
+    save()
     with progress:
         for suite in suites:
             suite_start = time.perf_counter()
@@ -257,14 +516,34 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
             result["seconds"] = time.perf_counter() - suite_start
             results.append(result)
             json_path = save()
-    report.print_tables(results, console)
-    console.print(f"wrote {json_path} and {out_dir / 'results.md'}")
-    if not args.no_plot:
-        title = f"{options.model}: KV-cache methods under pseudo-decode"
-        plot = report.plot_results(results, out_dir / "accuracy.png", title)
-        if plot is not None:
-            console.print(f"wrote {plot}")
+    console.print(f"wrote {json_path} and {out_dir / 'results.md'}", markup=False)
+    title = f"{options.model}: KV-cache methods"
+    _write_outputs(out_dir, results, console, title, not args.no_plot)
     console.print(f"total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _report(args: argparse.Namespace, console: Any) -> int:
+    from kvarn_eval.serving.collect import collect_results
+
+    dirs = [Path(d) for d in args.dirs]
+    for d in dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"no bench output folder {d}")
+    results, sources = collect_results(dirs)
+    if not results:
+        raise ValueError(f"no results.json or run records under {', '.join(map(str, dirs))}")
+    out_dir = Path(args.out) if args.out else dirs[0]
+    from kvarn_eval import report
+
+    payload = {
+        "merged_from": [str(d) for d in dirs],
+        "sources": sources,
+        "environment": report.environment_info(),
+    }
+    json_path = _save(out_dir, payload, results)
+    _write_outputs(out_dir, results, console, "kvarn-eval report", not args.no_plot)
+    console.print(f"wrote {json_path} and {out_dir / 'results.md'}", markup=False)
     return 0
 
 
@@ -281,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _list(console)
+        if args.command == "report":
+            return _report(args, console)
         return _bench(args, console)
     except (MissingDependencyError, FileNotFoundError, ValueError) as exc:
         console.print(f"[red]kvarn-eval {args.command}: {exc}[/]")

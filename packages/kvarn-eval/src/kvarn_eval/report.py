@@ -20,15 +20,26 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "FAMILY_COLORS",
     "environment_info",
     "git_sha",
     "markdown_table",
     "perplexity_table",
     "plot_results",
+    "plot_serving",
     "print_tables",
     "task_table",
     "write_json",
 ]
+
+# plot colours by KV-cache family (see kvarn_eval.serving.caches.CacheSpec.family)
+FAMILY_COLORS = {
+    "kvarn": "tab:red",
+    "bf16": "tab:blue",
+    "fp8": "tab:green",
+    "turboquant": "tab:purple",
+    "other": "tab:gray",
+}
 
 _VERSIONED = ("kvarn-math", "kvarn-eval", "numpy", "torch", "transformers", "vllm", "triton")
 
@@ -157,42 +168,56 @@ def _title(result: Mapping[str, Any]) -> str:
     )
 
 
-def _table_of(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    return perplexity_table(result) if "chunk_len" in result else task_table(result)
+_TEXT_COLUMNS = {"method", "model", "cache", "preset", "shape", "status"}
+
+
+def _tables_of(result: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """``(title, header, rows)`` of every table of a result.
+
+    Suites that build their own tables (GPU suites, greedy fidelity) store them under
+    ``tables``; perplexity and task results are formatted here.
+    """
+    if "tables" in result:
+        return [
+            (t["title"], list(t["header"]), [list(r) for r in t["rows"]]) for t in result["tables"]
+        ]
+    header, rows = perplexity_table(result) if "chunk_len" in result else task_table(result)
+    return [(_title(result), header, rows)]
 
 
 def markdown_table(result: Mapping[str, Any]) -> str:
-    """A titled GitHub-markdown table of one suite's result."""
-    header, rows = _table_of(result)
-    numeric = [i > 0 for i in range(len(header))]
-    lines = [
-        f"**{_title(result)}**",
-        "",
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join("---:" if n else "---" for n in numeric) + " |",
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    """The titled GitHub-markdown table(s) of one suite's result."""
+    blocks = []
+    for title, header, rows in _tables_of(result):
+        lines = [
+            f"**{title}**",
+            "",
+            "| " + " | ".join(header) + " |",
+            "| " + " | ".join("---" if h in _TEXT_COLUMNS else "---:" for h in header) + " |",
+        ]
+        lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+        blocks.append("\n".join(lines))
     for name, why in result.get("skipped", {}).items():
-        lines.append(f"\nskipped {name}: {why}")
-    return "\n".join(lines)
+        blocks.append(f"skipped {name}: {why}")
+    return "\n\n".join(blocks)
 
 
 def print_tables(results: Sequence[Mapping[str, Any]], console: Any | None = None) -> None:
-    """Print each suite's table on the terminal (rich)."""
+    """Print each suite's table(s) on the terminal (rich)."""
     from rich.console import Console
     from rich.table import Table
 
     out = console or Console()
     for result in results:
-        header, rows = _table_of(result)
-        table = Table(title=_title(result), title_justify="left")
-        for i, col in enumerate(header):
-            table.add_column(col, justify="right" if i else "left")
-        for row in rows:
-            table.add_row(*row)
-        out.print(table)
+        for title, header, rows in _tables_of(result):
+            table = Table(title=title, title_justify="left")
+            for _i, col in enumerate(header):
+                table.add_column(col, justify="left" if col in _TEXT_COLUMNS else "right")
+            for row in rows:
+                table.add_row(*row)
+            out.print(table)
         for name, why in result.get("skipped", {}).items():
-            out.print(f"[yellow]skipped {name}[/]: {why}")
+            out.print(f"[yellow]skipped {name}[/]: {why}", markup=True)
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
@@ -212,11 +237,25 @@ def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
     return path
 
 
-def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
-    """One panel per suite: perplexity change (%) or accuracy (%) against bits per element.
+def _is_accuracy(result: Mapping[str, Any]) -> bool:
+    if "points" in result:
+        return result.get("plot_file") == "accuracy" and bool(result["points"])
+    return "rows" in result and ("chunk_len" in result or "primary_metric" in result)
 
-    Returns ``path``, or ``None`` when there is nothing to plot.
+
+def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
+    """One panel per accuracy suite: perplexity change (%), accuracy (%) or greedy agreement (%)
+    against bits per element. Other results (throughput, capacity, kernels) are left out.
+
+    Args:
+        results: suite results (those that are not accuracy results are skipped).
+        path: the PNG to write.
+        title: the figure's title.
+
+    Returns:
+        ``path``, or ``None`` when there is nothing to plot.
     """
+    results = [r for r in results if _is_accuracy(r)]
     if not results:
         return None
     import matplotlib
@@ -228,6 +267,9 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     nrows = -(-len(results) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
     for ax, result in zip(axes.flat, results, strict=False):
+        if "points" in result:
+            _plot_points(ax, result)
+            continue
         is_ppl = "chunk_len" in result
         for r in result["rows"]:
             x = r["bits_per_element"]
@@ -250,6 +292,74 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
         ax.set_title(result["suite"], fontsize=9)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(results) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def _plot_points(ax: Any, result: Mapping[str, Any]) -> None:
+    """A panel of labelled points (``result["points"]``: x, y, label, family)."""
+    for p in result["points"]:
+        color = FAMILY_COLORS.get(p.get("family", "other"), "tab:gray")
+        ax.plot(p["x"], p["y"], "o", color=color, markersize=4)
+        ax.annotate(
+            p["label"], (p["x"], p["y"]), fontsize=6, xytext=(3, 3), textcoords="offset points"
+        )
+    axes = result.get("axes", {})
+    ax.set_xscale(axes.get("xscale", "log"), base=2)
+    ax.set_xlabel(axes.get("xlabel", ""))
+    ax.set_ylabel(axes.get("ylabel", ""))
+    ax.set_title(axes.get("title", result.get("suite", "")), fontsize=9)
+    ax.grid(alpha=0.3)
+
+
+def plot_serving(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
+    """Throughput against KV capacity: one panel per model and prompt length, one point per cache.
+
+    Args:
+        results: suite results; only ``throughput`` results with measured rows are drawn.
+        path: the PNG to write.
+        title: the figure's title.
+
+    Returns:
+        ``path``, or ``None`` when there is nothing to plot.
+    """
+    panels: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    for result in results:
+        if result.get("kind") != "throughput":
+            continue
+        for row in result["rows"]:
+            if row.get("total_tok_per_s") and row.get("kv_cache_tokens"):
+                key = (f"{row['model']} tp{row['tensor_parallel_size']}", int(row["prompt_len"]))
+                panels.setdefault(key, []).append(row)
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(panels)
+    cols = min(3, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        for row in panels[key]:
+            x, y = row["kv_cache_tokens"] / 1e6, row["total_tok_per_s"]
+            ax.plot(x, y, "o", color=FAMILY_COLORS.get(row.get("family", "other"), "tab:gray"))
+            ax.annotate(row["cache"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("KV cache capacity (million tokens)")
+        ax.set_ylabel("burst throughput (prompt + output tokens/s)")
+        ax.set_title(f"{key[0]}, {key[1]}-token prompts", fontsize=9)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)

@@ -8,13 +8,16 @@ A suite is a name, a description, what it needs (a GPU or not) and a function fr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvarn_math.baselines import Method
 
 from kvarn_eval.models import DEFAULT_MODEL, LoadedModel, load_model
+from kvarn_eval.serving.options import ServingOptions
 
 __all__ = [
     "DEFAULT_SUITES",
@@ -22,6 +25,7 @@ __all__ = [
     "BenchContext",
     "BenchOptions",
     "Suite",
+    "explicit_suite_names",
     "register_suite",
     "resolve_suites",
 ]
@@ -47,6 +51,10 @@ class BenchOptions:
         exact_first_block: keep the first block exact (attention sink).
         text_file: perplexity text for the ``wikitext`` suite instead of WikiText-2.
         threads: torch CPU threads (``None``: torch's default).
+        greedy_prompts: prompts of the CPU ``greedy`` suite.
+        greedy_prompt_len: tokens per prompt of the CPU ``greedy`` suite.
+        greedy_tokens: greedy tokens generated per prompt (CPU ``greedy`` suite).
+        serving: options of the GPU suites.
     """
 
     model: str = DEFAULT_MODEL
@@ -61,6 +69,10 @@ class BenchOptions:
     exact_first_block: bool = True
     text_file: str | None = None
     threads: int | None = None
+    greedy_prompts: int = 8
+    greedy_prompt_len: int = 384
+    greedy_tokens: int = 32
+    serving: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
         for name in ("num_chunks", "items", "block_size"):
@@ -75,6 +87,14 @@ class BenchOptions:
             raise ValueError(f"min_context_tokens must be >= 0, got {self.min_context_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        for name in ("greedy_prompts", "greedy_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.greedy_prompt_len < 2 * self.block_size:
+            raise ValueError(
+                f"greedy_prompt_len must be at least two blocks ({2 * self.block_size} tokens) "
+                f"for generated tokens to read a quantized block, got {self.greedy_prompt_len}"
+            )
 
 
 ProgressFactory = Callable[[str, int], Callable[[str], None]]
@@ -82,13 +102,26 @@ ProgressFactory = Callable[[str, int], Callable[[str], None]]
 
 @dataclass
 class BenchContext:
-    """What suites share during one run: options, the loaded model, a progress factory.
+    """What suites share during one run.
 
-    ``progress(description, total)`` returns a callback to call after each step.
+    Attributes:
+        options: the run's options.
+        progress: ``progress(description, total)`` returns a callback to call after each step.
+        out_dir: the output folder (GPU suites keep per-run records under ``runs/``).
+        echo: prints one progress line (GPU suites' runs).
+        checkpoint: called with a suite's partial result while it runs, so that results on
+            disk stay current.
+        shared: state suites share (engine records, the time budget).
+        started: ``time.monotonic()`` when the run began (``--max-seconds`` counts from it).
     """
 
     options: BenchOptions
     progress: ProgressFactory = field(default=lambda description, total: lambda step: None)
+    out_dir: Path = field(default_factory=lambda: Path("kvarn-bench"))
+    echo: Callable[[str], None] = print
+    checkpoint: Callable[[dict[str, Any]], None] = field(default=lambda result: None)
+    shared: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
     _model: LoadedModel | None = None
 
     @property
@@ -120,12 +153,17 @@ class Suite:
         description: one line for ``--help`` and listings.
         run: the benchmark; returns a JSON-ready dict with a ``suite`` key.
         needs_gpu: only runs where CUDA is available.
+        loads_model: uses the transformers model of ``--model`` (loaded once, on CPU).
+        preflight: raises (``MissingDependencyError``, ``ValueError``) before anything runs
+            when the suite cannot run here, saying what to install or change.
     """
 
     name: str
     description: str
     run: Callable[[BenchContext], dict[str, Any]]
     needs_gpu: bool = False
+    loads_model: bool = True
+    preflight: Callable[[BenchOptions], None] | None = None
 
 
 SUITES: dict[str, Suite] = {}
@@ -158,6 +196,18 @@ def resolve_suites(spec: str | Sequence[str] | None) -> list[Suite]:
         ValueError: an unknown name, or a GPU suite on a machine without a GPU.
     """
     gpu = _gpu_available()
+    return _resolve(spec, gpu)
+
+
+def explicit_suite_names(spec: str | Sequence[str] | None) -> set[str]:
+    """The suite names ``spec`` lists one by one (not through ``default`` or ``all``)."""
+    if spec is None:
+        return set()
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    return {n for n in names if n and n not in ("default", "all")}
+
+
+def _resolve(spec: str | Sequence[str] | None, gpu: bool) -> list[Suite]:
     if spec is None:
         spec = "default"
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
@@ -302,3 +352,7 @@ for _task, _what in (
     ("piqa", "PIQA accuracy per character (log-likelihood over 2 solutions)"),
 ):
     register_suite(Suite(_task, _what, _task_runner(_task)))
+
+
+# The GPU suites register themselves on import (they import this module's names, so last).
+from kvarn_eval import gpu_suites as _gpu_suites  # noqa: E402, F401

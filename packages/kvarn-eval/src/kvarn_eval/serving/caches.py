@@ -1,0 +1,211 @@
+"""The KV caches a serving benchmark compares: a ``--kv-cache-dtype`` and, optionally, a backend.
+
+A cache is written ``DTYPE`` or ``DTYPE@BACKEND``: ``bf16@FLASH_ATTN`` is vLLM's default cache
+(``kv_cache_dtype="auto"``, bf16 for bf16 models) on FlashAttention, ``bf16@TRITON_ATTN`` the same
+cache on vLLM's Triton backend, ``fp8@TRITON_ATTN`` vLLM's fp8 cache, ``turboquant_4bit_nc`` a
+TurboQuant preset (vLLM picks its backend), ``kvarn_k4v2_g128`` a KVarN preset (the kvarn-vllm
+plugin picks its backend; naming one is an error). Names are checked here, without importing
+vLLM, against the values vLLM 0.26 accepts (a test compares with vLLM's own list).
+
+Bytes per token and KV head, for tables and plots, come from each format's definition: kvarn from
+kvarn-math's tile layout, TurboQuant from vLLM 0.26's ``TurboQuantConfig`` formula (K and V
+slots with their norms and scales, rounded up to even), whose first and last two layers vLLM keeps
+in bf16 (averaged in when the number of layers is known).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvarn_math.layout import PRESETS, tile_layout
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DEFAULT_CACHES",
+    "TURBOQUANT_PRESETS",
+    "VLLM_CACHE_DTYPES",
+    "CacheSpec",
+    "parse_cache",
+    "parse_caches",
+]
+
+# vLLM 0.26's vllm.config.cache.CacheDType, in its order
+VLLM_CACHE_DTYPES: tuple[str, ...] = (
+    "auto",
+    "float16",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    "int4_per_token_head",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "nvfp4",
+)
+# vLLM 0.26's TQ_PRESETS: (key bits, value bits); key bits 8 means fp8 keys
+TURBOQUANT_PRESETS: dict[str, tuple[int, int]] = {
+    "turboquant_k8v4": (8, 4),
+    "turboquant_4bit_nc": (4, 4),
+    "turboquant_k3v4_nc": (3, 4),
+    "turboquant_3bit_nc": (3, 3),
+}
+TURBOQUANT_BF16_BOUNDARY_LAYERS = 2  # at each end (TurboQuantConfig.get_boundary_skip_layers)
+# backends a bf16 or fp8 cache may be pinned to (vLLM's AttentionBackendEnum names)
+ATTENTION_BACKENDS: tuple[str, ...] = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
+_ALIASES = {"bf16": "auto", "fp16": "auto"}
+
+DEFAULT_CACHES: tuple[str, ...] = (
+    "bf16@FLASH_ATTN",
+    "bf16@TRITON_ATTN",
+    "fp8@TRITON_ATTN",
+    *TURBOQUANT_PRESETS,
+    *PRESETS,
+)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One KV cache configuration of vLLM.
+
+    Attributes:
+        label: what tables show (the text it was parsed from, normalized).
+        kv_cache_dtype: the value of vLLM's ``kv_cache_dtype``.
+        backend: attention backend name, or ``None`` to let vLLM (or the plugin) choose.
+    """
+
+    label: str
+    kv_cache_dtype: str
+    backend: str | None = None
+
+    @property
+    def family(self) -> str:
+        """``bf16``, ``fp8``, ``turboquant``, ``kvarn`` or ``other`` (plot colours, grouping)."""
+        dtype = self.kv_cache_dtype
+        if dtype in ("auto", "bfloat16", "float16"):
+            return "bf16"
+        if dtype.startswith("fp8"):
+            return "fp8"
+        if dtype.startswith("turboquant_"):
+            return "turboquant"
+        if dtype.startswith("kvarn_"):
+            return "kvarn"
+        return "other"
+
+    @property
+    def is_reference(self) -> bool:
+        """An unquantized (16-bit) cache."""
+        return self.family == "bf16"
+
+    def bytes_per_token_per_head(self, head_dim: int, num_layers: int | None = None) -> float:
+        """K plus V bytes per token and KV head, averaged over layers when ``num_layers`` is given.
+
+        Args:
+            head_dim: channels per head.
+            num_layers: decoder layers (TurboQuant keeps some in bf16); ``None``: quantized
+                layers only.
+
+        Returns:
+            ``nan`` for formats whose size is not modelled here.
+        """
+        dtype = self.kv_cache_dtype
+        bf16 = 2.0 * 2 * head_dim
+        if self.family == "bf16":
+            return bf16
+        if dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+            return 2.0 * head_dim
+        if dtype in TURBOQUANT_PRESETS:
+            key_bits, value_bits = TURBOQUANT_PRESETS[dtype]
+            key = head_dim if key_bits == 8 else math.ceil(head_dim * key_bits / 8) + 2
+            value = math.ceil(head_dim * value_bits / 8) + 4
+            slot = key + value + (key + value) % 2
+            if num_layers is None:
+                return float(slot)
+            kept = min(2 * TURBOQUANT_BF16_BOUNDARY_LAYERS, 2 * (num_layers // 2))
+            return ((num_layers - kept) * slot + kept * bf16) / num_layers
+        if dtype in PRESETS:
+            return float(tile_layout(dtype, head_dim).bytes_per_token_per_head)
+        return math.nan
+
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
+        """Stored bits per K or V element, scales included (see :meth:`bytes_per_token_per_head`).
+
+        Args:
+            head_dim: channels per head.
+            num_layers: decoder layers, or ``None``.
+        """
+        return 8 * self.bytes_per_token_per_head(head_dim, num_layers) / (2 * head_dim)
+
+    def llm_kwargs(self) -> dict[str, object]:
+        """The ``vllm.LLM`` keyword arguments selecting this cache."""
+        kwargs: dict[str, object] = {"kv_cache_dtype": self.kv_cache_dtype}
+        if self.backend is not None:
+            kwargs["attention_config"] = {"backend": self.backend}
+        return kwargs
+
+
+def parse_cache(text: str) -> CacheSpec:
+    """Parse ``DTYPE`` or ``DTYPE@BACKEND``.
+
+    Args:
+        text: e.g. ``bf16@FLASH_ATTN``, ``fp8``, ``turboquant_4bit_nc``, ``kvarn_k4v2_g128``.
+
+    Raises:
+        ValueError: an unknown dtype or backend, or a backend named for a kvarn or TurboQuant
+            cache (they bring their own).
+    """
+    name, _, backend = text.strip().partition("@")
+    dtype = _ALIASES.get(name, name)
+    known = (*VLLM_CACHE_DTYPES, *PRESETS)
+    if dtype not in known:
+        raise ValueError(
+            f"unknown KV cache {name!r}; expected bf16, one of vLLM 0.26's "
+            f"--kv-cache-dtype values ({', '.join(VLLM_CACHE_DTYPES)}) or a kvarn preset "
+            f"({', '.join(PRESETS)}), optionally followed by @BACKEND"
+        )
+    if backend:
+        backend = backend.upper()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {backend!r} in {text!r}; expected one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        if dtype in PRESETS or dtype in TURBOQUANT_PRESETS:
+            raise ValueError(
+                f"{text!r}: {dtype} chooses its own attention backend; drop '@{backend}'"
+            )
+    label = ("bf16" if dtype == "auto" else dtype) + (f"@{backend}" if backend else "")
+    return CacheSpec(label=label, kv_cache_dtype=dtype, backend=backend or None)
+
+
+def parse_caches(spec: str) -> list[CacheSpec]:
+    """Comma-separated caches; ``default`` (or ``all``) expands to :data:`DEFAULT_CACHES`,
+    ``kvarn`` to every kvarn preset, ``turboquant`` to every TurboQuant preset.
+
+    Args:
+        spec: e.g. ``bf16@FLASH_ATTN,kvarn`` or ``default``.
+
+    Raises:
+        ValueError: an unknown cache (see :func:`parse_cache`), or none selected.
+    """
+    groups = {
+        "default": DEFAULT_CACHES,
+        "all": DEFAULT_CACHES,
+        "kvarn": tuple(PRESETS),
+        "turboquant": tuple(TURBOQUANT_PRESETS),
+    }
+    chosen: list[CacheSpec] = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        for text in groups.get(item, (item,)):
+            cache = parse_cache(text)
+            if cache not in chosen:
+                chosen.append(cache)
+    if not chosen:
+        raise ValueError(f"no KV cache selected by {spec!r}")
+    return chosen

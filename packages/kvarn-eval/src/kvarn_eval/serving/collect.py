@@ -1,0 +1,119 @@
+"""Rebuild results from bench output folders (``kvarn-eval report``).
+
+A GPU call of ten minutes runs a few engines; a table of every cache and model takes several
+calls. Each call's folder keeps one record per engine run under ``runs/<suite>/`` (the worker's
+partial result, completed by the parent with status and log facts; the job's ``.spec.json``
+beside it). :func:`collect_results` merges the records of several folders into one capacity,
+throughput and vLLM-greedy result each, and keeps the other suites' results as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvarn_eval.serving.suites import capacity_result, greedy_result, throughput_result
+
+__all__ = ["collect_results", "load_records"]
+
+_REBUILT = ("capacity", "throughput", "vllm_greedy")
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def load_records(folder: Path) -> list[dict[str, Any]]:
+    """Every run record under ``folder/runs/`` (suites capacity, throughput, vllm_greedy).
+
+    A record the parent never completed (the bench itself was killed) is completed from its
+    ``.spec.json`` and marked ``interrupted``.
+
+    Args:
+        folder: a bench output folder.
+    """
+    records = []
+    for suite in _REBUILT:
+        for path in sorted((folder / "runs" / suite).glob("*.json")):
+            if path.name.endswith(".spec.json"):
+                continue
+            record = _read(path)
+            if record is None:
+                continue
+            if "suite" not in record:
+                spec = _read(path.with_name(path.name[: -len(".json")] + ".spec.json"))
+                if spec is None:
+                    continue
+                record = {
+                    **record,
+                    "suite": spec["suite"],
+                    "name": spec["name"],
+                    "cache": spec["cache"],
+                    "meta": spec.get("meta", {}),
+                    "workload": {k: v for k, v in spec["workload"].items() if k != "prompts"},
+                    "status": "ok" if record.get("complete") else "interrupted",
+                }
+            record["source"] = str(folder)
+            records.append(record)
+    return records
+
+
+def _merge(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (suite, name): a later one replaces an earlier one unless it is worse."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for record in records:
+        key = (record["suite"], record["name"])
+        old = merged.get(key)
+        if old is None or not (old.get("status") == "ok" and record.get("status") != "ok"):
+            merged[key] = record
+    return list(merged.values())
+
+
+def collect_results(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Results of every suite found in ``folders``, GPU run records merged.
+
+    Args:
+        folders: bench output folders.
+
+    Returns:
+        The results (other suites first, as stored; then capacity, throughput, vllm_greedy
+        rebuilt from the merged records) and the files they came from.
+    """
+    kept: list[dict[str, Any]] = []
+    settings: dict[str, dict[str, Any]] = {}
+    sources: list[str] = []
+    records: list[dict[str, Any]] = []
+    for folder in folders:
+        stored = _read(folder / "results.json")
+        if stored is not None:
+            sources.append(str(folder / "results.json"))
+            for result in stored.get("results", []):
+                if result.get("suite") in _REBUILT:
+                    settings.setdefault(result["suite"], result.get("settings", {}))
+                else:
+                    kept.append({**result, "source": str(folder)})
+        found = load_records(folder)
+        if found:
+            sources.append(str(folder / "runs"))
+        records += found
+    records = _merge(records)
+    by_suite = {s: [r for r in records if r["suite"] == s] for s in _REBUILT}
+    results = list(kept)
+    capacity = list(by_suite["capacity"])
+    names = {r["name"] for r in capacity}
+    capacity += [r for r in by_suite["throughput"] if r["name"] not in names]
+    if capacity:
+        results.append(
+            capacity_result(capacity, settings.get("capacity") or settings.get("throughput", {}))
+        )
+    if by_suite["throughput"]:
+        results.append(throughput_result(by_suite["throughput"], settings.get("throughput", {})))
+    if by_suite["vllm_greedy"]:
+        results.append(greedy_result(by_suite["vllm_greedy"], settings.get("vllm_greedy", {})))
+    return results, sources

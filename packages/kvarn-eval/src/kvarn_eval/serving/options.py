@@ -1,0 +1,110 @@
+"""Options of the GPU suites (capacity, throughput, greedy fidelity through vLLM, kernels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvarn_eval.serving.caches import parse_caches
+from kvarn_eval.serving.shapes import get_shape
+
+__all__ = ["ServingOptions"]
+
+
+@dataclass
+class ServingOptions:
+    """What the GPU suites were asked for (validated).
+
+    Attributes:
+        gpu_models: model shapes (dummy weights) of the capacity and throughput suites.
+        caches: KV caches of capacity and throughput (see ``parse_caches``).
+        prompt_lens: prompt tokens of each throughput burst.
+        output_len: generated tokens per request.
+        requests: a fixed number of requests per burst (``None``: fill the cache).
+        fill: share of the KV cache a burst fills when ``requests`` is ``None``.
+        max_num_seqs: vLLM's concurrency limit (kvarn allocates staging per slot).
+        gpu_memory_utilization: share of GPU memory vLLM may use (capacity, throughput).
+        tensor_parallel_size: GPUs per engine.
+        enforce_eager: no CUDA graphs in capacity and throughput runs.
+        run_timeout: seconds before one engine run is killed.
+        max_seconds: wall-clock budget of all GPU runs (``None``: unlimited).
+        engine_in_process: run vLLM's engine core inside the worker process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of its own process.
+        greedy_model: model of the vLLM greedy suite (``None``: the bench's ``--model``).
+        greedy_caches: caches of the vLLM greedy suite; the first bf16 one is the reference.
+        greedy_prompts: prompts of the fixed prompt set.
+        greedy_tokens: greedy tokens generated per prompt.
+        greedy_noise_max_num_seqs: the reference cache again with this concurrency limit
+            (other batch shapes, other rounding): the bf16-vs-bf16 noise floor (0: skip).
+        greedy_gpu_memory_utilization: memory share of the (small) greedy model's engines.
+        kernel_quick: the kernel microbenchmark's ``--quick`` grid.
+        kernel_presets: kvarn presets of the kernel microbenchmark (comma-separated).
+    """
+
+    gpu_models: tuple[str, ...] = ("llama-3.1-8b", "qwen3-8b", "qwen3-32b")
+    caches: str = "default"
+    prompt_lens: tuple[int, ...] = (4096, 16384, 32768)
+    output_len: int = 1024
+    requests: int | None = None
+    fill: float = 1.0
+    max_num_seqs: int = 512
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    run_timeout: float = 1800.0
+    max_seconds: float | None = None
+    engine_in_process: bool = False
+    greedy_model: str | None = None
+    greedy_caches: str = "bf16@TRITON_ATTN,fp8@TRITON_ATTN,turboquant,kvarn"
+    greedy_prompts: int = 100
+    greedy_tokens: int = 64
+    greedy_noise_max_num_seqs: int = 8
+    greedy_gpu_memory_utilization: float = 0.3
+    kernel_quick: bool = False
+    kernel_presets: str = "kvarn_k4v2_g128"
+
+    def __post_init__(self) -> None:
+        for name in self.gpu_models:
+            get_shape(name)
+        if not self.gpu_models:
+            raise ValueError("gpu_models must name at least one model shape")
+        parse_caches(self.caches)
+        parse_caches(self.greedy_caches)
+        if not self.prompt_lens or min(self.prompt_lens) < 1:
+            raise ValueError(f"prompt_lens must be positive, got {self.prompt_lens}")
+        for name in (
+            "output_len",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "greedy_prompts",
+            "greedy_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"requests must be >= 1, got {self.requests}")
+        if not 0.0 < self.fill <= 1.0:
+            raise ValueError(f"fill must be in (0, 1], got {self.fill}")
+        for name in ("gpu_memory_utilization", "greedy_gpu_memory_utilization"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.run_timeout <= 0:
+            raise ValueError(f"run_timeout must be > 0, got {self.run_timeout}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+        if self.greedy_noise_max_num_seqs < 0:
+            raise ValueError(
+                f"greedy_noise_max_num_seqs must be >= 0, got {self.greedy_noise_max_num_seqs}"
+            )
+        for shape_name in self.gpu_models:
+            limit = get_shape(shape_name).max_position_embeddings
+            if self.max_model_len > limit:
+                raise ValueError(
+                    f"prompt_lens {max(self.prompt_lens)} + output_len {self.output_len} (+16) exceed "
+                    f"{shape_name}'s {limit} positions"
+                )
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's ``max_model_len`` for capacity and throughput engines: the longest request
+        plus a margin of 16 tokens."""
+        return max(self.prompt_lens) + self.output_len + 16

@@ -1,0 +1,546 @@
+"""The GPU suites through vLLM: ``capacity``, ``throughput`` and ``vllm_greedy``.
+
+Each suite turns the options into :class:`~kvarn_eval.serving.runner.EngineJob` s (one engine
+per model shape and cache), runs them one by one in their own processes within the time
+budget, and builds its result from the run records alone (:func:`capacity_result`,
+:func:`throughput_result`, :func:`greedy_result`), so that ``kvarn-eval report`` can rebuild the
+same tables from the record files of several runs. A throughput run records the capacity of its
+engine too; ``capacity`` reuses it when both suites run with the same engine settings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvarn_eval.serving.caches import CacheSpec, parse_caches
+from kvarn_eval.serving.options import ServingOptions
+from kvarn_eval.serving.runner import Budget, EngineJob, run_job, skipped_record
+from kvarn_eval.serving.shapes import get_shape, write_model_dir
+
+__all__ = [
+    "capacity_result",
+    "check_vllm",
+    "greedy_jobs",
+    "greedy_result",
+    "serving_jobs",
+    "throughput_result",
+]
+
+VLLM_HINT = (
+    "the GPU suites run vLLM: install vllm==0.26.* and the kvarn plugin "
+    "(pip install -e packages/kvarn-vllm, or pip install kvarn-vllm)"
+)
+
+
+def check_vllm() -> None:
+    """Raise a ``MissingDependencyError`` naming what to install when vLLM or the plugin is absent."""
+    from kvarn_eval.models import MissingDependencyError
+
+    for module in ("vllm", "kvarn_vllm"):
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependencyError(f"the module {module!r} is missing; {VLLM_HINT}")
+
+
+def _cache_dict(cache: CacheSpec) -> dict[str, Any]:
+    return {"label": cache.label, "kv_cache_dtype": cache.kv_cache_dtype, "backend": cache.backend}
+
+
+def _env(opts: ServingOptions) -> dict[str, str]:
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if opts.engine_in_process else {}
+
+
+def serving_jobs(opts: ServingOptions, models_root: Path, kind: str) -> list[EngineJob]:
+    """One job per model shape and cache, for the ``capacity`` or ``throughput`` workload.
+
+    Both kinds build identical engines (same ``vllm.LLM`` arguments), so a capacity job can
+    reuse a throughput job's record.
+
+    Args:
+        opts: the GPU options.
+        models_root: where the shapes' ``config.json`` folders are written.
+        kind: ``capacity`` or ``throughput``.
+    """
+    if kind not in ("capacity", "throughput"):
+        raise ValueError(f"kind must be 'capacity' or 'throughput', got {kind!r}")
+    jobs = []
+    for shape_name in opts.gpu_models:
+        shape = get_shape(shape_name)
+        model_dir = write_model_dir(shape, models_root)
+        for cache in parse_caches(opts.caches):
+            llm_kwargs: dict[str, Any] = {
+                "model": str(model_dir),
+                "load_format": "dummy",
+                "skip_tokenizer_init": True,
+                "tensor_parallel_size": opts.tensor_parallel_size,
+                "gpu_memory_utilization": opts.gpu_memory_utilization,
+                "max_num_seqs": opts.max_num_seqs,
+                "max_model_len": opts.max_model_len,
+                "enforce_eager": opts.enforce_eager,
+                "seed": 0,
+                # RequestOutput.metrics (TTFT, TPOT) exists only with stats on
+                "disable_log_stats": False,
+                **cache.llm_kwargs(),
+            }
+            workload: dict[str, Any] = {"kind": kind, "vocab_size": shape.vocab_size}
+            if kind == "throughput":
+                workload.update(
+                    prompt_lens=list(opts.prompt_lens),
+                    output_len=opts.output_len,
+                    max_num_seqs=opts.max_num_seqs,
+                    fill=opts.fill,
+                    requests=opts.requests,
+                )
+            jobs.append(
+                EngineJob(
+                    suite=kind,
+                    name=f"{shape.name}/tp{opts.tensor_parallel_size}/{cache.label}",
+                    cache=_cache_dict(cache),
+                    llm_kwargs=llm_kwargs,
+                    workload=workload,
+                    meta={
+                        "model": shape.name,
+                        "tensor_parallel_size": opts.tensor_parallel_size,
+                        "head_dim": shape.head_dim,
+                        "num_layers": shape.num_layers,
+                        "num_kv_heads": shape.num_kv_heads,
+                        "max_num_seqs": opts.max_num_seqs,
+                        "gpu_memory_utilization": opts.gpu_memory_utilization,
+                    },
+                    env=_env(opts),
+                )
+            )
+    return jobs
+
+
+def _model_geometry(model_dir: str) -> tuple[int, int]:
+    """``(head_dim, num_layers)`` from a Hugging Face folder's ``config.json``."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(head_dim), int(config["num_hidden_layers"])
+
+
+def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
+    """Jobs of the ``vllm_greedy`` suite: the reference, the noise run, the compared caches.
+
+    The reference is the first bf16 cache of ``opts.greedy_caches`` (``bf16@TRITON_ATTN`` is
+    put first when there is none); the noise run is the reference cache again with
+    ``greedy_noise_max_num_seqs``.
+
+    Args:
+        opts: the GPU options.
+        model_dir: a Hugging Face folder with weights and tokenizer.
+    """
+    from kvarn_eval.fidelity import make_prompts
+    from kvarn_eval.serving.caches import parse_cache
+
+    caches = parse_caches(opts.greedy_caches)
+    reference = next((c for c in caches if c.is_reference), None)
+    if reference is None:
+        reference = parse_cache("bf16@TRITON_ATTN")
+        caches.insert(0, reference)
+    caches.remove(reference)
+    head_dim, num_layers = _model_geometry(model_dir)
+    prompts = make_prompts(opts.greedy_prompts)
+    base: dict[str, Any] = {
+        "model": model_dir,
+        "max_model_len": 2048,
+        "gpu_memory_utilization": opts.greedy_gpu_memory_utilization,
+        "enforce_eager": True,
+        "max_num_seqs": 128,
+        "seed": 0,
+    }
+    workload = {"kind": "greedy", "prompts": prompts, "max_tokens": opts.greedy_tokens}
+    meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
+    plan: list[tuple[str, CacheSpec, dict[str, Any], str]] = [
+        ("reference", reference, {}, reference.label)
+    ]
+    if opts.greedy_noise_max_num_seqs:
+        n = opts.greedy_noise_max_num_seqs
+        plan.append(("noise", reference, {"max_num_seqs": n}, f"{reference.label} seqs<={n}"))
+    plan += [("compare", c, {}, c.label) for c in caches]
+    return [
+        EngineJob(
+            suite="vllm_greedy",
+            name=f"greedy/{label}",
+            cache=_cache_dict(cache),
+            llm_kwargs={**base, **extra, **cache.llm_kwargs()},
+            workload=workload,
+            meta={**meta, "role": role, "label": label},
+            env=_env(opts),
+        )
+        for role, cache, extra, label in plan
+    ]
+
+
+def run_jobs(
+    jobs: Sequence[EngineJob],
+    workdir: Path,
+    opts: ServingOptions,
+    budget: Budget,
+    *,
+    reuse: dict[str, dict[str, Any]] | None = None,
+    echo: Any = print,
+    on_record: Any = None,
+) -> list[dict[str, Any]]:
+    """Run ``jobs`` in order within ``budget``; returns one record per job.
+
+    Args:
+        jobs: the jobs.
+        workdir: where spec, record and log files go.
+        opts: the GPU options (``run_timeout``).
+        budget: the shared time budget; jobs that do not get ``min_run_seconds`` are skipped.
+        reuse: records by engine key; a capacity job whose engine already ran reuses it, and
+            every finished record is added.
+        echo: progress lines.
+        on_record: called with the records so far after each job (partial results).
+    """
+    records: list[dict[str, Any]] = []
+    for index, job in enumerate(jobs, 1):
+        key = job.engine_key()
+        earlier = (reuse or {}).get(key)
+        if job.workload["kind"] == "capacity" and earlier and earlier.get("capacity"):
+            record = {
+                **earlier,
+                "suite": job.suite,
+                "name": job.name,
+                "reused_from": earlier["name"],
+            }
+            echo(f"[{index}/{len(jobs)}] {job.name}: capacity from {earlier['name']}")
+        else:
+            timeout = budget.timeout_for(opts.run_timeout)
+            if timeout is None:
+                record = skipped_record(job, "not started: time budget (--max-seconds) spent")
+                echo(f"[{index}/{len(jobs)}] {job.name}: skipped (time budget spent)")
+            else:
+                echo(f"[{index}/{len(jobs)}] {job.name}: starting (timeout {timeout:.0f} s)")
+                record = run_job(job, workdir, timeout, echo=echo)
+        if reuse is not None and record.get("capacity"):
+            reuse.setdefault(key, record)
+        records.append(record)
+        if on_record is not None:
+            on_record(records)
+    return records
+
+
+def _kv_tokens(record: dict[str, Any]) -> int | None:
+    capacity = record.get("capacity") or {}
+    return record.get("kv_cache_tokens_logged") or capacity.get("kv_cache_tokens_config")
+
+
+def _spec(record: dict[str, Any]) -> CacheSpec:
+    cache = record["cache"]
+    return CacheSpec(cache["label"], cache["kv_cache_dtype"], cache.get("backend"))
+
+
+def _group(record: dict[str, Any]) -> tuple[str, int]:
+    meta = record.get("meta", {})
+    return str(meta.get("model")), int(meta.get("tensor_parallel_size", 1))
+
+
+def _first_line(text: Any) -> str:
+    return str(text or "").strip().splitlines()[0][:200] if text else ""
+
+
+def _kvarn_problems(record: dict[str, Any], bf16_tokens: int | None) -> list[str]:
+    """Evidence that a kvarn run used the kvarn cache and not a silent fallback."""
+    spec = _spec(record)
+    if spec.family != "kvarn" or record.get("status") != "ok":
+        return []
+    from kvarn_math.layout import get_preset
+
+    problems = []
+    if record.get("staging_gib_logged") is None:
+        problems.append("no 'kvarn: staging' log line")
+    block = (record.get("capacity") or {}).get("block_size")
+    group = get_preset(spec.kv_cache_dtype).group_size
+    if block is not None and block != group:
+        problems.append(f"block size {block}, expected the tile {group}")
+    tokens = _kv_tokens(record)
+    if bf16_tokens and tokens is not None and tokens <= bf16_tokens:
+        problems.append(f"{tokens} KV tokens, not more than bf16's {bf16_tokens}")
+    return problems
+
+
+def _fmt(value: Any, spec: str = ",.0f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _bf16_tokens(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], int]:
+    """The first bf16 record's KV tokens per (model, tp): the capacity reference."""
+    found: dict[tuple[str, int], int] = {}
+    for r in records:
+        tokens = _kv_tokens(r)
+        if _spec(r).is_reference and tokens and _group(r) not in found:
+            found[_group(r)] = tokens
+    return found
+
+
+def capacity_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The ``capacity`` suite's result from its run records.
+
+    Args:
+        records: one per (model, cache).
+        settings: what the run was asked for (shown in the title, stored).
+    """
+    bf16 = _bf16_tokens(records)
+    rows = []
+    for r in records:
+        spec, meta = _spec(r), r.get("meta", {})
+        tokens = _kv_tokens(r)
+        reference = bf16.get(_group(r))
+        rows.append(
+            {
+                "model": meta.get("model"),
+                "tensor_parallel_size": meta.get("tensor_parallel_size"),
+                "cache": spec.label,
+                "family": spec.family,
+                "bytes_per_token_per_head": spec.bytes_per_token_per_head(
+                    meta["head_dim"], meta.get("num_layers")
+                ),
+                "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
+                "kv_cache_tokens": tokens,
+                "kv_cache_tokens_logged": r.get("kv_cache_tokens_logged"),
+                "kv_cache_tokens_config": (r.get("capacity") or {}).get("kv_cache_tokens_config"),
+                "vs_bf16": tokens / reference if tokens and reference else None,
+                "staging_gib": r.get("staging_gib_logged"),
+                "startup_s": r.get("startup_seconds"),
+                "status": r.get("status"),
+                "error": _first_line(r.get("error")),
+                "problems": _kvarn_problems(r, reference),
+            }
+        )
+    header = [
+        "model",
+        "cache",
+        "bits/elem",
+        "KV tokens",
+        "vs bf16",
+        "staging GiB",
+        "start s",
+        "status",
+    ]
+    table_rows = [
+        [
+            f"{row['model']} tp{row['tensor_parallel_size']}",
+            row["cache"],
+            _fmt(row["bits_per_element"], ".2f"),
+            _fmt(row["kv_cache_tokens"]),
+            _fmt(row["vs_bf16"], ".2f"),
+            _fmt(row["staging_gib"], ".2f"),
+            _fmt(row["startup_s"], ".0f"),
+            _status_text(row),
+        ]
+        for row in rows
+    ]
+    title = (
+        f"capacity: KV cache tokens, gpu_memory_utilization {settings.get('gpu_memory_utilization')}, "
+        f"max_num_seqs {settings.get('max_num_seqs')}, max_model_len {settings.get('max_model_len')}"
+    )
+    return {
+        "suite": "capacity",
+        "kind": "capacity",
+        "settings": settings,
+        "rows": rows,
+        "tables": [{"title": title, "header": header, "rows": table_rows}],
+    }
+
+
+def _status_text(row: dict[str, Any]) -> str:
+    text = str(row.get("status"))
+    if row.get("error") and row.get("status") != "ok":
+        text += f": {row['error'][:80]}"
+    if row.get("problems"):
+        text += " CHECK: " + "; ".join(row["problems"])
+    return text
+
+
+def throughput_result(
+    records: Sequence[dict[str, Any]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``throughput`` suite's result: one row per (model, cache, prompt length).
+
+    Ratios are against the first bf16 cache of the same model and prompt length.
+
+    Args:
+        records: one per (model, cache), each with its bursts.
+        settings: what the run was asked for.
+    """
+    bf16 = _bf16_tokens(records)
+    rows = []
+    for r in records:
+        spec, meta = _spec(r), r.get("meta", {})
+        tokens = _kv_tokens(r)
+        reference = bf16.get(_group(r))
+        bursts = r.get("bursts") or {}
+        lens = r.get("workload", {}).get("prompt_lens") or [int(k) for k in bursts]
+        for prompt_len in lens:
+            burst = bursts.get(str(prompt_len))
+            row = {
+                "model": meta.get("model"),
+                "tensor_parallel_size": meta.get("tensor_parallel_size"),
+                "cache": spec.label,
+                "family": spec.family,
+                "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
+                "prompt_len": int(prompt_len),
+                "output_len": r.get("workload", {}).get("output_len"),
+                "kv_cache_tokens": tokens,
+                "capacity_vs_bf16": tokens / reference if tokens and reference else None,
+                "status": "ok" if burst and "seconds" in burst else r.get("status"),
+                "error": _first_line((burst or {}).get("error") or r.get("error")),
+            }
+            if burst and "seconds" in burst:
+                row.update(burst)
+            elif r.get("status") == "ok":
+                row["status"] = "missing"
+            rows.append(row)
+    base: dict[tuple[str, int, int], float] = {}
+    for row in rows:
+        key = (row["model"], row["tensor_parallel_size"], row["prompt_len"])
+        if row["family"] == "bf16" and row.get("total_tok_per_s") and key not in base:
+            base[key] = row["total_tok_per_s"]
+    for row in rows:
+        ref = base.get((row["model"], row["tensor_parallel_size"], row["prompt_len"]))
+        row["throughput_vs_bf16"] = (
+            row["total_tok_per_s"] / ref if ref and row.get("total_tok_per_s") else None
+        )
+    header = [
+        "model", "prompt", "cache", "KV tokens", "x cap", "requests", "total tok/s",
+        "out tok/s", "x bf16", "TTFT p50 s", "TTFT p90 s", "TPOT p50 ms", "TPOT p90 ms", "status",
+    ]  # fmt: skip
+    table_rows = []
+    for row in rows:
+        tpot50, tpot90 = row.get("tpot_s_p50"), row.get("tpot_s_p90")
+        table_rows.append(
+            [
+                f"{row['model']} tp{row['tensor_parallel_size']}",
+                str(row["prompt_len"]),
+                row["cache"],
+                _fmt(row["kv_cache_tokens"]),
+                _fmt(row["capacity_vs_bf16"], ".2f"),
+                _fmt(row.get("requests"), "d"),
+                _fmt(row.get("total_tok_per_s")),
+                _fmt(row.get("output_tok_per_s")),
+                _fmt(row["throughput_vs_bf16"], ".2f"),
+                _fmt(row.get("ttft_s_p50"), ".2f"),
+                _fmt(row.get("ttft_s_p90"), ".2f"),
+                _fmt(None if tpot50 is None else 1e3 * tpot50, ".1f"),
+                _fmt(None if tpot90 is None else 1e3 * tpot90, ".1f"),
+                _status_text(row),
+            ]
+        )
+    title = (
+        f"throughput: bursts of random-token prompts, {settings.get('output_len')} tokens out "
+        f"(greedy, ignore_eos), requests {settings.get('requests') or 'filling ' + format(settings.get('fill', 1.0), '.0%') + ' of each cache'}, "
+        f"max_num_seqs {settings.get('max_num_seqs')}, "
+        f"{'eager' if settings.get('enforce_eager') else 'CUDA graphs'}; ratios vs the first bf16 cache"
+    )
+    return {
+        "suite": "throughput",
+        "kind": "throughput",
+        "settings": settings,
+        "rows": rows,
+        "tables": [{"title": title, "header": header, "rows": table_rows}],
+        "plot_file": "serving",
+    }
+
+
+def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The ``vllm_greedy`` suite's result: each run's greedy tokens against the reference's.
+
+    Args:
+        records: the reference (``meta.role == "reference"``), noise and compared runs.
+        settings: what the run was asked for.
+    """
+    from kvarn_eval.fidelity import compare_outputs
+
+    reference = next(
+        (r for r in records if r.get("meta", {}).get("role") == "reference" and r.get("outputs")),
+        None,
+    )
+    rows = []
+    for r in records:
+        spec, meta = _spec(r), r.get("meta", {})
+        row: dict[str, Any] = {
+            "method": meta.get("label", spec.label),
+            "cache": spec.label,
+            "family": spec.family,
+            "role": meta.get("role"),
+            "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
+            "kv_cache_tokens": _kv_tokens(r),
+            "status": r.get("status"),
+            "error": _first_line(r.get("error")),
+        }
+        if reference is not None and r.get("outputs") and r is not reference:
+            try:
+                row.update(compare_outputs(reference["outputs"], r["outputs"]))
+            except ValueError as exc:
+                row["error"] = str(exc)
+        rows.append(row)
+    header = [
+        "cache", "bits/elem", "token agree %", "exact %", "mean LCP", "first token %",
+        "KV tokens", "status",
+    ]  # fmt: skip
+    table_rows = [
+        [
+            row["method"] + (" (reference)" if row["role"] == "reference" else ""),
+            _fmt(row["bits_per_element"], ".2f"),
+            _fmt(_pct(row.get("token_agreement")), ".1f"),
+            _fmt(_pct(row.get("exact_match")), ".0f"),
+            _fmt(row.get("mean_lcp"), ".1f"),
+            _fmt(_pct(row.get("first_token_agreement")), ".0f"),
+            _fmt(row["kv_cache_tokens"]),
+            _status_text(row),
+        ]
+        for row in rows
+    ]
+    title = (
+        f"vllm_greedy: {settings.get('greedy_prompts')} prompts x {settings.get('greedy_tokens')} "
+        f"greedy tokens through vLLM, {settings.get('model')}; agreement with the reference"
+        + ("" if reference else " (NO REFERENCE RUN: nothing compared)")
+    )
+    return {
+        "suite": "vllm_greedy",
+        "kind": "greedy",
+        "settings": settings,
+        "reference": None if reference is None else reference.get("meta", {}).get("label"),
+        "rows": rows,
+        "tables": [{"title": title, "header": header, "rows": table_rows}],
+        "plot_file": "accuracy",
+        "points": [
+            {
+                "label": row["method"],
+                "family": row["family"],
+                "x": row["bits_per_element"],
+                "y": 100 * row["token_agreement"],
+            }
+            for row in rows
+            if row.get("token_agreement") is not None
+        ],
+        "axes": {
+            "xlabel": "bits per element (scales included, log scale)",
+            "ylabel": "greedy token agreement with the reference (%)",
+            "title": "vllm_greedy",
+        },
+    }
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def settings_of(opts: ServingOptions) -> dict[str, Any]:
+    """The options as stored in results (``max_model_len`` included).
+
+    Args:
+        opts: the GPU options.
+    """
+    return {**asdict(opts), "max_model_len": opts.max_model_len}

@@ -1,0 +1,80 @@
+"""A stand-in for vLLM's offline API (``LLM``, ``SamplingParams``) for the worker's CPU tests.
+
+It mimics what the worker reads from vLLM 0.26: ``llm.llm_engine.vllm_config.cache_config``
+(``num_gpu_blocks``, ``block_size``), the ``GPU KV cache size`` log line, kvarn's staging line,
+``RequestOutput`` with ``prompt_token_ids``, ``outputs[0].token_ids`` / ``text`` and ``metrics``
+(the fields of ``RequestStateStats``). Behaviour is steered by environment variables:
+``FAKE_VLLM_FAIL`` (raise at start-up), ``FAKE_VLLM_SLEEP`` (seconds per generate call after the
+first two), ``FAKE_VLLM_HANG_AT_EXIT`` (never exit after the worker is done).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+__version__ = "0.26.0-fake"
+CALLS: list[dict] = []
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class LLM:
+    def __init__(self, model, kv_cache_dtype="auto", **kwargs):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise RuntimeError("CUDA error: no kernel image is available (fake)")
+        if os.environ.get("FAKE_VLLM_HANG_AT_EXIT"):
+            atexit.register(lambda: time.sleep(3600))
+        self.kwargs = {"model": model, "kv_cache_dtype": kv_cache_dtype, **kwargs}
+        kvarn = kv_cache_dtype.startswith("kvarn_")
+        block = 128 if kvarn else 16
+        blocks = 3000 if kvarn else 1000 * 16 // 16 * 4
+        print(f"INFO [kv_cache_utils.py] GPU KV cache size: {blocks * block:,} tokens", flush=True)
+        if kvarn:
+            print(
+                "INFO kvarn: staging for open tiles: 8 slots x 128 tokens x 2 layers = 1.500 GiB",
+                flush=True,
+            )
+        cache = SimpleNamespace(num_gpu_blocks=blocks, block_size=block)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache))
+        self.calls = 0
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls += 1
+        if self.calls > 2:
+            time.sleep(float(os.environ.get("FAKE_VLLM_SLEEP", "0")))
+        outs = []
+        now = time.monotonic()
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, dict):
+                ids = list(prompt["prompt_token_ids"])
+            else:
+                ids = [ord(c) % 97 for c in prompt]
+            n = params.max_tokens
+            # greedy "model": tokens depend on the prompt and on the cache dtype for kvarn
+            shift = 1 if self.kwargs["kv_cache_dtype"].startswith("kvarn_") else 0
+            tokens = [(sum(ids) + t * (1 + shift * (t > n // 2))) % 50 for t in range(n)]
+            metrics = SimpleNamespace(
+                arrival_time=time.time(),
+                queued_ts=now,
+                scheduled_ts=now + 0.001,
+                first_token_ts=now + 0.01 * (i + 1),
+                last_token_ts=now + 0.01 * (i + 1) + 0.002 * (n - 1),
+                first_token_latency=0.01 * (i + 1),
+                num_generation_tokens=n,
+            )
+            outs.append(
+                SimpleNamespace(
+                    prompt_token_ids=ids,
+                    outputs=[SimpleNamespace(token_ids=tokens, text=f"text {i}")],
+                    metrics=metrics,
+                )
+            )
+        print(f"fake generate: {len(prompts)} prompts", file=sys.stderr, flush=True)
+        return outs

@@ -1,0 +1,632 @@
+"""GPU suites on the CPU: caches, shapes, request planning, timings, the isolated runner (real
+child processes), the worker against a stand-in vLLM, result tables and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kvarn_eval import cli
+from kvarn_eval.fidelity import compare_outputs, longest_common_prefix, make_prompts
+from kvarn_eval.serving import (
+    Budget,
+    EngineJob,
+    ServingOptions,
+    get_shape,
+    parse_cache,
+    parse_caches,
+    parse_log,
+    plan_requests,
+    random_token_prompts,
+    request_timing,
+    run_job,
+    summarize_burst,
+    write_model_dir,
+)
+from kvarn_eval.serving.caches import DEFAULT_CACHES, TURBOQUANT_PRESETS, VLLM_CACHE_DTYPES
+from kvarn_eval.serving.metrics import percentile
+from kvarn_eval.serving.suites import (
+    capacity_result,
+    greedy_jobs,
+    greedy_result,
+    run_jobs,
+    serving_jobs,
+    throughput_result,
+)
+
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm"
+
+
+# --- caches ------------------------------------------------------------------------------
+
+
+def test_parse_cache() -> None:
+    assert parse_cache("bf16@flash_attn") == parse_cache("auto@FLASH_ATTN")
+    spec = parse_cache("bf16@TRITON_ATTN")
+    assert (spec.label, spec.kv_cache_dtype, spec.backend) == (
+        "bf16@TRITON_ATTN",
+        "auto",
+        "TRITON_ATTN",
+    )
+    assert spec.llm_kwargs() == {
+        "kv_cache_dtype": "auto",
+        "attention_config": {"backend": "TRITON_ATTN"},
+    }
+    kvarn = parse_cache("kvarn_k4v2_g128")
+    assert kvarn.llm_kwargs() == {"kv_cache_dtype": "kvarn_k4v2_g128"} and kvarn.family == "kvarn"
+    assert parse_cache("turboquant_4bit_nc").family == "turboquant"
+    assert parse_cache("fp8").family == "fp8" and parse_cache("bf16").is_reference
+    with pytest.raises(ValueError, match="unknown KV cache 'int3'"):
+        parse_cache("int3")
+    with pytest.raises(ValueError, match="unknown attention backend 'WARP'"):
+        parse_cache("bf16@WARP")
+    with pytest.raises(ValueError, match="chooses its own attention backend"):
+        parse_cache("kvarn_k4v2_g128@TRITON_ATTN")
+    with pytest.raises(ValueError, match="chooses its own attention backend"):
+        parse_cache("turboquant_k8v4@FLASH_ATTN")
+
+
+def test_parse_caches_groups() -> None:
+    labels = [c.label for c in parse_caches("default")]
+    assert labels[:3] == ["bf16@FLASH_ATTN", "bf16@TRITON_ATTN", "fp8@TRITON_ATTN"]
+    assert len(labels) == len(DEFAULT_CACHES) == 3 + 4 + 6
+    assert [c.label for c in parse_caches("bf16,kvarn_k4v4_g64,bf16")] == ["bf16", "kvarn_k4v4_g64"]
+    assert [c.label for c in parse_caches("turboquant")] == list(TURBOQUANT_PRESETS)
+    with pytest.raises(ValueError, match="no KV cache selected"):
+        parse_caches(" , ")
+
+
+def test_cache_names_match_installed_vllm() -> None:
+    """The names are hard-coded (no vLLM import); they must be exactly vLLM 0.26's."""
+    pytest.importorskip("vllm")
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.model_executor.layers.quantization.turboquant.config import TQ_PRESETS
+
+    assert tuple(typing.get_args(CacheDType)) == VLLM_CACHE_DTYPES
+    assert {
+        name: (p["key_quant_bits"], p["value_quant_bits"]) for name, p in TQ_PRESETS.items()
+    } == TURBOQUANT_PRESETS
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cache_bytes(head_dim: int) -> None:
+    from kvarn_math.layout import tile_layout
+
+    assert parse_cache("bf16").bytes_per_token_per_head(head_dim) == 4 * head_dim
+    assert parse_cache("fp8@TRITON_ATTN").bits_per_element(head_dim) == 8
+    kvarn = parse_cache("kvarn_k4v2_g128")
+    assert (
+        kvarn.bytes_per_token_per_head(head_dim)
+        == tile_layout("kvarn_k4v2_g128", head_dim).bytes_per_token_per_head
+    )
+    try:
+        from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    except ImportError:
+        pytest.skip("vllm not installed")
+    for name in TURBOQUANT_PRESETS:
+        want = TurboQuantConfig.from_cache_dtype(name, head_dim).slot_size_aligned
+        assert parse_cache(name).bytes_per_token_per_head(head_dim) == want
+
+
+def test_turboquant_layer_average() -> None:
+    tq = parse_cache("turboquant_4bit_nc")
+    slot = tq.bytes_per_token_per_head(128)
+    assert slot == 66 + 68  # 4-bit keys + fp16 norm, 4-bit values + fp16 scale and zero
+    # vLLM keeps the first and last two layers in bf16
+    assert tq.bytes_per_token_per_head(128, num_layers=32) == pytest.approx(
+        (28 * slot + 4 * 512) / 32
+    )
+    assert tq.bytes_per_token_per_head(128, num_layers=3) == pytest.approx((1 * slot + 2 * 512) / 3)
+
+
+# --- shapes ------------------------------------------------------------------------------
+
+
+def _parameters(cfg: dict[str, Any]) -> float:
+    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d, q, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attention = h * q * d * 2 + h * kv * d * 2
+    return (2 * cfg["vocab_size"] * h + n * (attention + 3 * h * i)) / 1e9
+
+
+@pytest.mark.parametrize(
+    "name, billions", [("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19), ("qwen3-32b", 32.76)]
+)
+def test_shapes_have_the_published_sizes(name: str, billions: float, tmp_path: Path) -> None:
+    shape = get_shape(name)
+    assert _parameters(shape.config) == pytest.approx(billions, abs=0.01)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(write_model_dir(shape, tmp_path))
+    assert cfg.num_key_value_heads == 8 and cfg.head_dim == 128
+    assert cfg.num_hidden_layers == shape.num_layers
+    with pytest.raises(ValueError, match="unknown model shape 'gpt-5'"):
+        get_shape("gpt-5")
+
+
+# --- planning and metrics -------------------------------------------------------------------
+
+
+def test_plan_requests() -> None:
+    # 4096 + 1024 tokens = 40 blocks of 128 (exact); 200,000 tokens hold 39 such requests
+    assert plan_requests(200_000, 128, 4096, 1024, max_num_seqs=512) == 39
+    # 4096 + 1000 tokens round up to 40 blocks of 128 too
+    assert plan_requests(200_000, 128, 4096, 1000, max_num_seqs=512) == 39
+    assert plan_requests(200_000, 128, 4096, 1024, max_num_seqs=16) == 16
+    assert plan_requests(200_000, 128, 4096, 1024, max_num_seqs=512, fill=0.5) == 19
+    assert plan_requests(1_000, 16, 4096, 1024, max_num_seqs=512) == 0
+    assert plan_requests(1_000, 16, 4096, 1024, max_num_seqs=512, requests=7) == 7
+    with pytest.raises(ValueError, match="fill must be in"):
+        plan_requests(1_000, 16, 10, 10, max_num_seqs=4, fill=1.5)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        plan_requests(1_000, 0, 10, 10, max_num_seqs=4)
+
+
+def test_random_token_prompts() -> None:
+    prompts = random_token_prompts(3, 50, 128256, seed=4)
+    assert len(prompts) == 3 and all(len(p) == 50 for p in prompts)
+    assert prompts == random_token_prompts(3, 50, 128256, seed=4)
+    assert prompts != random_token_prompts(3, 50, 128256, seed=5)
+    assert all(1000 <= t < 128256 - 1000 and isinstance(t, int) for p in prompts for t in p)
+
+
+def test_request_timing_reads_vllm_fields() -> None:
+    metrics = SimpleNamespace(
+        first_token_latency=0.5, first_token_ts=10.0, last_token_ts=12.0, num_generation_tokens=5
+    )
+    assert request_timing(metrics) == {"ttft_s": 0.5, "tpot_s": 0.5}
+    assert request_timing(None) == {"ttft_s": None, "tpot_s": None}
+    single = SimpleNamespace(
+        first_token_latency=0.5, first_token_ts=10.0, last_token_ts=10.0, num_generation_tokens=1
+    )
+    assert request_timing(single)["tpot_s"] is None
+
+
+def test_request_timing_field_names_exist_in_vllm() -> None:
+    pytest.importorskip("vllm")
+    from vllm.outputs import RequestOutput
+    from vllm.v1.metrics.stats import RequestStateStats
+
+    stats = RequestStateStats(
+        num_generation_tokens=3, first_token_ts=1.0, last_token_ts=1.5, first_token_latency=0.2
+    )
+    assert request_timing(stats) == {"ttft_s": 0.2, "tpot_s": 0.25}
+    import inspect
+
+    assert "metrics" in inspect.signature(RequestOutput.__init__).parameters
+
+
+def test_llm_disables_stats_unless_asked() -> None:
+    """RequestOutput.metrics needs disable_log_stats=False: LLM sets True by default."""
+    pytest.importorskip("vllm")
+    import inspect
+
+    from vllm.entrypoints.llm import LLM
+
+    source = inspect.getsource(LLM.__init__)
+    assert 'kwargs["disable_log_stats"] = True' in source
+    job = serving_jobs(_options(caches="bf16"), Path("/tmp/kvarn-models-test"), "throughput")[0]
+    assert job.llm_kwargs["disable_log_stats"] is False
+
+
+def test_percentile_and_burst_summary() -> None:
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    assert percentile([], 50) is None
+    timings = [{"ttft_s": 1.0, "tpot_s": 0.01}, {"ttft_s": 3.0, "tpot_s": 0.03}]
+    s = summarize_burst([100, 100], [10, 10], timings, 2.0)
+    assert s["total_tok_per_s"] == 110 and s["output_tok_per_s"] == 10 and s["requests_per_s"] == 1
+    assert s["ttft_s_p50"] == 2.0 and s["tpot_s_mean"] == pytest.approx(0.02)
+    empty = summarize_burst([1], [1], [{"ttft_s": None, "tpot_s": None}], 1.0)
+    assert empty["ttft_s_p50"] is None and empty["timed_requests"] == 0
+    with pytest.raises(ValueError):
+        summarize_burst([1], [1], [], 0.0)
+
+
+def test_fidelity_metrics() -> None:
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    out = [[1, 2, 3, 4], [5, 0, 7, 8], [1, 9]]
+    c = compare_outputs(ref, out)
+    assert c["exact_match"] == pytest.approx(1 / 3) and c["median_lcp"] == 1
+    assert c["token_agreement"] == pytest.approx(8 / 10)
+    assert c["first_divergence"] == pytest.approx(0.5)
+    assert longest_common_prefix([1, 2], [1, 2, 3]) == 2
+    assert len(set(make_prompts(120))) == 120
+
+
+# --- the runner ------------------------------------------------------------------------------
+
+
+def _job(name: str = "t/job", **workload: Any) -> EngineJob:
+    return EngineJob(
+        suite="throughput",
+        name=name,
+        cache={"label": "bf16", "kv_cache_dtype": "auto", "backend": None},
+        llm_kwargs={"model": "/m", "kv_cache_dtype": "auto"},
+        workload={"kind": "throughput", **workload},
+        meta={"model": "m", "tensor_parallel_size": 1, "head_dim": 128, "num_layers": 2},
+    )
+
+
+def _script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+def test_parse_log() -> None:
+    text = (
+        "INFO GPU KV cache size: 1,234 tokens\nINFO GPU KV cache size: 891,872 tokens\n"
+        "INFO Maximum concurrency for 16,384 tokens per request: 54.44x\n"
+        "(Worker pid=3) INFO kvarn: staging for open tiles: 512 slots x 128 tokens x 32 layers "
+        "= 8.000 GiB, allocated at model build\n"
+    )
+    assert parse_log(text) == {
+        "kv_cache_tokens_logged": 891872,
+        "max_concurrency_logged": 54.44,
+        "staging_gib_logged": 8.0,
+    }
+    assert parse_log("") == {
+        "kv_cache_tokens_logged": None,
+        "max_concurrency_logged": None,
+        "staging_gib_logged": None,
+    }
+
+
+def test_kvarn_staging_line_is_parsed() -> None:
+    """The exact line kvarn-vllm logs."""
+    impl = pytest.importorskip("kvarn_vllm.impl")
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    saved = dict(impl._STAGING)
+    impl._STAGING.update(bytes=3 * 2**30, layers=2, slots=4, tokens=128, logged=False)
+    handler, log = Keep(), logging.getLogger("vllm.kvarn")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        impl.log_staging_once()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        impl._STAGING.clear()
+        impl._STAGING.update(saved)
+    assert parse_log("\n".join(records))["staging_gib_logged"] == pytest.approx(3.0)
+
+
+def test_run_job_ok_relays_progress_and_parses_log(tmp_path: Path) -> None:
+    cmd = _script(
+        tmp_path,
+        """
+        import json, sys
+        print("[kvarn-eval worker] engine up", flush=True)
+        print("GPU KV cache size: 4,096 tokens", flush=True)
+        spec = json.load(open(sys.argv[1]))
+        json.dump({"complete": True, "capacity": {"block_size": 16}, "echo": spec["name"]},
+                  open(sys.argv[2], "w"))
+        """,
+    )
+    lines: list[str] = []
+    job = _job()
+    workdir = tmp_path / "runs"
+    spec, result = workdir / "t_job.spec.json", workdir / "t_job.json"
+    record = run_job(job, workdir, 60, command=[*cmd, str(spec), str(result)], echo=lines.append)
+    assert record["status"] == "ok" and record["returncode"] == 0
+    assert record["echo"] == "t/job" and record["kv_cache_tokens_logged"] == 4096
+    assert record["cache"]["label"] == "bf16" and "model" not in record["settings"]
+    assert "engine up" in lines and lines[-1].startswith("[ok] t/job")
+    assert json.loads(result.read_text())["status"] == "ok"  # the merged record on disk
+
+
+def test_run_job_failure_is_a_record(tmp_path: Path) -> None:
+    cmd = _script(tmp_path, "raise RuntimeError('CUDA out of memory (fake)')\n")
+    record = run_job(_job(), tmp_path, 60, command=cmd, echo=None)
+    assert record["status"] == "failed" and record["returncode"] == 1
+    assert record["error"] == "RuntimeError: CUDA out of memory (fake)"
+    assert "Traceback" in record["log_tail"]
+
+
+def test_run_job_timeout_kills_the_group_and_keeps_partial(tmp_path: Path) -> None:
+    cmd = _script(
+        tmp_path,
+        """
+        import json, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(sys.argv[3], "w").write(str(child.pid))
+        json.dump({"complete": False, "bursts": {"4096": {"seconds": 1.0}}}, open(sys.argv[2], "w"))
+        time.sleep(600)
+        """,
+    )
+    pid_file = tmp_path / "grandchild.pid"
+    result = tmp_path / "runs" / "t_job.json"
+    start = time.monotonic()
+    record = run_job(
+        _job(), tmp_path / "runs", 3, command=[*cmd, "spec", str(result), str(pid_file)], echo=None
+    )
+    assert time.monotonic() - start < 40
+    assert record["status"] == "timeout" and "killed after 3 s" in record["error"]
+    assert record["bursts"] == {"4096": {"seconds": 1.0}}
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not _alive(grandchild)  # the engine's own children die with the group
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed process that nobody reaped yet is a zombie: not alive)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_run_job_hung_exit_after_completion_counts_as_ok(tmp_path: Path) -> None:
+    cmd = _script(
+        tmp_path,
+        """
+        import json, sys, time
+        json.dump({"complete": True}, open(sys.argv[1], "w"))
+        time.sleep(600)
+        """,
+    )
+    result = tmp_path / "t_job.json"
+    record = run_job(_job(), tmp_path, 60, command=[*cmd, str(result)], echo=None, exit_grace=1)
+    assert record["status"] == "ok" and record["returncode"] == -signal.SIGTERM
+
+
+def test_budget() -> None:
+    assert Budget().timeout_for(300) == 300
+    budget = Budget(max_seconds=100, reserve_seconds=10, min_run_seconds=30)
+    assert budget.timeout_for(1000) == pytest.approx(90, abs=1)
+    assert budget.timeout_for(20) is None  # less than min_run_seconds
+    spent = Budget(max_seconds=100, started=time.monotonic() - 80, min_run_seconds=30)
+    assert spent.timeout_for(1000) is None
+
+
+# --- the worker against a stand-in vLLM -----------------------------------------------------
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Worker processes import the stand-in ``vllm`` (first on PYTHONPATH)."""
+    path = os.pathsep.join([str(FAKE_VLLM), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    return FAKE_VLLM
+
+
+def _options(**kwargs: Any) -> ServingOptions:
+    base: dict[str, Any] = dict(
+        gpu_models=("llama-3.1-8b",),
+        caches="bf16@FLASH_ATTN,kvarn_k4v2_g128",
+        prompt_lens=(1024, 2048),
+        output_len=32,
+        max_num_seqs=64,
+    )
+    return ServingOptions(**{**base, **kwargs})
+
+
+def test_serving_jobs(tmp_path: Path) -> None:
+    opts = _options(
+        caches="bf16@FLASH_ATTN,fp8@TRITON_ATTN,kvarn_k4v2_g128", tensor_parallel_size=2
+    )
+    jobs = serving_jobs(opts, tmp_path, "throughput")
+    assert [j.name for j in jobs] == [
+        "llama-3.1-8b/tp2/bf16@FLASH_ATTN",
+        "llama-3.1-8b/tp2/fp8@TRITON_ATTN",
+        "llama-3.1-8b/tp2/kvarn_k4v2_g128",
+    ]
+    bf16, fp8, kvarn = (j.llm_kwargs for j in jobs)
+    assert (
+        bf16["attention_config"] == {"backend": "FLASH_ATTN"} and bf16["kv_cache_dtype"] == "auto"
+    )
+    assert fp8["kv_cache_dtype"] == "fp8" and "attention_config" not in kvarn
+    assert kvarn["load_format"] == "dummy" and kvarn["skip_tokenizer_init"] is True
+    assert kvarn["tensor_parallel_size"] == 2 and kvarn["max_model_len"] == 2048 + 32 + 16
+    assert (tmp_path / "llama-3.1-8b" / "config.json").is_file()
+    assert jobs[0].workload["prompt_lens"] == [1024, 2048]
+    capacity = serving_jobs(opts, tmp_path, "capacity")
+    assert [j.engine_key() for j in capacity] == [j.engine_key() for j in jobs]
+    in_process = serving_jobs(_options(engine_in_process=True), tmp_path, "capacity")
+    assert in_process[0].env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with pytest.raises(ValueError, match="exceed qwen3-8b's 40960 positions"):
+        _options(gpu_models=("qwen3-8b",), prompt_lens=(40920,))
+
+
+def test_worker_throughput_and_capacity(fake_vllm: Path, tmp_path: Path) -> None:
+    opts = _options()
+    jobs = serving_jobs(opts, tmp_path / "models", "throughput")
+    reuse: dict[str, dict[str, Any]] = {}
+    records = run_jobs(jobs, tmp_path / "runs", opts, Budget(), reuse=reuse, echo=lambda s: None)
+    bf16, kvarn = records
+    assert bf16["status"] == "ok", bf16.get("log_tail")
+    assert bf16["capacity"] == {
+        "num_gpu_blocks": 4000,
+        "block_size": 16,
+        "kv_cache_tokens_config": 64000,
+    }
+    assert kvarn["kv_cache_tokens_logged"] == 384000 and kvarn["staging_gib_logged"] == 1.5
+    # bf16: 64,000 tokens / (1024 + 32 -> 66 blocks of 16) = 60 requests; kvarn capped at 64
+    assert bf16["bursts"]["1024"]["requests"] == 60 and kvarn["bursts"]["1024"]["requests"] == 64
+    burst = kvarn["bursts"]["2048"]
+    assert burst["output_tokens"] == 64 * 32 and burst["prompt_tokens"] == 64 * 2048
+    assert burst["ttft_s_p50"] == pytest.approx(0.325) and burst["tpot_s_p50"] == pytest.approx(
+        0.002
+    )
+    # capacity jobs with the same engines reuse the throughput runs
+    lines: list[str] = []
+    cap_jobs = serving_jobs(opts, tmp_path / "models", "capacity")
+    caps = run_jobs(cap_jobs, tmp_path / "runs2", opts, Budget(), reuse=reuse, echo=lines.append)
+    assert [c["reused_from"] for c in caps] == [j.name for j in jobs]
+    assert not (tmp_path / "runs2").exists() and "capacity from" in lines[0]
+    table = capacity_result(caps, {"max_num_seqs": 64})
+    assert [r["vs_bf16"] for r in table["rows"]] == [1.0, 6.0]
+    assert table["rows"][1]["problems"] == []
+    result = throughput_result(records, {"output_len": 32})
+    rows = {(r["cache"], r["prompt_len"]): r for r in result["rows"]}
+    assert rows[("kvarn_k4v2_g128", 1024)]["capacity_vs_bf16"] == 6.0
+    assert rows[("bf16@FLASH_ATTN", 2048)]["throughput_vs_bf16"] == 1.0
+    assert rows[("kvarn_k4v2_g128", 2048)]["throughput_vs_bf16"] is not None
+
+
+def test_worker_failure_and_budget(
+    fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    opts = _options()
+    jobs = serving_jobs(opts, tmp_path / "models", "capacity")
+    budget = Budget(max_seconds=200, reserve_seconds=0, min_run_seconds=30)
+    failed = run_jobs(jobs[:1], tmp_path / "runs", opts, budget, echo=lambda s: None)[0]
+    assert failed["status"] == "failed"
+    assert failed["error"].startswith("RuntimeError: CUDA error: no kernel image")
+    assert "Traceback" in failed["traceback"]
+    budget.started -= 190  # nearly spent: the next run is not started
+    skipped = run_jobs(jobs[1:], tmp_path / "runs", opts, budget, echo=lambda s: None)[0]
+    assert skipped["status"] == "skipped" and "time budget" in skipped["error"]
+    rows = capacity_result([failed, skipped], {})["tables"][0]["rows"]
+    assert "failed: RuntimeError" in rows[0][-1] and "skipped" in rows[1][-1]
+
+
+def test_worker_timeout_keeps_finished_bursts(
+    fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_SLEEP", "60")  # the second burst never finishes
+    opts = _options(caches="bf16", run_timeout=8)
+    jobs = serving_jobs(opts, tmp_path / "models", "throughput")
+    record = run_jobs(
+        jobs, tmp_path / "runs", opts, Budget(min_run_seconds=1), echo=lambda s: None
+    )[0]
+    assert record["status"] == "timeout"
+    assert list(record["bursts"]) == ["1024"]
+    rows = throughput_result([record], {})["rows"]
+    assert [r["status"] for r in rows] == ["ok", "timeout"]
+
+
+def test_kvarn_checks_catch_a_silent_fallback() -> None:
+    def rec(label: str, tokens: int, block: int, staging: float | None) -> dict[str, Any]:
+        return {
+            "suite": "capacity",
+            "name": label,
+            "status": "ok",
+            "cache": {
+                "label": label,
+                "kv_cache_dtype": label.split("@")[0].replace("bf16", "auto"),
+                "backend": None,
+            },
+            "meta": {"model": "m", "tensor_parallel_size": 1, "head_dim": 128, "num_layers": 32},
+            "capacity": {"kv_cache_tokens_config": tokens, "block_size": block},
+            "staging_gib_logged": staging,
+        }
+
+    rows = capacity_result(
+        [rec("bf16", 1000, 16, None), rec("kvarn_k4v2_g128", 900, 16, None)], {}
+    )["rows"]
+    problems = rows[1]["problems"]
+    assert len(problems) == 3 and "block size 16" in problems[1] and "not more than" in problems[2]
+
+
+def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_hidden_layers": 30})
+    )
+    opts = _options(greedy_caches="kvarn_k4v2_g128,fp8", greedy_prompts=6, greedy_tokens=8)
+    jobs = greedy_jobs(opts, str(model))
+    assert [j.meta["role"] for j in jobs] == ["reference", "noise", "compare", "compare"]
+    assert jobs[0].cache["label"] == "bf16@TRITON_ATTN" and jobs[1].llm_kwargs["max_num_seqs"] == 8
+    assert jobs[0].meta["head_dim"] == 64 and jobs[0].llm_kwargs["enforce_eager"] is True
+    records = run_jobs(jobs, tmp_path / "runs", opts, Budget(), echo=lambda s: None)
+    assert all(r["status"] == "ok" for r in records), records[0].get("log_tail")
+    result = greedy_result(records, {"greedy_prompts": 6})
+    rows = {r["method"]: r for r in result["rows"]}
+    assert (
+        rows["bf16@TRITON_ATTN seqs<=8"]["token_agreement"] == 1.0
+    )  # the stand-in is deterministic
+    assert rows["fp8"]["exact_match"] == 1.0
+    # the stand-in's kvarn tokens change after the first half (LCP 5 of 8)
+    assert rows["kvarn_k4v2_g128"]["mean_lcp"] == 5 and rows["kvarn_k4v2_g128"]["exact_match"] == 0
+    assert rows["kvarn_k4v2_g128"]["bits_per_element"] == pytest.approx(57 * 8 / 128)
+    assert {p["label"] for p in result["points"]} == set(rows) - {"bf16@TRITON_ATTN"}
+    no_ref = greedy_result(records[1:], {})
+    assert "NO REFERENCE" in no_ref["tables"][0]["title"]
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def test_gpu_suite_on_a_cpu_machine_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: False)
+    assert cli.main(["bench", "--suites", "throughput", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_missing_vllm_explains_what_to_install(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvarn_eval import suites
+    from kvarn_eval.serving import suites as serving_suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    real = serving_suites.importlib.util.find_spec
+    monkeypatch.setattr(
+        serving_suites.importlib.util, "find_spec", lambda n: None if n == "vllm" else real(n)
+    )
+    assert cli.main(["bench", "--suites", "capacity", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "'vllm' is missing" in out and "vllm==0.26" in out
+
+
+def test_bench_and_report_end_to_end(
+    fake_vllm: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    common = ["--gpu-models", "llama-3.1-8b", "--prompt-lens", "1024,2048", "--output-len", "16"]
+    first, second = tmp_path / "a", tmp_path / "b"
+    argv = ["bench", "--suites", "throughput,capacity", "--caches", "bf16@FLASH_ATTN", *common]
+    assert cli.main([*argv, "--out", str(first), "--max-seconds", "600"]) == 0
+    argv2 = ["bench", "--suites", "throughput", "--caches", "kvarn_k4v2_g128", *common]
+    assert cli.main([*argv2, "--out", str(second)]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/1] llama-3.1-8b/tp1/kvarn_k4v2_g128: starting" in printed
+    assert "burst of 176 x 2048 tokens" in printed  # the worker's progress, relayed
+    payload = json.loads((first / "results.json").read_text())
+    assert payload["complete"] and [r["suite"] for r in payload["results"]] == [
+        "throughput",
+        "capacity",
+    ]
+    assert payload["options"]["serving"]["prompt_lens"] == [1024, 2048]
+    assert (first / "serving.png").stat().st_size > 0
+    assert "| llama-3.1-8b tp1 | 1024 | bf16@FLASH_ATTN |" in (first / "results.md").read_text()
+    merged = tmp_path / "merged"
+    assert cli.main(["report", str(first), str(second), "--out", str(merged)]) == 0
+    results = json.loads((merged / "results.json").read_text())["results"]
+    throughput = next(r for r in results if r["suite"] == "throughput")
+    caches = {(r["cache"], r["prompt_len"]): r for r in throughput["rows"]}
+    assert len(caches) == 4
+    assert caches[("kvarn_k4v2_g128", 1024)]["capacity_vs_bf16"] == 6.0  # across the two runs
+    assert (merged / "serving.png").stat().st_size > 0
+    assert cli.main(["report", str(tmp_path / "nothing")]) == 2
