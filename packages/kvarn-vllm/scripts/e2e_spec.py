@@ -1,0 +1,418 @@
+"""GPU end-to-end runs of speculative decoding over a KVarN cache (issue 6, items 2-4).
+
+Each engine starts in its own Python process (a crash, hang or CUDA error is recorded and the
+script carries on); results go to ``--out`` as JSON after every run.
+
+Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
+
+* ``agreement`` (real SmolLM2 weights): greedy outputs without speculation and with n-gram
+  (prompt-lookup) speculation, for bf16, ``kvarn_k4v2_g128`` and ``kvarn_k4v4_g128``, over
+  prompts of repeated-but-varying text (prompt lookup proposes drafts that are then rejected).
+  vLLM 0.26 runs n-gram only on its V1 model runner and kvarn needs V2, so the kvarn n-gram
+  runs are expected to be refused at start-up; the refusal is recorded, not hidden. Acceptance
+  counts and generation time come from vLLM's own metrics (item 4 for bf16).
+* ``dummy`` (dummy weights, SmolLM2 shape): the same comparison with EAGLE speculation (a
+  one-layer EAGLE draft of the same shape, dummy weights too), which kvarn serves: almost every
+  draft is rejected. Greedy agreement spec vs no spec for bf16 and both kvarn presets, and
+  acceptance / throughput beside bf16.
+* ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode,
+  piecewise under speculation), prefix caching on, thousands of engine steps; checks every
+  sampled token's logprob is finite and nothing crashed.
+
+Usage (GPU machine)::
+
+    python packages/kvarn-vllm/scripts/e2e_spec.py --phase agreement --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-vllm/scripts/e2e_spec.py --phase dummy --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-vllm/scripts/e2e_spec.py --phase stress --model /tmp/smollm2-hf --out $OUT/spec
+
+``--model`` is a Hugging Face folder (config + weights + tokenizer); without it the SmolLM2
+GGUF is converted as ``e2e_smoke.py`` does (``--gguf`` or ``$KVARN_GPU_FILES``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_smoke import (
+    GGUF_NAME,
+    _free,
+    compare_outputs,
+    convert_gguf,
+    environment,
+)
+
+KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
+DTYPES = ("auto", *KVARN_PRESETS)
+
+_SUBJECTS = (
+    "the red fox",
+    "a small boat",
+    "the old clock",
+    "my neighbour's cat",
+    "the winter garden",
+    "a quiet library",
+    "the mountain road",
+    "the city market",
+    "an empty station",
+    "the river bridge",
+)
+_VERBS = ("watched", "crossed", "painted", "counted", "followed", "described", "remembered")
+_OBJECTS = ("the lanterns", "seven birds", "the last train", "a paper map", "the tall trees")
+
+
+def make_repetitive_prompts(n: int) -> list[str]:
+    """``n`` distinct prompts of repeated-but-varying text.
+
+    Each repeats one sentence pattern with a changing object and number, so the continuation
+    looks like the prompt (prompt lookup finds n-gram matches and proposes drafts) but the
+    next token usually differs from what the match predicts (the drafts get rejected).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    prompts = []
+    for i in range(n):
+        subject = _SUBJECTS[i % len(_SUBJECTS)]
+        verb = _VERBS[(i // len(_SUBJECTS)) % len(_VERBS)]
+        lines = [
+            f"Day {d + 1}: {subject} {verb} {_OBJECTS[(i + d) % len(_OBJECTS)]} "
+            f"{(i * 7 + d * 3) % 11 + 2} times."
+            for d in range(4 + i % 5)
+        ]
+        prompts.append(" ".join(lines) + f" Day {len(lines) + 1}: {subject}")
+    return prompts
+
+
+def spec_counters(metrics: list[Any]) -> dict[str, float]:
+    """Sum vLLM's ``vllm:spec_decode_*`` counters (``LLM.get_metrics()``) over engines."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        name = getattr(m, "name", "")
+        if name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            key = name.removeprefix("vllm:spec_decode_")
+            out[key] = out.get(key, 0.0) + float(m.value)
+    drafts, accepted = out.get("num_draft_tokens"), out.get("num_accepted_tokens")
+    if drafts:
+        out["acceptance_rate"] = round((accepted or 0.0) / drafts, 4)
+    if out.get("num_drafts"):
+        out["mean_accepted_per_draft"] = round((accepted or 0.0) / out["num_drafts"], 4)
+    return out
+
+
+def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any] | None:
+    """vLLM 0.26 ``speculative_config`` dict for ``method`` (None: no speculation)."""
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5,
+        }
+    if method == "eagle":
+        if draft is None:
+            raise ValueError("eagle needs a draft model folder")
+        return {"method": "eagle", "model": draft, "num_speculative_tokens": k}
+    raise ValueError(f"method must be none, ngram or eagle, got {method!r}")
+
+
+def eagle_draft_dir(model: Path, out: Path) -> Path:
+    """A one-layer EAGLE draft config of ``model``'s shape (for dummy weights only).
+
+    vLLM wraps a Llama config named as the draft in its EAGLEConfig (architecture
+    ``EagleLlamaForCausalLM``: embedding + fc + one decoder layer, lm_head shared).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine: start, generate greedily, read metrics, shut down (child process)."""
+    result: dict[str, Any] = {"name": spec["name"], "ok": False, "settings": spec["llm_kwargs"]}
+    start = time.time()
+    llm = None
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(**spec["llm_kwargs"])
+        cfg = llm.llm_engine.vllm_config
+        result["kv_cache_tokens"] = (cfg.cache_config.num_gpu_blocks or 0) * (
+            cfg.cache_config.block_size or 0
+        )
+        result["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
+        result["model_runner"] = "v2" if cfg.use_v2_model_runner else "v1"
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=spec["max_tokens"],
+            ignore_eos=True,
+            seed=0,
+            logprobs=1 if spec.get("logprobs") else None,
+        )
+        t0 = time.perf_counter()
+        outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+        result["generate_seconds"] = round(time.perf_counter() - t0, 3)
+        result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["output_tokens"] = sum(len(t) for t in result["outputs"])
+        result["tokens_per_second"] = round(
+            result["output_tokens"] / max(result["generate_seconds"], 1e-9), 1
+        )
+        if spec.get("logprobs"):
+            bad = 0
+            for o in outs:
+                for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or []):
+                    if tok not in lp or not math.isfinite(lp[tok].logprob):
+                        bad += 1
+            result["non_finite_logprobs"] = bad
+        try:
+            result["spec_decode"] = spec_counters(llm.get_metrics())
+        except Exception as exc:  # metrics are a bonus; never lose the outputs for them
+            result["spec_decode"] = {"error": repr(exc)}
+        result["ok"] = True
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    finally:
+        result["seconds"] = round(time.time() - start, 1)
+        if llm is not None:
+            _free(llm)
+    return result
+
+
+def run_isolated_engine(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+    """:func:`run_engine` in a fresh process; a crash or timeout becomes a recorded failure."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec["name"])
+    spec_path, result_path = workdir / f"{slug}.spec.json", workdir / f"{slug}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--internal-run", str(spec_path)]
+    cmd += ["--internal-result", str(result_path)]
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        tail = f"timed out after {timeout}s\n{str(exc.stdout or '')[-2000:]}"
+        code = None
+    (workdir / f"{slug}.log").write_text(tail)
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+    else:
+        result = {
+            "name": spec["name"],
+            "ok": False,
+            "error": f"child process gave no result (exit {code}):\n{tail}",
+        }
+    status = "ok" if result.get("ok") else "FAILED"
+    print(f"[{status}] {spec['name']} {result.get('seconds', '?')}s", flush=True)
+    if result.get("error"):
+        print(result["error"].strip().splitlines()[-1][:400], flush=True)
+    return result
+
+
+def _public(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "outputs"}
+
+
+def _dump(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+
+
+def comparison_rows(runs: dict[str, dict[str, Any]], methods: tuple[str, ...]) -> dict[str, Any]:
+    """Per cache dtype: greedy agreement of each speculative run with the same dtype's
+    non-speculative run, plus acceptance and throughput beside it."""
+    rows: dict[str, Any] = {}
+    for dtype in DTYPES:
+        base = runs.get(f"{dtype}/none")
+        for method in methods:
+            run = runs.get(f"{dtype}/{method}")
+            if run is None:
+                continue
+            row: dict[str, Any] = {"ok": bool(run.get("ok"))}
+            if not run.get("ok"):
+                row["error"] = (run.get("error") or "").strip().splitlines()[:1]
+            elif base and base.get("ok"):
+                row["agreement_with_no_spec"] = compare_outputs(base["outputs"], run["outputs"])
+                row["tokens_per_second"] = run.get("tokens_per_second")
+                row["tokens_per_second_no_spec"] = base.get("tokens_per_second")
+                row["spec_decode"] = run.get("spec_decode")
+            rows[f"{dtype}/{method}"] = row
+    return rows
+
+
+def _phase(
+    args: argparse.Namespace,
+    out: Path,
+    phase: str,
+    model: Path,
+    methods: tuple[str, ...],
+    draft: Path | None,
+    base_kwargs: dict[str, Any],
+    prompts: list[str],
+    max_tokens: int,
+    logprobs: bool = False,
+    dtypes: tuple[str, ...] = DTYPES,
+    with_baseline: bool = True,
+) -> bool:
+    runs: dict[str, dict[str, Any]] = {}
+    path = out / f"spec_{phase}.json"
+    for dtype in dtypes:
+        for method in (("none",) if with_baseline else ()) + methods:
+            name = f"{dtype}/{method}"
+            kwargs = dict(base_kwargs)
+            kwargs.update(model=str(model), kv_cache_dtype=dtype, disable_log_stats=False)
+            sc = speculative_config(method, args.num_spec, None if draft is None else str(draft))
+            if sc is not None:
+                kwargs["speculative_config"] = sc
+            spec = {
+                "name": f"{phase}:{name}",
+                "llm_kwargs": kwargs,
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+                "logprobs": logprobs,
+            }
+            runs[name] = run_isolated_engine(spec, out / "runs", args.run_timeout)
+            _dump(
+                path,
+                {
+                    "phase": phase,
+                    "complete": False,
+                    "environment": environment(),
+                    "num_prompts": len(prompts),
+                    "max_tokens": max_tokens,
+                    "num_speculative_tokens": args.num_spec,
+                    "runs": {k: _public(v) for k, v in runs.items()},
+                    "comparison": comparison_rows(runs, methods),
+                },
+            )
+    payload = json.loads(path.read_text())
+    payload["complete"] = True
+    _dump(path, payload)
+    print(json.dumps(payload["comparison"], indent=2, default=str)[:6000], flush=True)
+    return all(r.get("ok") for r in runs.values())
+
+
+def _model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    gguf = (
+        Path(args.gguf) if args.gguf else Path(os.environ.get("KVARN_GPU_FILES", ".")) / GGUF_NAME
+    )
+    if not gguf.exists():
+        raise SystemExit(f"GGUF not found at {gguf}; pass --gguf or --model")
+    return convert_gguf(gguf, Path(args.converted_dir))
+
+
+def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
+    """Real weights; no speculation vs n-gram, for bf16 and the kvarn presets (item 2/4)."""
+    base = {
+        "enforce_eager": True,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": 2048,
+        "seed": 0,
+        "max_num_seqs": 128,
+    }
+    prompts = make_repetitive_prompts(args.num_prompts)
+    model = _model(args)
+    return _phase(args, out, "agreement", model, ("ngram",), None, base, prompts, args.max_tokens)
+
+
+def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
+    """Dummy weights; no speculation vs a dummy one-layer EAGLE draft (kvarn serves EAGLE)."""
+    model = _model(args)
+    draft = eagle_draft_dir(model, out / "eagle-draft")
+    base = {
+        "enforce_eager": True,
+        "load_format": "dummy",
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": 2048,
+        "seed": 0,
+        "max_num_seqs": 128,
+    }
+    prompts = make_repetitive_prompts(args.num_prompts)
+    return _phase(args, out, "dummy", model, ("eagle",), draft, base, prompts, args.max_tokens)
+
+
+def phase_stress(args: argparse.Namespace, out: Path) -> bool:
+    """Dummy target + dummy EAGLE draft, CUDA graphs, prefix caching, thousands of steps."""
+    model = _model(args)
+    draft = eagle_draft_dir(model, out / "eagle-draft")
+    base = {
+        "enforce_eager": False,
+        "enable_prefix_caching": True,
+        "load_format": "dummy",
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": 2048,
+        "seed": 0,
+        # Few concurrent sequences and long outputs: many steps, requests finishing and
+        # starting in reused request rows, prefix hits on the shared prompt starts.
+        "max_num_seqs": 16,
+    }
+    prompts = make_repetitive_prompts(args.stress_prompts)
+    # Steps >= stress_prompts / max_num_seqs * stress_tokens / (1 + accepted per step).
+    return _phase(
+        args,
+        out,
+        "stress",
+        model,
+        ("eagle",),
+        draft,
+        base,
+        prompts,
+        args.stress_tokens,
+        logprobs=True,
+        with_baseline=False,
+    )
+
+
+PHASES = {"agreement": phase_agreement, "dummy": phase_dummy, "stress": phase_stress}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase", choices=sorted(PHASES), default="agreement")
+    p.add_argument("--out", default="e2e-spec-out")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (SmolLM2-135M)")
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--converted-dir", default="/tmp/smollm2-hf")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-spec", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--stress-prompts", type=int, default=128)
+    p.add_argument("--stress-tokens", type=int, default=512)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--run-timeout", type=float, default=150.0, help="seconds per engine")
+    p.add_argument("--internal-run", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--internal-result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.internal_run:
+        spec = json.loads(Path(args.internal_run).read_text())
+        result = run_engine(spec)
+        Path(args.internal_result).write_text(json.dumps(result, default=str))
+        return 0 if result["ok"] else 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok = PHASES[args.phase](args, out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

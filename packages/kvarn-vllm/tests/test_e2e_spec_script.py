@@ -1,0 +1,106 @@
+"""The GPU end-to-end script for speculative decoding, checked on CPU (no engine started)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "e2e_spec.py"
+
+
+@pytest.fixture(scope="module")
+def spec_script():
+    sys.path.insert(0, str(SCRIPT.parent))
+    loader = importlib.util.spec_from_file_location("e2e_spec", SCRIPT)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def test_prompts_repeat_with_variation(spec_script):
+    prompts = spec_script.make_repetitive_prompts(120)
+    assert len(set(prompts)) == 120
+    first = prompts[0]
+    assert first.count("Day ") >= 5 and first.split(": ")[1].split(" ")[0] == "the"
+    with pytest.raises(ValueError):
+        spec_script.make_repetitive_prompts(0)
+
+
+def test_speculative_config_keys_exist_in_vllm(spec_script):
+    from vllm.config.speculative import SpeculativeConfig
+
+    fields = set(SpeculativeConfig.__dataclass_fields__)
+    for method in ("ngram", "eagle"):
+        cfg = spec_script.speculative_config(method, 4, "/draft")
+        assert set(cfg) <= fields, set(cfg) - fields
+        assert cfg["num_speculative_tokens"] == 4
+    assert spec_script.speculative_config("none", 4, None) is None
+    with pytest.raises(ValueError):
+        spec_script.speculative_config("eagle", 4, None)
+
+
+def test_engine_kwargs_exist_in_vllm(spec_script):
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = set(EngineArgs.__dataclass_fields__)
+    for name in (
+        "enforce_eager",
+        "enable_prefix_caching",
+        "load_format",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "seed",
+        "max_num_seqs",
+        "kv_cache_dtype",
+        "speculative_config",
+        "disable_log_stats",
+    ):
+        assert name in fields, name
+
+
+def test_spec_counters(spec_script):
+    metrics = [
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10),
+        SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=40),
+        SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=10),
+        SimpleNamespace(name="vllm:num_requests_running", value=3),
+    ]
+    got = spec_script.spec_counters(metrics)
+    assert got["acceptance_rate"] == 0.25 and got["mean_accepted_per_draft"] == 1.0
+    assert "requests_running" not in "".join(got)
+
+
+def test_comparison_rows_and_failures(spec_script):
+    runs = {
+        "auto/none": {"ok": True, "outputs": [[1, 2, 3]], "tokens_per_second": 10.0},
+        "auto/ngram": {
+            "ok": True,
+            "outputs": [[1, 2, 4]],
+            "tokens_per_second": 20.0,
+            "spec_decode": {"acceptance_rate": 0.5},
+        },
+        "kvarn_k4v2_g128/none": {"ok": True, "outputs": [[1, 2, 3]]},
+        "kvarn_k4v2_g128/ngram": {"ok": False, "error": "ValueError: refused\nmore"},
+    }
+    rows = spec_script.comparison_rows(runs, ("ngram",))
+    assert rows["auto/ngram"]["agreement_with_no_spec"]["exact_match"] == 0.0
+    assert rows["auto/ngram"]["spec_decode"]["acceptance_rate"] == 0.5
+    assert rows["kvarn_k4v2_g128/ngram"] == {"ok": False, "error": ["ValueError: refused"]}
+
+
+def test_eagle_draft_dir(spec_script, tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "x": 1}))
+    draft = spec_script.eagle_draft_dir(model, tmp_path / "d")
+    assert json.loads((draft / "config.json").read_text()) == {"num_hidden_layers": 1, "x": 1}
+
+
+def test_parse_args(spec_script):
+    args = spec_script.parse_args(["--phase", "stress", "--out", "x"])
+    assert args.phase == "stress" and args.num_spec == 4 and args.run_timeout == 150.0
