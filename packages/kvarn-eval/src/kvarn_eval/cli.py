@@ -487,12 +487,15 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         payload["complete"] = partial is None and len(results) == len(suites)
         return _save(out_dir, payload, done)
 
+    def checkpoint(partial: dict[str, Any]) -> None:
+        save(partial)
+
     ctx = BenchContext(
         options=options,
         progress=factory,
         out_dir=out_dir,
         echo=lambda line: console.print(line, markup=False, highlight=False),
-        checkpoint=save,
+        checkpoint=checkpoint,
     )
     console.print(f"kvarn-eval bench: model {options.model}, suites {[s.name for s in suites]}")
     if any(s.loads_model for s in suites):

@@ -143,7 +143,7 @@ def make_prompts(n: int) -> list[str]:
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    prompts = []
+    prompts: list[str] = []
     i = 0
     while len(prompts) < n:
         topic = _TOPICS[i % len(_TOPICS)]

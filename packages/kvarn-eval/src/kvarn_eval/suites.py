@@ -241,28 +241,36 @@ def leading_bos(tokenizer: Any) -> int | None:
     return int(bos) if ids and ids[0] == bos else None
 
 
-def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> dict[str, Any]:
-    from kvarn_eval.accuracy.perplexity import evaluate_perplexity
+def _text_chunks(tokenizer: Any, text: str, num_chunks: int, chunk_len: int) -> list[list[int]]:
+    """``num_chunks`` consecutive chunks of ``chunk_len`` tokens of ``text``.
+
+    Models trained with a BOS token (Gemma) expect it first: each chunk then starts with it
+    (input only, not scored) followed by ``chunk_len - 1`` text tokens.
+    """
     from kvarn_eval.data import chunk_tokens
 
-    opts = ctx.options
-    lm = ctx.model
-    methods, skipped = ctx.methods(opts.methods)
-    bos = leading_bos(lm.tokenizer)
-    text_len = opts.chunk_len - (bos is not None)
-    need = opts.num_chunks * text_len
+    bos = leading_bos(tokenizer)
+    text_len = chunk_len - (bos is not None)
+    need = num_chunks * text_len
     # tokenizing 1.3 MB takes seconds: tokenize a prefix that is long enough, growing if not
     ids: list[int] = []
     prefix = need * 8
     while True:
-        ids = list(lm.tokenizer(text[:prefix], add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(text[:prefix], add_special_tokens=False)["input_ids"])
         if len(ids) > need or prefix >= len(text):
             break
         prefix *= 2
-    chunks = chunk_tokens(ids, opts.num_chunks, text_len)
-    if bos is not None:
-        # models trained with a BOS token (Gemma) expect it first; it is input only, not scored
-        chunks = [[bos, *chunk] for chunk in chunks]
+    chunks = chunk_tokens(ids, num_chunks, text_len)
+    return chunks if bos is None else [[bos, *chunk] for chunk in chunks]
+
+
+def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> dict[str, Any]:
+    from kvarn_eval.accuracy.perplexity import evaluate_perplexity
+
+    opts = ctx.options
+    lm = ctx.model
+    methods, skipped = ctx.methods(opts.methods)
+    chunks = _text_chunks(lm.tokenizer, text, opts.num_chunks, opts.chunk_len)
     advance = ctx.progress(suite, len(chunks) * len(methods))
     result = evaluate_perplexity(
         lm.model,
@@ -286,6 +294,35 @@ def _wikitext(ctx: BenchContext) -> dict[str, Any]:
     text, source = find_wikitext(ctx.options.text_file)
     name = "wikitext" if ctx.options.text_file is None else "text"
     return _run_perplexity(ctx, name, text, source)
+
+
+def _greedy(ctx: BenchContext) -> dict[str, Any]:
+    from kvarn_eval.accuracy.greedy import evaluate_greedy, greedy_tables
+    from kvarn_eval.accuracy.methods import select_methods
+    from kvarn_eval.data import find_wikitext
+
+    opts = ctx.options
+    lm = ctx.model
+    methods, skipped = ctx.methods(opts.task_methods)
+    if "fp32" not in [m.name for m in methods]:
+        methods = [*select_methods("fp32", opts.block_size), *methods]
+    text, source = find_wikitext(opts.text_file)
+    prompts = _text_chunks(lm.tokenizer, text, opts.greedy_prompts, opts.greedy_prompt_len)
+    advance = ctx.progress("greedy", len(methods))
+    result = evaluate_greedy(
+        lm.model,
+        prompts,
+        methods,
+        head_dim=lm.head_dim,
+        new_tokens=opts.greedy_tokens,
+        reference=opts.reference,
+        block_size=opts.block_size,
+        exact_first_block=opts.exact_first_block,
+        source=source,
+        advance=advance,
+    )
+    result.skipped = skipped
+    return greedy_tables(result.to_dict())
 
 
 def _lambada_text(ctx: BenchContext) -> dict[str, Any]:
@@ -346,6 +383,14 @@ register_suite(
     )
 )
 register_suite(Suite("lambada_ppl", "perplexity, KL and top-1 on LAMBADA passages", _lambada_text))
+register_suite(
+    Suite(
+        "greedy",
+        "greedy-generation agreement with bf16 (token agreement, longest common prefix) on "
+        "WikiText-2 prompts, KV cache simulated (CPU)",
+        _greedy,
+    )
+)
 for _task, _what in (
     ("arc_easy", "ARC-Easy accuracy (log-likelihood over 4 choices)"),
     ("hellaswag", "HellaSwag accuracy per character (log-likelihood over 4 endings)"),

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from kvarn_math.baselines import Method
 
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+from kvarn_eval.accuracy.summary import MethodRows, mean_and_se
 
 __all__ = [
     "ChunkScores",
@@ -31,15 +31,6 @@ __all__ = [
     "evaluate_perplexity",
     "mean_and_se",
 ]
-
-
-def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (``nan`` error for fewer than two values)."""
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return math.nan, math.nan
-    se = float(arr.std(ddof=1) / math.sqrt(arr.size)) if arr.size > 1 else math.nan
-    return float(arr.mean()), se
 
 
 @dataclass(frozen=True)
@@ -127,8 +118,10 @@ class PerplexityRow:
 
 
 @dataclass
-class PerplexityResult:
+class PerplexityResult(MethodRows):
     """A perplexity suite's outcome, JSON-ready through :meth:`to_dict`."""
+
+    KIND = "perplexity"
 
     suite: str
     source: str
@@ -141,19 +134,6 @@ class PerplexityResult:
     rows: list[PerplexityRow]
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-data form for JSON."""
-        data = asdict(self)
-        data["kind"] = "perplexity"
-        return data
-
-    def row(self, method: str) -> PerplexityRow:
-        """The row of ``method``."""
-        for r in self.rows:
-            if r.method == method:
-                return r
-        raise KeyError(method)
 
 
 def _summarize(

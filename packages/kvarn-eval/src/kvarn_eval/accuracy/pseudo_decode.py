@@ -151,11 +151,14 @@ def pseudo_decode_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [B, H_q, T, D]``, ``key/value [B, H_kv, T, D]``.
+    """transformers attention function: ``query [B, H_q, T_q, D]``, ``key/value [B, H_kv, T, D]``.
 
-    Returns ``[B, T, H_q, D]`` like transformers' own functions. ``attention_mask`` is ignored:
-    inputs must be unpadded or right-padded (causality keeps right padding harmless). Runs
-    without a KV cache (``use_cache=False``): the whole sequence is in one pass.
+    Returns ``[B, T_q, H_q, D]`` like transformers' own functions. ``attention_mask`` is
+    ignored: inputs must be unpadded or right-padded (causality keeps right padding harmless).
+    Without a KV cache ``T_q == T`` (the whole sequence in one pass); with one (greedy
+    generation) the queries are the last ``T_q`` positions and the cache holds exact K/V, which
+    are quantized here as for the full sequence: each query reads its own block exact and the
+    complete blocks before it quantized, so cached decoding equals recomputing the sequence.
     """
     config = _ACTIVE.get()
     if config is None:
@@ -163,14 +166,12 @@ def pseudo_decode_attention(
             f"attention {ATTENTION_NAME!r} needs a configuration: run the model inside "
             "kvarn_eval.accuracy.pseudo_decode(PseudoDecodeConfig(...))"
         )
-    if key.shape[2] != query.shape[2]:
-        raise ValueError(
-            "pseudo-decode runs whole sequences without a KV cache (use_cache=False); got "
-            f"{query.shape[2]} queries against {key.shape[2]} keys"
-        )
+    q_len, seq_len = query.shape[2], key.shape[2]
+    if q_len > seq_len:
+        raise ValueError(f"got {q_len} queries against only {seq_len} keys")
     if kwargs.get("softcap") is not None:
         raise ValueError("pseudo-decode attention does not support attention logit soft-capping")
-    seq_len = query.shape[2]
+    offset = seq_len - q_len
     window = (
         sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     )
@@ -178,9 +179,9 @@ def pseudo_decode_attention(
     quantizes = config.method is not None and seq_len > config.block_size
     if not quantizes:
         pos = torch.arange(seq_len, device=query.device)
-        mask = pos[None, :] <= pos[:, None]
+        mask = pos[None, :] <= pos[offset:, None]
         if window is not None:
-            mask = mask & (pos[:, None] - pos[None, :] < window)
+            mask = mask & (pos[offset:, None] - pos[None, :] < window)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
         )
@@ -188,7 +189,7 @@ def pseudo_decode_attention(
         k_hat, v_hat = quantize_kv(key, value, config)
         mask = pseudo_decode_mask(
             seq_len, config.block_size, config.exact_first_block, window, query.device
-        )
+        )[offset:]
         out = F.scaled_dot_product_attention(
             query,
             torch.cat([k_hat.to(key.dtype), key], dim=2),

@@ -19,16 +19,16 @@ is far less noisy than the difference of two accuracies.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from kvarn_math.baselines import Method
 
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+from kvarn_eval.accuracy.summary import MethodRows, agreement, binomial_se
 from kvarn_eval.data import TaskItem
 
 __all__ = [
@@ -177,8 +177,11 @@ class TaskRow:
 
 
 @dataclass
-class TaskResult:
+class TaskResult(MethodRows):
     """A task suite's outcome, JSON-ready through :meth:`to_dict`."""
+
+    KIND_KEY = "kind_of_result"  # ``kind`` is a field (multiple_choice, last_word)
+    KIND = "task"
 
     suite: str
     kind: str
@@ -193,19 +196,6 @@ class TaskResult:
     rows: list[TaskRow]
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-data form for JSON."""
-        data = asdict(self)
-        data["kind_of_result"] = "task"
-        return data
-
-    def row(self, method: str) -> TaskRow:
-        """The row of ``method``."""
-        for r in self.rows:
-            if r.method == method:
-                return r
-        raise KeyError(method)
 
 
 PRIMARY_METRIC = {"arc_easy": "acc", "hellaswag": "acc_per_char", "piqa": "acc_per_char"}
@@ -264,8 +254,8 @@ def evaluate_task(
                 method=method.name,
                 bits_per_element=method.bits_per_element(head_dim),
                 accuracy=acc,
-                accuracy_se=math.sqrt(acc * (1 - acc) / len(items)),
-                agreement=sum(p == r for p, r in zip(preds, ref, strict=True)) / len(items),
+                accuracy_se=binomial_se(acc, len(items)),
+                agreement=agreement(preds, ref),
                 accuracy_raw=sum(p == g for p, g in zip(raw[method.name], golds, strict=True))
                 / len(items),
                 accuracy_per_char=sum(

@@ -156,8 +156,8 @@ def summarize_burst(
     """
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    ttft = [t["ttft_s"] for t in timings if t.get("ttft_s") is not None]
-    tpot = [t["tpot_s"] for t in timings if t.get("tpot_s") is not None]
+    ttft = [v for t in timings if (v := t.get("ttft_s")) is not None]
+    tpot = [v for t in timings if (v := t.get("tpot_s")) is not None]
     prompt_sum, output_sum = int(sum(prompt_tokens)), int(sum(output_tokens))
     summary: dict[str, Any] = {
         "requests": len(prompt_tokens),
