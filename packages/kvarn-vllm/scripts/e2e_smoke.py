@@ -61,150 +61,31 @@ MODE_VARIANTS: dict[str, dict[str, Any]] = {
     "batch1": {"max_num_seqs": 1},
 }
 
-LLAMA_8B_SHAPE: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
+# The reusable pieces live in kvarn-eval (it owns the benchmarks): the greedy-fidelity metrics,
+# the fixed prompt set and the model shapes.
+try:
+    from kvarn_eval.fidelity import (
+        SHARED_PREAMBLE,
+        compare_outputs,
+        longest_common_prefix,
+        make_prompts,
+    )
+    from kvarn_eval.serving.metrics import random_token_prompts
+    from kvarn_eval.serving.shapes import get_shape
+except ImportError as exc:  # pragma: no cover - a clear message instead of a bare traceback
+    raise SystemExit(
+        f"e2e_smoke.py needs kvarn-eval ({exc}): pip install -e packages/kvarn-eval "
+        "(or put packages/kvarn-eval/src on PYTHONPATH)"
+    ) from exc
 
-# --- pure helpers (unit-tested on CPU) ---------------------------------------------------
-
-
-def longest_common_prefix(a: list[int], b: list[int]) -> int:
-    """Tokens equal from the start until the first difference."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def compare_outputs(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
-    """Greedy-output agreement of ``other`` against ``reference`` (same prompts, same order).
-
-    Returns:
-        ``num_prompts``; ``exact_match`` (fraction of identical outputs); ``mean_lcp`` and
-        ``median_lcp`` (tokens); ``mean_lcp_fraction`` (LCP over the reference length);
-        ``token_agreement`` (equal tokens at equal positions over all reference tokens);
-        ``first_token_agreement`` (the token decided by the exact prefill alone);
-        ``first_divergence`` (mean position of the first difference, over diverging prompts).
-    """
-    if len(reference) != len(other):
-        raise ValueError(
-            f"need one output per prompt in both runs, got {len(reference)} and {len(other)}"
-        )
-    if not reference:
-        raise ValueError("no outputs to compare")
-    lcps, fracs, same, total, exact, diverged = [], [], 0, 0, 0, []
-    first = sum(1 for ref, out in zip(reference, other) if ref[:1] == out[:1])
-    for ref, out in zip(reference, other):
-        lcp = longest_common_prefix(ref, out)
-        lcps.append(lcp)
-        fracs.append(lcp / len(ref) if ref else 1.0)
-        same += sum(1 for x, y in zip(ref, out) if x == y)
-        total += len(ref)
-        if ref == out:
-            exact += 1
-        else:
-            diverged.append(lcp)
-    ordered = sorted(lcps)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {
-        "num_prompts": len(reference),
-        "exact_match": exact / len(reference),
-        "mean_lcp": sum(lcps) / len(lcps),
-        "median_lcp": median,
-        "mean_lcp_fraction": sum(fracs) / len(fracs),
-        "token_agreement": same / total if total else 1.0,
-        "first_token_agreement": first / len(reference),
-        "first_divergence": sum(diverged) / len(diverged) if diverged else None,
-    }
-
-
-_TOPICS = [
-    "the water cycle",
-    "photosynthesis",
-    "the French Revolution",
-    "binary search",
-    "black holes",
-    "the immune system",
-    "supply and demand",
-    "plate tectonics",
-    "the Roman Empire",
-    "neural networks",
-    "climate change",
-    "the printing press",
-    "vaccines",
-    "prime numbers",
-    "the stock market",
-    "volcanoes",
-    "the Renaissance",
-    "electric cars",
-    "the human heart",
-    "compilers",
-    "honey bees",
-    "the Moon landing",
-    "recycling",
-    "jazz music",
-    "the Great Wall of China",
+LLAMA_8B_SHAPE: dict[str, Any] = get_shape("llama-3.1-8b").config
+__all__ = [
+    "SHARED_PREAMBLE",
+    "compare_outputs",
+    "longest_common_prefix",
+    "make_prompts",
+    "random_token_prompts",
 ]
-_TEMPLATES = [
-    "Explain {t} to a ten-year-old.",
-    "Write three short facts about {t}.",
-    "What is the most surprising thing about {t}? Answer in two sentences.",
-    "Give a one-paragraph history of {t}.",
-]
-SHARED_PREAMBLE = (
-    "You are a careful assistant who answers clearly and precisely. Keep answers short, "
-    "use plain words, avoid jargon unless it is explained, and prefer concrete examples "
-    "over abstract statements. If a question is ambiguous, state the most likely reading "
-    "and answer it. Never invent sources. Use complete sentences. When listing facts, "
-    "number them. When explaining a process, describe its steps in order. When comparing "
-    "things, say how they are alike before saying how they differ. Finish every answer "
-    "with a single sentence that sums it up. "
-) * 2
-
-
-def make_prompts(n: int) -> list[str]:
-    """``n`` distinct prompts; every other one starts with a shared ~300-token preamble,
-    so prefix caching has full tiles to reuse (and the prefix-cache mode pair means
-    something)."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    prompts = []
-    i = 0
-    while len(prompts) < n:
-        t = _TOPICS[i % len(_TOPICS)]
-        q = _TEMPLATES[(i // len(_TOPICS)) % len(_TEMPLATES)].format(t=t)
-        if i >= len(_TOPICS) * len(_TEMPLATES):
-            q = f"{q} (variant {i})"
-        prompts.append(SHARED_PREAMBLE + q if i % 2 else q)
-        i += 1
-    return prompts
-
 
 _KV_LINE = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
 _STAGING_LINE = re.compile(r"kvarn: staging for open tiles: .*?= ([\d.]+) GiB")
@@ -242,14 +123,6 @@ def llama_8b_config_dir(out: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(LLAMA_8B_SHAPE, indent=2))
     return path
-
-
-def random_token_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Token-id prompts for dummy-weight models (no tokenizer)."""
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(num)]
 
 
 @dataclass
