@@ -67,3 +67,26 @@ def test_real_smollm2_converts_and_predicts() -> None:
     with torch.inference_mode():
         next_id = int(lm.model(ids).logits[0, -1].argmax())
     assert lm.tokenizer.decode([next_id]).strip() == "Paris"
+
+
+def test_gguf_file_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_eval import models
+
+    gguf = tmp_path / "Some-Model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("KVARN_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(spec: object, out_dir: Path) -> Path:
+        calls.append(spec)
+        out_dir.mkdir(parents=True)
+        (out_dir / "kvarn-source.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    first = models.resolve_model_dir(str(gguf))
+    assert first == str(tmp_path / "cache" / "models" / "Some-Model.Q4_1")
+    assert models.resolve_model_dir(str(gguf)) == first
+    assert calls == [gguf.resolve()]
+    with pytest.raises(ValueError, match="neither a built-in"):
+        models.resolve_model_dir(str(tmp_path / "missing.gguf"))

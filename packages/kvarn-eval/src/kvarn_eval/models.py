@@ -161,8 +161,9 @@ def _require(module: str, pip: str) -> None:
         raise MissingDependencyError(f"this needs {module!r}; install it with: {pip}")
 
 
-def convert_gguf(spec: BuiltinModel, out_dir: Path) -> Path:
-    """Convert ``spec``'s GGUF into a Hugging Face folder ``out_dir`` (bf16 safetensors).
+def convert_gguf(spec: BuiltinModel | Path, out_dir: Path) -> Path:
+    """Convert ``spec``'s GGUF (or the GGUF file ``spec``) into a Hugging Face folder ``out_dir``
+    (bf16 safetensors).
 
     transformers 5 refuses to save a GGUF-loaded model directly, so the model is rebuilt from
     its config and the dequantized state dict copied in. The flat ``rope_theta`` is written
@@ -181,7 +182,8 @@ def convert_gguf(spec: BuiltinModel, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}-") as tmp:
         tmp_path = Path(tmp)
-        gguf_path = _locate_gguf(spec, tmp_path)
+        gguf_path = spec if isinstance(spec, Path) else _locate_gguf(spec, tmp_path)
+        name = gguf_path.stem if isinstance(spec, Path) else spec.name
         src_dir, gguf_name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_name)
         loaded = AutoModelForCausalLM.from_pretrained(
@@ -196,7 +198,7 @@ def convert_gguf(spec: BuiltinModel, out_dir: Path) -> Path:
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied or unexpected:
             raise RuntimeError(
-                f"GGUF conversion of {spec.name}: missing {sorted(missing)}, "
+                f"GGUF conversion of {name}: missing {sorted(missing)}, "
                 f"unexpected {sorted(unexpected)}"
             )
         stage = tmp_path / "model"
@@ -204,7 +206,14 @@ def convert_gguf(spec: BuiltinModel, out_dir: Path) -> Path:
         tokenizer.save_pretrained(stage)
         _write_flat_rope_theta(stage / "config.json")
         (stage / "kvarn-source.json").write_text(
-            json.dumps({"model": spec.name, "package": spec.package, "gguf": gguf_name}, indent=2)
+            json.dumps(
+                {
+                    "model": name,
+                    "package": None if isinstance(spec, Path) else spec.package,
+                    "gguf": str(gguf_path) if isinstance(spec, Path) else gguf_name,
+                },
+                indent=2,
+            )
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -221,10 +230,22 @@ def _write_flat_rope_theta(config_path: Path) -> None:
 
 
 def resolve_model_dir(name: str) -> str:
-    """Hugging Face folder (or hub name) for ``name``, converting a built-in GGUF once."""
+    """Hugging Face folder (or hub name) for ``name``, converting a built-in GGUF (or a
+    ``.gguf`` file) once.
+
+    Args:
+        name: a key of :data:`BUILTIN_MODELS`, a ``.gguf`` file, a Hugging Face folder, or a
+            hub name.
+    """
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
         path = Path(name).expanduser()
+        if path.suffix == ".gguf" and path.is_file():
+            # a GGUF file (the GPU machine receives SmolLM2's this way): converted once
+            out_dir = cache_dir() / "models" / path.stem
+            if not (out_dir / "kvarn-source.json").is_file():
+                convert_gguf(path.resolve(), out_dir)
+            return str(out_dir)
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ValueError(f"model folder {path} has no config.json")
