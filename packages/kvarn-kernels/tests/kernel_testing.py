@@ -36,6 +36,7 @@ class PagedBatch:
     quantized_lens: torch.Tensor
     staging_slots: torch.Tensor
     refs: list[QuantizedSequence]
+    sink_lens: torch.Tensor | None = None
 
 
 def build_paged(
@@ -46,12 +47,15 @@ def build_paged(
     staging_tiles: int = 1,
     uncommitted: list[int] | None = None,
     seed: int = 0,
+    sinks: list[bool] | None = None,
 ) -> PagedBatch:
     """Quantize sequences with kvarn-math, scatter records into random blocks, stage the tails.
 
     ``uncommitted[b]`` tokens at the end of sequence b are kept out of the tiles (as speculative
     tokens would be), so the staging may hold more than G tokens when ``staging_tiles`` is 2.
     The references returned hold exactly the records / tail the kernel will read.
+    ``sinks``: staging gets the G sink rows in front; ``sinks[b]`` keeps sequence b's first
+    tile exact there (its block is allocated but left unwritten: reading it would give NaN).
     """
     p = get_preset(preset)
     g = p.group_size
@@ -60,17 +64,21 @@ def build_paged(
     h = seqs[0][0].shape[1]
     lay = tile_layout(p, d)
     sg = staging_tiles * g
+    base = 0 if sinks is None else g
     refs = []
     tiles_needed = []
     for i, (k, v) in enumerate(seqs):
         hold = 0 if uncommitted is None else uncommitted[i]
         t = k.shape[0]
         n_tiles = (t - hold) // g
-        q = quantize_sequence(k[: n_tiles * g], v[: n_tiles * g], p)
+        keep = bool(sinks and sinks[i] and n_tiles > 0)
+        q = quantize_sequence(k[: n_tiles * g], v[: n_tiles * g], p, keep_first_tile=keep)
         tail_k, tail_v = k[n_tiles * g :], v[n_tiles * g :]
-        if tail_k.shape[0] > sg:
+        if t - max(n_tiles * g, base) > sg:
             raise ValueError("test setup: tail does not fit the staging")
-        refs.append(QuantizedSequence(p, d, q.records, tail_k.copy(), tail_v.copy()))
+        refs.append(
+            QuantizedSequence(p, d, q.records, tail_k.copy(), tail_v.copy(), q.first_k, q.first_v)
+        )
         tiles_needed.append(n_tiles)
     max_blocks = max(tiles_needed) + 2
     num_blocks = sum(tiles_needed) + 3
@@ -78,19 +86,28 @@ def build_paged(
     cache = unwritten_cache(num_blocks, h, lay.tile_bytes, "cpu")
     table = np.full((len(seqs), max_blocks), -1, dtype=np.int32)
     slots = rng.permutation(len(seqs) + 2)[: len(seqs)].astype(np.int32)
-    staging = nan_like_staging((len(seqs) + 2, 2, sg, h, d), dtype, "cpu")
+    staging = nan_like_staging((len(seqs) + 2, 2, base + sg, h, d), dtype, "cpu")
     used = 0
+
+    def row(p: int) -> int:
+        return p if p < base else base + (p - base) % sg
+
     for i, ref in enumerate(refs):
+        skip = 0 if ref.first_k is None else 1  # the sink's block stays unwritten
         for t in range(tiles_needed[i]):
             blk = int(perm[used])
             used += 1
             table[i, t] = blk
-            cache[blk] = torch.from_numpy(ref.records[t])
+            if t >= skip:
+                cache[blk] = torch.from_numpy(ref.records[t - skip])
+        staged: list[tuple[int, np.ndarray, np.ndarray]] = []
+        if ref.first_k is not None and ref.first_v is not None:
+            staged += [(j, ref.first_k[j], ref.first_v[j]) for j in range(g)]
         start = tiles_needed[i] * g
-        for j in range(ref.tail_k.shape[0]):
-            pos = (start + j) % sg
-            staging[slots[i], 0, pos] = torch.from_numpy(rotate(ref.tail_k[j], axis=-1)).to(dtype)
-            staging[slots[i], 1, pos] = torch.from_numpy(rotate(ref.tail_v[j], axis=-1)).to(dtype)
+        staged += [(start + j, ref.tail_k[j], ref.tail_v[j]) for j in range(ref.tail_k.shape[0])]
+        for pos, kj, vj in staged:
+            staging[slots[i], 0, row(pos)] = torch.from_numpy(rotate(kj, axis=-1)).to(dtype)
+            staging[slots[i], 1, row(pos)] = torch.from_numpy(rotate(vj, axis=-1)).to(dtype)
     seq_lens = np.array([k.shape[0] for k, _ in seqs], dtype=np.int32)
     qlens = np.array(tiles_needed, dtype=np.int32) * g
     return PagedBatch(
@@ -101,6 +118,11 @@ def build_paged(
         quantized_lens=torch.from_numpy(qlens).to(device),
         staging_slots=torch.from_numpy(slots).to(device),
         refs=refs,
+        sink_lens=None
+        if sinks is None
+        else torch.tensor(
+            [g if sinks[i] else 0 for i in range(len(seqs))], dtype=torch.int32, device=device
+        ),
     )
 
 
@@ -114,8 +136,16 @@ def staged_reference(ref: QuantizedSequence, dtype: torch.dtype) -> QuantizedSeq
         r = torch.from_numpy(rotate(x, axis=-1)).to(dtype).double().numpy()
         return unrotate(r, axis=-1).astype(np.float32)
 
+    first_k = None if ref.first_k is None else through(ref.first_k)
+    first_v = None if ref.first_v is None else through(ref.first_v)
     return QuantizedSequence(
-        ref.preset, ref.head_dim, ref.records, through(ref.tail_k), through(ref.tail_v)
+        ref.preset,
+        ref.head_dim,
+        ref.records,
+        through(ref.tail_k),
+        through(ref.tail_v),
+        first_k,
+        first_v,
     )
 
 

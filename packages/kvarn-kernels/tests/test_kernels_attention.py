@@ -44,6 +44,8 @@ def decode_cases(draw: st.DrawFn) -> dict[str, object]:
         "splits": draw(st.integers(1, 4)),
         "window": draw(st.one_of(st.none(), st.integers(1, 3 * g))),
         "seed": draw(st.integers(0, 2**31)),
+        # Exact first tile in the sink rows of staging, per sequence (None: no sink rows).
+        "sinks": draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=3, max_size=3))),
     }
 
 
@@ -62,7 +64,7 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
     preset, d, h = case["preset"], case["head_dim"], case["num_kv_heads"]
     hq = h * case["group"]
     seqs = _sequences(case["lens"], h, d, case["seed"])
-    batch = build_paged(seqs, preset, dtype, "cpu", seed=case["seed"])
+    batch = build_paged(seqs, preset, dtype, "cpu", seed=case["seed"], sinks=case.get("sinks"))
     q = make_kv((len(seqs), hq, d), "gaussian", case["seed"] + 99)
     scale = 1.0 / np.sqrt(d)
     out = torch.full((len(seqs), hq, d), float("nan"), dtype=dtype)
@@ -79,6 +81,7 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
         sliding_window=case["window"],
         out=out,
         num_splits=case["splits"],
+        sink_lens=batch.sink_lens,
     )
     assert got.data_ptr() == out.data_ptr()
     q_in = torch.from_numpy(q).to(dtype).float().numpy()
@@ -112,6 +115,19 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
         "splits": 2,
         "window": 7,
         "seed": 1,
+    }
+)
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "group": 4,
+        "lens": [130, 64, 20],
+        "splits": 3,
+        "window": None,
+        "seed": 2,
+        "sinks": [True, True, True],
     }
 )
 def test_decode_matches_reference_fp32(case: dict[str, object]) -> None:
@@ -189,7 +205,14 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
         for x, t in zip(hold, case["lens"], strict=True)
     ]
     batch = build_paged(
-        seqs, preset, dtype, "cpu", staging_tiles=staging_tiles, uncommitted=hold, seed=case["seed"]
+        seqs,
+        preset,
+        dtype,
+        "cpu",
+        staging_tiles=staging_tiles,
+        uncommitted=hold,
+        seed=case["seed"],
+        sinks=case.get("sinks"),
     )
     nqs = case["num_q"]
     loc = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
@@ -212,6 +235,7 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
         out=out,
         max_query_len=max(nqs),
         num_splits=case["splits"],
+        sink_lens=batch.sink_lens,
     )
     q_in = torch.from_numpy(q).to(dtype).float().numpy()
     for b, ref in enumerate(batch.refs):

@@ -13,8 +13,13 @@ from kvarn_math.testing import assert_close_rms, make_kv
 pytestmark = pytest.mark.interpreter
 
 
-def test_prefill_then_decode_matches_reference() -> None:
-    """Two requests: chunked prefill, then decode steps across a tile boundary."""
+@pytest.mark.parametrize("sink", [False, True])
+def test_prefill_then_decode_matches_reference(sink: bool) -> None:
+    """Two requests: chunked prefill, then decode steps across a tile boundary.
+
+    With ``sink`` the first tile stays exact in the staging's sink rows (attention reads it
+    there) while its quantized record is still written, identical to the no-sink record.
+    """
     preset, d, h, hq = "kvarn_k4v2_g64", 64, 2, 4
     g = get_preset(preset).group_size
     lens = [g + 60, 30]
@@ -25,8 +30,9 @@ def test_prefill_then_decode_matches_reference() -> None:
     ]
     lay = kk.cache_shape(8, h, d, preset)
     cache = unwritten_cache(*lay, "cpu")
-    staging = nan_like_staging(kk.staging_shape(3, h, d, preset), torch.float32, "cpu")
+    staging = nan_like_staging(kk.staging_shape(3, h, d, preset, sink=sink), torch.float32, "cpu")
     table = np.array([[6, 2, 5], [0, 7, 3]], dtype=np.int32)
+    sink_lens = torch.tensor([g, g], dtype=torch.int32) if sink else None
     slots = [2, 0]
     bt = torch.from_numpy(table)
     cached = [0, 0]
@@ -38,7 +44,7 @@ def test_prefill_then_decode_matches_reference() -> None:
         vals = torch.cat(
             [torch.from_numpy(v[c : c + n]) for (_, v), c, n in zip(seqs, cached, new, strict=True)]
         )
-        plan = kk.plan_store(cached, new, None, slots, table, preset)
+        plan = kk.plan_store(cached, new, None, slots, table, preset, sink=sink)
         kk.store_kv(keys, vals, cache, staging, plan, preset)
         cached = [c + n for c, n in zip(cached, new, strict=True)]
         if new == [1, 1]:
@@ -54,11 +60,23 @@ def test_prefill_then_decode_matches_reference() -> None:
                 preset,
                 d**-0.5,
                 num_splits=2,
+                sink_lens=sink_lens,
             )
             for b, (k, v) in enumerate(seqs):
-                ref = quantize_sequence(k[: cached[b]], v[: cached[b]], preset)
+                ref = quantize_sequence(
+                    k[: cached[b]], v[: cached[b]], preset, keep_first_tile=sink and cached[b] >= g
+                )
                 want = reference_attention(q[b : b + 1], ref, d**-0.5)
                 assert_close_rms(want, out[b : b + 1].numpy(), 1e-4, what=f"step {cached}, seq {b}")
+    # Every completed tile has its record, sink or not (prefix-cache hits read tile 0 quantized).
+    k0, v0 = seqs[0]
+    records = quantize_sequence(k0[: 2 * g], v0[: 2 * g], preset).records
+    from kvarn_math import read_fields
+
+    for t, blk in enumerate(table[0, :2]):
+        got, want = read_fields(cache[blk].numpy(), preset, d), read_fields(records[t], preset, d)
+        assert (got.k_codes == want.k_codes).mean() >= 0.999, f"tile {t}"
+        assert (got.v_codes == want.v_codes).mean() >= 0.999, f"tile {t}"
 
 
 def test_speculative_verify_then_commit() -> None:

@@ -97,11 +97,12 @@ def check_staging(
     layout: TileLayout,
     num_kv_heads: int | None,
     staging_tiles: int | None = None,
+    sink: bool = False,
 ) -> torch.Tensor:
-    """``staging`` ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` contiguous, model dtype."""
+    """``staging`` ``[num_slots, 2, (S + sink)*G, num_kv_heads, head_dim]`` contiguous, model dtype."""
     t = check_tensor("staging", staging, dtype=MODEL_DTYPES, ndim=5, contiguous=True)
     g = layout.group_size
-    positions = None if staging_tiles is None else staging_tiles * g
+    positions = None if staging_tiles is None else (staging_tiles + int(sink)) * g
     check_tensor("staging", t, shape=(None, 2, positions, num_kv_heads, layout.head_dim))
     if t.shape[2] % g or t.shape[2] == 0:
         raise ValueError(

@@ -26,6 +26,7 @@ __all__ = [
     "pack_rows",
     "rint_f32",
     "round_to",
+    "staging_rows",
     "unpack_loaded",
     "unpack_rows",
 ]
@@ -192,3 +193,14 @@ def dot_lowp(a, b):
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def staging_rows(pos, SG: tl.constexpr, SINK_ROWS: tl.constexpr):
+    """Staging row of position ``pos``: rows ``[0, SINK_ROWS)`` hold tile 0 for good (the exact
+    attention sink, when the engine keeps one), the ring of ``SG = S*G`` rows after them the
+    open (and uncommitted) tiles: ``SINK_ROWS + (pos - SINK_ROWS) % SG``."""
+    if SINK_ROWS > 0:
+        return tl.where(pos < SINK_ROWS, pos, SINK_ROWS + (pos - SINK_ROWS) % SG)
+    else:
+        return pos % SG

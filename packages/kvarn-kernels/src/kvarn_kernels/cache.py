@@ -57,14 +57,16 @@ def staging_shape(
     head_dim: int,
     preset: str | Preset,
     staging_tiles: int = 1,
+    sink: bool = False,
 ) -> tuple[int, int, int, int, int]:
-    """``(num_slots, 2, S*G, num_kv_heads, head_dim)``; ``S = staging_tiles`` (2: spec decode)."""
+    """``(num_slots, 2, (S + sink)*G, num_kv_heads, head_dim)``; ``S = staging_tiles`` (2: spec
+    decode); ``sink``: ``G`` more rows per slot keep each request's exact first tile."""
     lay = tile_layout(preset, head_dim)
     _positive("staging_tiles", staging_tiles)
     return (
         _positive("num_slots", num_slots),
         2,
-        staging_tiles * lay.group_size,
+        (staging_tiles + int(bool(sink))) * lay.group_size,
         _positive("num_kv_heads", num_kv_heads),
         head_dim,
     )
@@ -77,10 +79,11 @@ def staging_bytes(
     preset: str | Preset,
     dtype: torch.dtype,
     staging_tiles: int = 1,
+    sink: bool = False,
 ) -> int:
     """Bytes of one layer's staging area (multiply by the number of layers for the budget)."""
     numel = 1
-    for s in staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles):
+    for s in staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles, sink):
         numel *= s
     return numel * torch.empty((), dtype=dtype).element_size()
 
@@ -93,7 +96,8 @@ def allocate_staging(
     dtype: torch.dtype,
     device: torch.device | str,
     staging_tiles: int = 1,
+    sink: bool = False,
 ) -> torch.Tensor:
     """A zeroed staging area of :func:`staging_shape`."""
-    shape = staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles)
+    shape = staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles, sink)
     return torch.zeros(shape, dtype=dtype, device=device)

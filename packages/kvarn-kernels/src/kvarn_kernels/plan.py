@@ -12,6 +12,11 @@ positions per slot:
 * fresh tokens at positions ``p >= q_after`` are written to ``staging[slot, :, p % (S*G)]``;
 * afterwards staging holds ``[q_after, seq_len)``, which must fit: ``seq_len - q_after <= S*G``.
 
+With ``sink=True`` the staging of a slot has ``G`` more rows in front: tile 0 (the attention
+sink) is staged there too, for good, and stays exact for attention while its quantized record
+serves prefix-cache hits. Position ``p`` then lives at row ``p`` for ``p < G`` and at
+``G + (p - G) % (S*G)`` after, and the ring must hold ``[max(q_after, G), seq_len)``.
+
 :func:`plan_store_device` makes the same plan with torch ops on whatever device its inputs live
 on, without a host synchronization and with fixed output shapes: for engines whose host view of
 the lengths is only an upper bound (speculative decoding with asynchronous scheduling, where the
@@ -46,7 +51,7 @@ class StorePlan:
             ``num_staged`` tokens come from staging), ``fresh_index`` (batch row of its first
             fresh token; the others follow contiguously).
         writes: int32 ``[max_writes, 3]``: ``token_index`` (-1 = padding), ``slot``,
-            ``staging_pos`` (``p % (S*G)``).
+            ``staging_pos`` (the staging row: ``p % (S*G)``, or with ``sink`` see above).
         seq_lens: int32 ``[B]``, ``num_cached + num_new``.
         quantized_lens: int32 ``[B]``, tokens in quantized tiles after the step (attention's
             ``quantized_lens``; the next step's ``num_quantized``).
@@ -54,6 +59,7 @@ class StorePlan:
         num_writes: real entries of ``writes``.
         group_size: ``G`` of the preset it was planned for.
         staging_tiles: ``S``.
+        sink: staging has the ``G`` sink rows in front (tile 0 kept exact).
     """
 
     tiles: torch.Tensor
@@ -64,6 +70,7 @@ class StorePlan:
     num_writes: int
     group_size: int
     staging_tiles: int
+    sink: bool = False
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> StorePlan:
         """The same plan with every tensor on ``device`` (pin the host tensors for async copies)."""
@@ -108,6 +115,7 @@ def plan_store(
     query_start_loc: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor | None = None,
     max_tiles: int | None = None,
     max_writes: int | None = None,
+    sink: bool = False,
 ) -> StorePlan:
     """Plan one step's store for a batch of ``B`` requests (host only, no GPU work).
 
@@ -129,6 +137,8 @@ def plan_store(
         max_tiles: pad ``tiles``/``writes`` to this many rows (fixed shapes for
         max_writes: pad ``tiles``/``writes`` to this many rows (fixed shapes for
             CUDA graphs); padding rows hold -1 and are skipped.
+        sink: keep tile 0 exact in ``G`` sink rows in front of the staging ring (see the
+            module docstring); staging then has ``(S + 1) * G`` positions per slot.
 
     Returns:
         :class:`StorePlan` with CPU tensors (call ``.to(device)``).
@@ -180,7 +190,8 @@ def plan_store(
             f"num_quantized[{i}] must be a multiple of G={g} and <= num_cached={cached[i]}, "
             f"got {quant[i]}"
         )
-    bad = np.flatnonzero(cached - quant > sg)
+    base = g if sink else 0  # rows [0, base) hold tile 0 for good; the ring starts after
+    bad = np.flatnonzero(cached - np.maximum(quant, base) > sg)
     if bad.size:
         i = bad[0]
         raise ValueError(
@@ -188,7 +199,7 @@ def plan_store(
             f"{sg} staging positions (S*G) could hold"
         )
     q_after = np.maximum(quant, committed // g * g)
-    bad = np.flatnonzero(total - q_after > sg)
+    bad = np.flatnonzero(total - np.maximum(q_after, base) > sg)
     if bad.size:
         i = bad[0]
         raise ValueError(
@@ -218,11 +229,13 @@ def plan_store(
         )
     tiles = np.stack([block, slots[req], start, staged, fresh], axis=1).reshape(-1, 5)
 
-    lo = np.maximum(cached, q_after)
+    # Fresh tokens staged: those past the quantized tiles, and with a sink those of tile 0.
+    lo = np.where(cached < base, cached, np.maximum(cached, q_after))
     wreq, pos = _expand(lo, np.maximum(total - lo, 0))
-    writes = np.stack([qstart[wreq] + pos - cached[wreq], slots[wreq], pos % sg], axis=1).reshape(
-        -1, 3
-    )
+    keep = (pos >= q_after[wreq]) | (pos < base)
+    wreq, pos = wreq[keep], pos[keep]
+    rows = np.where(pos < base, pos, base + (pos - base) % sg)
+    writes = np.stack([qstart[wreq] + pos - cached[wreq], slots[wreq], rows], axis=1).reshape(-1, 3)
 
     num_tiles, num_writes = tiles.shape[0], writes.shape[0]
     tiles = _pad("max_tiles", tiles, max_tiles)
@@ -238,6 +251,7 @@ def plan_store(
         num_writes=num_writes,
         group_size=g,
         staging_tiles=staging_tiles,
+        sink=sink,
     )
 
 
@@ -271,6 +285,7 @@ def plan_store_device(
     staging_tiles: int,
     max_tiles: int,
     max_writes: int,
+    sink: bool = False,
 ) -> StorePlan:
     """:func:`plan_store` computed on the device from the step's real lengths (no host sync).
 
@@ -302,6 +317,7 @@ def plan_store_device(
         max_tiles: rows of ``tiles``; at least the number of tiles committed this step.
         max_writes: rows of ``writes``; at least the number of fresh tokens
             (``query_start_loc[B]``). Token ``i`` of the batch owns write row ``i``.
+        sink: as :func:`plan_store`.
 
     Returns:
         :class:`StorePlan` on the inputs' device; ``num_tiles`` / ``num_writes`` are the
@@ -365,8 +381,10 @@ def plan_store_device(
     if b:
         wowner = torch.searchsorted(qsl[1:], i, right=True).clamp(max=b - 1)
         pos = cached[wowner] + i - qsl[wowner]
-        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & (pos >= q_after[wowner])
-        writes = torch.stack([i, slots[wowner], pos % sg], dim=1)
+        base = g if sink else 0
+        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= q_after[wowner]) | (pos < base))
+        rows = torch.where(pos < base, pos, base + (pos - base) % sg)
+        writes = torch.stack([i, slots[wowner], rows], dim=1)
         writes = torch.where(write_ok[:, None], writes, -1)
     else:
         writes = torch.full((max_writes, 3), -1, dtype=i64, device=dev)
@@ -379,4 +397,5 @@ def plan_store_device(
         num_writes=max_writes,
         group_size=g,
         staging_tiles=staging_tiles,
+        sink=sink,
     )

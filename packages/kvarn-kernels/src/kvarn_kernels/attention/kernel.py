@@ -28,6 +28,7 @@ from kvarn_kernels._triton import (
     fwht_rows,
     load_packed,
     round_to,
+    staging_rows,
     unpack_loaded,
 )
 
@@ -57,6 +58,46 @@ def _visible(pos, qpos, window):
     # Causal, and inside the sliding window when window > 0: pos in (qpos - window, qpos].
     vis = pos[None, :] <= qpos[:, None]
     return vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+
+
+@triton.jit
+def _dense_step(
+    q,
+    qpos,
+    window,
+    c,
+    m_i,
+    l_i,
+    acc,
+    stage,
+    stride_skv,
+    stride_sp,
+    seq_len,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    SG: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Online-softmax update with one step of unquantized (rotated) tokens from staging."""
+    pos = c * SUB + tl.arange(0, SUB)
+    d = tl.arange(0, D)
+    valid = pos < seq_len
+    s_off = staging_rows(pos, SG, SINK_ROWS).to(tl.int64)[:, None] * stride_sp + d[None, :]
+    k = tl.load(stage + s_off, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
+    if FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = dot_lowp(q.to(k.dtype), tl.trans(k))
+    vis = _visible(pos, qpos, window) & valid[None, :]
+    s = tl.where(vis, s, float("-inf"))
+    p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+    v = tl.load(stage + stride_skv + s_off, mask=valid[:, None], other=0.0)
+    if FP32:
+        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc += dot_lowp(p.to(v.dtype), v)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -393,6 +434,7 @@ def attention_partial_kernel(
     seq_lens_ptr,
     qlens_ptr,
     slots_ptr,
+    sink_lens_ptr,
     acc_ptr,
     ml_ptr,
     num_q_heads,
@@ -403,6 +445,7 @@ def attention_partial_kernel(
     G: tl.constexpr,
     D: tl.constexpr,
     SG: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
     KEY_BITS: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -452,7 +495,6 @@ def attention_partial_kernel(
         head = hkv * GROUP + rh
         qpos = seq_len - nq + qi
         d = tl.arange(0, D)
-        j = tl.arange(0, SUB)
         q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
         # Into the rotated frame, with the softmax scale and log2(e) folded in.
@@ -483,6 +525,12 @@ def attention_partial_kernel(
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
         head_off = (stride_cb, hkv.to(tl.int64) * stride_ch)
         c_end = tl.minimum(c1, n_quant)
+        # Steps of tile 0 read from the sink rows of staging when the sequence has its exact
+        # first tile there (then its quantized record, kept for prefix-cache sharing, is skipped).
+        n_sink = qlen * 0
+        if SINK_ROWS > 0:
+            n_sink = tl.minimum(tl.load(sink_lens_ptr + seq), qlen) // SUB
+        cq0 = tl.maximum(c0, n_sink)
         # Software prefetch in registers: the packed bytes of the next PREFETCH steps are in
         # flight while step c computes (they are small: codes stay packed until used), and the
         # block id one step further ahead; the cache is read once, front to back.
@@ -492,15 +540,15 @@ def attention_partial_kernel(
             acc1 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             acc3 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
-            ok = c0 < c_end
-            blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
+            ok = cq0 < c_end
+            blk = tl.load(bt_row + cq0 // PARTS, mask=ok, other=0)
             (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
                 _load_step_phased(
                     cache_u8_ptr,
                     cache_f16_ptr,
                     blk,
                     head_off,
-                    c0 % PARTS,
+                    cq0 % PARTS,
                     ok,
                     G,
                     D,
@@ -516,8 +564,8 @@ def attention_partial_kernel(
                     OFF_VZ,
                 )
             )
-            blk1 = tl.load(bt_row + (c0 + 1) // PARTS, mask=c0 + 1 < c_end, other=0)
-            for c in range(c0, c_end):
+            blk1 = tl.load(bt_row + (cq0 + 1) // PARTS, mask=cq0 + 1 < c_end, other=0)
+            for c in range(cq0, c_end):
                 (
                     nkr,
                     nks,
@@ -595,14 +643,14 @@ def attention_partial_kernel(
             else:
                 acc = tl.reshape(tl.join(acc0, acc1), [BLOCK_M, D])
         else:
-            ok = c0 < c_end
-            blk = tl.load(bt_row + c0 // PARTS, mask=ok, other=0)
+            ok = cq0 < c_end
+            blk = tl.load(bt_row + cq0 // PARTS, mask=ok, other=0)
             k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
                 cache_u8_ptr,
                 cache_f16_ptr,
                 blk,
                 head_off,
-                c0 % PARTS,
+                cq0 % PARTS,
                 ok,
                 G,
                 D,
@@ -618,15 +666,15 @@ def attention_partial_kernel(
                 OFF_VS,
                 OFF_VZ,
             )
-            ok1 = c0 + 1 < c_end
-            blk1 = tl.load(bt_row + (c0 + 1) // PARTS, mask=ok1, other=0)
+            ok1 = cq0 + 1 < c_end
+            blk1 = tl.load(bt_row + (cq0 + 1) // PARTS, mask=ok1, other=0)
             if PREFETCH == 2:
                 k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
                     cache_u8_ptr,
                     cache_f16_ptr,
                     blk1,
                     head_off,
-                    (c0 + 1) % PARTS,
+                    (cq0 + 1) % PARTS,
                     ok1,
                     G,
                     D,
@@ -642,8 +690,8 @@ def attention_partial_kernel(
                     OFF_VS,
                     OFF_VZ,
                 )
-                blk2 = tl.load(bt_row + (c0 + 2) // PARTS, mask=c0 + 2 < c_end, other=0)
-                for c in range(c0, c_end):
+                blk2 = tl.load(bt_row + (cq0 + 2) // PARTS, mask=cq0 + 2 < c_end, other=0)
+                for c in range(cq0, c_end):
                     k_raw2, k_scale2, k_zero2, k_tok2, v_raw2, v_scale2, v_zero2, v_chan2 = (
                         _load_step(
                             cache_u8_ptr,
@@ -696,7 +744,7 @@ def attention_partial_kernel(
                     k_raw1, k_scale1, k_zero1, k_tok1 = k_raw2, k_scale2, k_zero2, k_tok2
                     v_raw1, v_scale1, v_zero1, v_chan1 = v_raw2, v_scale2, v_zero2, v_chan2
             else:
-                for c in range(c0, c_end):
+                for c in range(cq0, c_end):
                     k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = (
                         _load_step(
                             cache_u8_ptr,
@@ -748,24 +796,44 @@ def attention_partial_kernel(
                     v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
 
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
+        for c in range(c0, tl.minimum(c1, n_sink)):
+            m_i, l_i, acc = _dense_step(
+                q,
+                qpos,
+                window,
+                c,
+                m_i,
+                l_i,
+                acc,
+                stage,
+                stride_skv,
+                stride_sp,
+                seq_len,
+                D,
+                SUB,
+                SG,
+                SINK_ROWS,
+                FP32,
+            )
         for c in range(tl.maximum(c0, n_quant), c1):
-            pos = c * SUB + j
-            valid = pos < seq_len
-            spos = (pos % SG).to(tl.int64)
-            s_off = spos[:, None] * stride_sp + d[None, :]
-            k = tl.load(stage + s_off, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
-            if FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = dot_lowp(q.to(k.dtype), tl.trans(k))
-            vis = _visible(pos, qpos, window) & valid[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
-            v = tl.load(stage + stride_skv + s_off, mask=valid[:, None], other=0.0)
-            if FP32:
-                acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc += dot_lowp(p.to(v.dtype), v)
+            m_i, l_i, acc = _dense_step(
+                q,
+                qpos,
+                window,
+                c,
+                m_i,
+                l_i,
+                acc,
+                stage,
+                stride_skv,
+                stride_sp,
+                seq_len,
+                D,
+                SUB,
+                SG,
+                SINK_ROWS,
+                FP32,
+            )
 
         part = (tok * num_q_heads + head.to(tl.int64)) * num_splits + split
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])

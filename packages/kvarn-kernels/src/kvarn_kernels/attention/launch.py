@@ -81,6 +81,7 @@ def _check_common(
     staging_slots: torch.Tensor,
     preset: str | Preset,
     num_seqs: int,
+    sink_lens: torch.Tensor | None,
 ) -> tuple[TileLayout, int]:
     check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     _, num_q_heads, head_dim = query.shape
@@ -121,6 +122,14 @@ def _check_common(
         quantized_lens=quantized_lens,
         staging_slots=staging_slots,
     )
+    if sink_lens is not None:
+        check_tensor("sink_lens", sink_lens, dtype=torch.int32, shape=(num_seqs,), contiguous=True)
+        check_same_device(query=query, sink_lens=sink_lens)
+        if staging.shape[2] < 2 * layout.group_size:
+            raise ValueError(
+                f"with sink_lens, staging dim 2 must hold the G={layout.group_size} sink rows "
+                f"plus S*G ring rows, got {staging.shape[2]}"
+            )
     return layout, num_kv_heads
 
 
@@ -140,6 +149,7 @@ def _run(
     sliding_window: int | None,
     out: torch.Tensor | None,
     num_splits: int | None,
+    sink_lens: torch.Tensor | None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
@@ -158,6 +168,7 @@ def _run(
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if num_tokens == 0 or num_seqs == 0:
         return out
+    sink_rows = 0 if sink_lens is None else g
     max_chunks = block_table.shape[1] + staging.shape[2] // g
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
@@ -204,6 +215,7 @@ def _run(
         seq_lens,
         quantized_lens,
         staging_slots,
+        seq_lens if sink_lens is None else sink_lens,  # unread without a sink
         acc,
         ml,
         num_q_heads,
@@ -213,7 +225,8 @@ def _run(
         rsqrt_d,
         G=g,
         D=d,
-        SG=staging.shape[2],
+        SG=staging.shape[2] - sink_rows,
+        SINK_ROWS=sink_rows,
         KEY_BITS=p.key_bits,
         VALUE_BITS=p.value_bits,
         GROUP=group,
@@ -267,6 +280,7 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sink_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its quantized tiles and staging.
 
@@ -284,6 +298,11 @@ def decode_attention(
         sliding_window: keys ``(seq_len - 1 - W, seq_len - 1]`` only.
         out: optional ``[B, Hq, D]`` output (query's dtype).
         num_splits: split-K factor; ``None`` picks one from the batch and the table width.
+        sink_lens: optional int32 ``[B]``, each ``0`` or ``G``: with it, staging is
+            ``[num_slots, 2, G + S*G, Hkv, D]``, rows ``[0, G)`` hold each slot's exact first
+            tile (the attention sink) and rows ``G + (p - G) % (S*G)`` the positions
+            ``p >= G``; a sequence with ``sink_lens[b] == G`` attends its first tile from the
+            sink rows instead of its quantized record.
 
     Returns:
         ``[B, Hq, D]`` in the original frame, query's dtype.
@@ -299,6 +318,7 @@ def decode_attention(
         staging_slots,
         preset,
         query.shape[0],
+        sink_lens,
     )
     return _run(
         query,
@@ -316,6 +336,7 @@ def decode_attention(
         sliding_window,
         out,
         num_splits,
+        sink_lens,
     )
 
 
@@ -334,6 +355,7 @@ def multi_query_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     num_splits: int | None = None,
+    sink_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -341,7 +363,7 @@ def multi_query_attention(
     ``query`` ``[num_q_tokens, Hq, D]`` and are its last ``n_b`` positions; their own K/V must
     already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
-    are left untouched.
+    are left untouched.  ``sink_lens``: as :func:`decode_attention`.
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
@@ -360,6 +382,7 @@ def multi_query_attention(
         staging_slots,
         preset,
         num_seqs,
+        sink_lens,
     )
     check_same_device(query=query, query_start_loc=query_start_loc)
     if max_query_len is None:
@@ -384,4 +407,5 @@ def multi_query_attention(
         sliding_window,
         out,
         num_splits,
+        sink_lens,
     )

@@ -5,7 +5,15 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._triton import exp_f32, fwht_rows, log_f32, pack_rows, rint_f32, round_to
+from kvarn_kernels._triton import (
+    exp_f32,
+    fwht_rows,
+    log_f32,
+    pack_rows,
+    rint_f32,
+    round_to,
+    staging_rows,
+)
 
 __all__ = ["quantize_tiles_kernel", "stage_tokens_kernel"]
 
@@ -114,13 +122,14 @@ def _load_tile(
     G: tl.constexpr,
     D: tl.constexpr,
     SG: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
     FRESH_ROTATED: tl.constexpr,
 ):
     """The tile's ``G`` rotated tokens ``[G, D]`` fp32, as rounded to the staging dtype."""
     t = tl.arange(0, G)
     d = tl.arange(0, D)
     from_stage = t < num_staged
-    spos = ((start + t) % SG).to(tl.int64)
+    spos = staging_rows(start + t, SG, SINK_ROWS).to(tl.int64)
     stage_off = slot.to(tl.int64) * stride_ss + spos[:, None] * stride_sp + d[None, :]
     staged = tl.load(stage_ptr + stage_off, mask=from_stage[:, None], other=0.0).to(tl.float32)
     row = (fresh_index + t - num_staged).to(tl.int64)
@@ -156,6 +165,7 @@ def quantize_tiles_kernel(
     G: tl.constexpr,
     D: tl.constexpr,
     SG: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
     KEY_BITS: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     ITERS: tl.constexpr,
@@ -198,7 +208,7 @@ def quantize_tiles_kernel(
             # Keys: the tile as [D, G] (rows are channels), quantized per channel over tokens.
             k = _load_tile(
                 key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp, head, slot, start,
-                num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED,
+                num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
             )  # fmt: skip
             kb, k_row, k_col = _variance_normalize(tl.trans(k), D, G, ITERS, PRECISE)
             k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
@@ -210,7 +220,7 @@ def quantize_tiles_kernel(
             # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
             v = _load_tile(
                 value_ptr, stride_vt, stride_vh, stage_v, stride_ss, stride_sp, head, slot,
-                start, num_staged, fresh_index, rsqrt_d, G, D, SG, FRESH_ROTATED,
+                start, num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
             )  # fmt: skip
             vb, v_row, v_col = _variance_normalize(v, G, D, ITERS, PRECISE)
             v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)

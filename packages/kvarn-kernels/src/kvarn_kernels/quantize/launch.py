@@ -59,6 +59,7 @@ def _launch_quantize(
     layout: TileLayout,
     iterations: int,
     fresh_rotated: bool,
+    sink_rows: int = 0,
 ) -> None:
     if tiles.shape[0] == 0:
         return
@@ -86,7 +87,8 @@ def _launch_quantize(
         float(np.float32(1.0 / math.sqrt(d))),
         G=p.group_size,
         D=d,
-        SG=staging.shape[2],
+        SG=staging.shape[2] - sink_rows,
+        SINK_ROWS=sink_rows,
         KEY_BITS=p.key_bits,
         VALUE_BITS=p.value_bits,
         ITERS=iterations,
@@ -120,7 +122,8 @@ def store_kv(
         value: ``[num_tokens, num_kv_heads, head_dim]`` fp16/bf16/fp32, original frame
             (after RoPE); last dim contiguous, other strides free.
         kv_cache: uint8 ``[num_blocks, num_kv_heads, tile_bytes]``, written in place.
-        staging: ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` rotated frame, written in place.
+        staging: ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` rotated frame, written in place
+            (``G + S*G`` positions when the plan keeps the sink: see :func:`plan_store`).
         plan: this step's :func:`kvarn_kernels.plan_store` result, on the cache's device.
         preset: the cache preset.
         iterations: variance-normalization sweeps (kvarn-math's default 8).
@@ -137,7 +140,7 @@ def store_kv(
             f"plan was made for G={plan.group_size}, preset {p.name} has G={p.group_size}"
         )
     check_cache(kv_cache, layout, num_kv_heads)
-    check_staging(staging, layout, num_kv_heads, plan.staging_tiles)
+    check_staging(staging, layout, num_kv_heads, plan.staging_tiles, plan.sink)
     check_tensor("plan.tiles", plan.tiles, dtype=torch.int32, shape=(None, 5), contiguous=True)
     check_tensor("plan.writes", plan.writes, dtype=torch.int32, shape=(None, 3), contiguous=True)
     check_same_device(
@@ -149,7 +152,10 @@ def store_kv(
         plan_writes=plan.writes,
     )
     _check_iterations(iterations)
-    _launch_quantize(key, value, staging, kv_cache, plan.tiles, layout, iterations, False)
+    sink_rows = p.group_size if plan.sink else 0
+    _launch_quantize(
+        key, value, staging, kv_cache, plan.tiles, layout, iterations, False, sink_rows
+    )
     rows = plan.writes.shape[0]
     if rows:
         grid = (triton.cdiv(rows, _STAGE_BLOCK_T), num_kv_heads)
