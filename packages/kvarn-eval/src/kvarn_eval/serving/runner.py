@@ -31,6 +31,7 @@ __all__ = [
     "PROGRESS_PREFIX",
     "Budget",
     "EngineJob",
+    "group_members",
     "parse_log",
     "run_job",
     "skipped_record",
@@ -144,6 +145,29 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> None:
     _kill_group(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
+    # vLLM's engine core and workers are grandchildren: wait until they are gone, so that the
+    # next engine does not find their GPU memory still in use
+    deadline = time.monotonic() + 30
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from ``/proc`` (Linux).
+
+    Args:
+        pgid: the process group id.
+    """
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, ppid, pgrp
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _error_summary(text: str, limit: int = 400) -> str:
