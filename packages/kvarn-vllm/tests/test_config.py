@@ -28,7 +28,18 @@ def test_parse_every_preset(name):
     assert cfg.preset is PRESETS[name]
     assert cfg.block_size == PRESETS[name].group_size
     assert cfg.staging_tiles == 1
-    assert cfg.staging_tokens == cfg.block_size
+    assert cfg.sink  # default: the first tile stays exact
+    assert cfg.ring_tokens == cfg.block_size
+    assert cfg.staging_tokens == 2 * cfg.block_size
+
+
+def test_sink_env(monkeypatch):
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "0")
+    cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
+    assert not cfg.sink and cfg.sink_rows == 0 and cfg.staging_tokens == 128
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "yes")
+    with pytest.raises(ValueError, match="KVARN_VLLM_EXACT_SINK must be 0 or 1, got 'yes'"):
+        parse_kv_cache_dtype("kvarn_k4v2_g128")
 
 
 def test_config_is_frozen():

@@ -119,6 +119,7 @@ def test_builder_matches_plan_store(builder, reqs, seed):
         query_start_loc=qsl,
         max_tiles=n if uniform_decode else None,
         max_writes=n if uniform_decode else None,
+        sink=builder.config.sink,
     )
     assert torch.equal(meta.plan.tiles, want.tiles)
     assert torch.equal(meta.plan.writes, want.writes)
@@ -154,3 +155,28 @@ def test_builder_matches_plan_store(builder, reqs, seed):
     # Every row with a query is in exactly one kind; a uniform decode batch keeps them all.
     expected = list(range(n)) if uniform_decode else np.flatnonzero(new > 0).tolist()
     assert sorted(seen_rows) == expected
+
+
+def test_sink_lens_follow_how_each_request_started():
+    """A request keeps its exact first tile iff it computed tile 0 itself; a prefix-cache hit
+    on tile 0 (first step starting at >= G cached tokens) reads the quantized record."""
+    g = 64
+    md._SINK_STATE.clear()
+    rec = md.StepRecord(
+        serial=101,
+        num_reqs=3,
+        slots=np.array([4, 1, 2], np.int32),
+        new_rows=np.array([True, True, False]),
+    )
+    got = md.sink_lens_for(rec, rec.slots, np.array([0, 2 * g, 0]), g, 8)
+    assert got.tolist() == [g, 0, 0]  # new from scratch, new after a prefix hit, unknown row
+    # Later steps keep each row's decision, however many tokens are cached by then.
+    rec2 = md.StepRecord(serial=102, num_reqs=2, slots=np.array([1, 4], np.int32))
+    assert md.sink_lens_for(rec2, rec2.slots, np.array([300, 500]), g, 8).tolist() == [0, g]
+    # A new request in row 4 after a prefix hit loses the sink; the same record twice (a second
+    # builder of the step) does not decide again.
+    rec3 = md.StepRecord(
+        serial=103, num_reqs=1, slots=np.array([4], np.int32), new_rows=np.array([True])
+    )
+    assert md.sink_lens_for(rec3, rec3.slots, np.array([g]), g, 8).tolist() == [0]
+    assert md.sink_lens_for(rec3, rec3.slots, np.array([0]), g, 8).tolist() == [0]

@@ -100,13 +100,16 @@ class SpecHarness:
         from kvarn_math import QuantizedSequence, quantize_sequence, reference_attention
 
         kf, vf = k.float().numpy(), v.float().numpy()
-        records = quantize_sequence(kf[:quantized], vf[:quantized], PRESET).records
+        sink = self.builder.config.sink and quantized >= G  # tile 0 exact in staging
+        stored = quantize_sequence(kf[:quantized], vf[:quantized], PRESET, keep_first_tile=sink)
         seq = QuantizedSequence(
-            records=records,
+            records=stored.records,
             preset=records_preset(),
             head_dim=D,
             tail_k=kf[quantized:],
             tail_v=vf[quantized:],
+            first_k=stored.first_k,
+            first_v=stored.first_v,
         )
         return torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
 
@@ -126,7 +129,7 @@ def assert_matches(h, got, k, v, quantized, q, where):
     much closer to it than to exact attention (so the records, not exact K/V, were read).
     The kernel quantizes the fp16-rounded rotated tokens, the reference the fp32 ones."""
     want = h.reference(None, k, v, quantized, q)
-    if not quantized:
+    if quantized <= h.builder.config.sink_rows:  # nothing read from records
         assert _rel(got, want) < 3e-3, where
         return
     exact = h.reference(None, k, v, 0, q)
@@ -134,8 +137,11 @@ def assert_matches(h, got, k, v, quantized, q, where):
     assert _rel(got, want) < 0.5 * _rel(got, exact), where
 
 
-def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch):
+@pytest.mark.parametrize("sink", ["0", "1"])
+def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch, sink):
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
     h = SpecHarness(vllm_config_factory, monkeypatch)
+    assert h.builder.config.sink == (sink == "1")
     assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
     slot = 2
     rng = np.random.default_rng(1)
@@ -188,7 +194,9 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         with md.STEP.draft_steps():
             dmeta = h.builder.build(0, h.cam([slot], [cached], [1], None))
         assert dmeta.plan is not None and (dmeta.plan.tiles == -1).all()
-        assert dmeta.plan.writes[0].tolist() == [0, slot, cached % (2 * G)]
+        base = h.builder.config.sink_rows
+        row = cached if cached < base else base + (cached - base) % (2 * G)
+        assert dmeta.plan.writes[0].tolist() == [0, slot, row]
         assert int(dmeta.decode.quantized_lens[0]) == quantized  # drafts commit nothing
         dq, dout = h.run(dmeta, [(slot, cached, (dk, dv))])
         ak, av = h.kv[slot]

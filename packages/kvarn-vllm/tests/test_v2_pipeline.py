@@ -106,6 +106,8 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch):
     def step(rows, cached, new):
         qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
         seq = (np.array(cached) + np.array(new)).astype(np.int32)
+        if not any(cached):  # new requests in their rows: they keep their first tile exact
+            md.STEP.report_added(rows)
         md.STEP.report_real(
             SimpleNamespace(num_reqs=len(rows), idx_mapping_np=np.array(rows, dtype=np.int32))
         )
@@ -147,7 +149,10 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch):
         assert meta.decode is not None and meta.decode.token_index is None
         for i, r in enumerate([2, 0]):
             k, v = history[(li, r)]
-            seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET)
+            # Default serving keeps the first tile exact (the sink rows of staging).
+            seq = quantize_sequence(
+                k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True
+            )
             ref = torch.from_numpy(
                 reference_attention(
                     q[i : i + 1].float().numpy(), seq, D**-0.5, sliding_window=window
@@ -155,8 +160,9 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch):
             )
             err = float((out[i : i + 1].float() - ref).norm() / ref.norm())
             assert err < 0.02, (li, r, err)
-    # One tensor, two groups: group 0 quantized its tile into block 3, group 1 into block 13;
-    # nothing else was written (tiles are complete only for the 100-token request).
+    # One tensor, two groups: group 0 quantized its tile into block 3, group 1 into block 13
+    # (the sink's record is still written, for prefix-cache hits); nothing else was written
+    # (tiles are complete only for the 100-token request).
     assert kv_caches[names[0]].data_ptr() == kv_caches[names[1]].data_ptr()
     written = [b for b in range(num_blocks) if kv_caches[names[0]][b].any()]
     assert written == [3, 13]

@@ -7,6 +7,7 @@ preset and carries the serving-side settings that go with it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Preset, get_preset
@@ -14,6 +15,7 @@ from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Pres
 __all__ = [
     "KVARN_PREFIX",
     "SERVED_HEAD_DIMS",
+    "SINK_ENV",
     "KvarnConfig",
     "is_kvarn_dtype",
     "parse_kv_cache_dtype",
@@ -21,6 +23,9 @@ __all__ = [
 ]
 
 KVARN_PREFIX = "kvarn_"
+SINK_ENV = "KVARN_VLLM_EXACT_SINK"
+"""Environment variable: ``0`` quantizes every request's first tile too (more capacity: the
+sink rows cost ``G`` staging tokens per request and layer); default ``1`` keeps it exact."""
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
 
@@ -44,10 +49,13 @@ class KvarnConfig:
         preset: the cache format (bits and tile size ``G``).
         staging_tiles: open tiles of staging per request ``S`` (1 without speculative
             decoding; a verify step can spill into the next tile otherwise).
+        sink: keep each request's first tile (the attention sink) exact in ``G`` staging
+            rows besides its quantized record, which prefix-cache hits read.
     """
 
     preset: Preset
     staging_tiles: int = 1
+    sink: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -66,9 +74,19 @@ class KvarnConfig:
         return self.preset.group_size
 
     @property
-    def staging_tokens(self) -> int:
-        """Tokens of staging per request and layer, ``S * G``."""
+    def ring_tokens(self) -> int:
+        """Staging tokens per request and layer for open tiles, ``S * G``."""
         return self.staging_tiles * self.preset.group_size
+
+    @property
+    def staging_tokens(self) -> int:
+        """Tokens of staging per request and layer, ``(S + sink) * G``."""
+        return (self.staging_tiles + int(self.sink)) * self.preset.group_size
+
+    @property
+    def sink_rows(self) -> int:
+        """Staging rows in front of the ring that keep tile 0 (``G``, or 0 without sink)."""
+        return self.preset.group_size if self.sink else 0
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError unless the dense backend serves ``head_dim``."""
@@ -94,10 +112,20 @@ def staging_tiles_for(num_speculative_tokens: int | None, group_size: int) -> in
     return 1 + -(-2 * k // group_size)
 
 
+def sink_from_env() -> bool:
+    """The :data:`SINK_ENV` setting: ``0`` turns the exact first tile off, ``1`` (default) on."""
+    raw = os.environ.get(SINK_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{SINK_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def parse_kv_cache_dtype(
     kv_cache_dtype: str, *, num_speculative_tokens: int | None = None
 ) -> KvarnConfig:
     """Parse a ``kvarn_*`` ``kv_cache_dtype`` into a :class:`KvarnConfig`.
+
+    The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -117,4 +145,5 @@ def parse_kv_cache_dtype(
     return KvarnConfig(
         preset=preset,
         staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
+        sink=sink_from_env(),
     )

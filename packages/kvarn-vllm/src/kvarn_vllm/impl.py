@@ -34,6 +34,7 @@ _STAGING: dict[str, Any] = {
     "slots": 0,
     "tokens": 0,
     "staging_tiles": 1,
+    "sink": False,
     "logged": False,
 }
 
@@ -57,6 +58,13 @@ def log_staging_once() -> None:
         _STAGING["layers"],
         _STAGING["bytes"] / 2**30,
     )
+    if _STAGING.get("sink"):
+        logger.info(
+            "kvarn: each request's first tile (the attention sink) stays exact in staging (%d "
+            "of those tokens) besides its quantized record; set KVARN_VLLM_EXACT_SINK=0 to "
+            "quantize it too and give that staging to the KV cache.",
+            _STAGING["tokens"] // (_STAGING["staging_tiles"] + 1),
+        )
     if _STAGING.get("staging_tiles", 1) > 1:
         logger.info(
             "kvarn: speculative decoding: staging holds S=%d tiles (%d tokens) per request and "
@@ -139,12 +147,14 @@ def _make_impl_class() -> type:
                     dtype,
                     torch.get_default_device(),
                     staging_tiles=self.config.staging_tiles,
+                    sink=self.config.sink,
                 )
                 _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
                 _STAGING["layers"] += 1
                 _STAGING["slots"] = num_slots
                 _STAGING["tokens"] = self.config.staging_tokens
                 _STAGING["staging_tiles"] = self.config.staging_tiles
+                _STAGING["sink"] = self.config.sink
 
         def forward(
             self,
@@ -190,6 +200,7 @@ def _make_impl_class() -> type:
                     self.scale,
                     sliding_window=window,
                     out=output[: md.num_reqs] if whole else None,
+                    sink_lens=g.sink_lens,
                 )
                 if not whole:
                     output.index_copy_(0, g.token_index, res)
@@ -212,6 +223,7 @@ def _make_impl_class() -> type:
                     sliding_window=window,
                     max_query_len=g.max_query_len,
                     out=output[:n] if g.token_index is None else None,
+                    sink_lens=g.sink_lens,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)

@@ -151,6 +151,36 @@ def _spec_state(device: Any, num_rows: int) -> dict[str, Any]:
     return state
 
 
+# Per-process host state of the exact first tile: whether the request in each request-state
+# row wrote its own tile 0 to the sink rows of its staging slot (it did unless its first
+# step started past tile 0, i.e. it hit the prefix cache there). Shared by every builder.
+_SINK_STATE: dict[str, Any] = {}
+
+
+def sink_lens_for(
+    record: StepRecord, slots: np.ndarray, num_cached: np.ndarray, group_size: int, rows: int
+) -> np.ndarray:
+    """``[len(slots)]`` int32 ``sink_lens`` of a step: ``G`` where the row's request keeps its
+    exact first tile in its staging slot, else 0 (its tile 0 is read quantized).
+
+    A request (re)added to a row this step keeps a sink iff it computes its first tile
+    itself (``num_cached < G``); the decision lasts for the request's life in that row.
+    """
+    state = _SINK_STATE.get("valid")
+    if state is None or state.shape[0] < rows:
+        state = np.zeros(rows, dtype=bool)
+        _SINK_STATE["valid"] = state
+        _SINK_STATE["serial"] = -1
+    real = min(record.num_reqs, slots.shape[0])
+    if _SINK_STATE["serial"] != record.serial and record.new_rows is not None:
+        new = np.asarray(record.new_rows[:real], dtype=bool)
+        state[slots[:real][new]] = num_cached[:real][new] < group_size
+        _SINK_STATE["serial"] = record.serial
+    out = np.zeros(slots.shape[0], dtype=np.int32)
+    out[:real] = np.where(state[slots[:real]], group_size, 0)
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def _encoded_table(max_blocks: int, max_reqs: int) -> np.ndarray:
     table = encoded_block_table(max_reqs, max_blocks)
@@ -220,6 +250,8 @@ class RowGroup:
         block_table: ``[n, max_blocks]`` int32.
         max_query_len, max_seq_len, num_tokens: host ints.
         query_start_loc_host: ``[n + 1]`` int32 NumPy copy of ``query_start_loc``.
+        sink_lens: ``[n]`` int32 (``G`` where the exact first tile is in staging), or None
+            when the cache keeps no sink.
     """
 
     rows: Any
@@ -233,6 +265,7 @@ class RowGroup:
     max_seq_len: int
     num_tokens: int
     query_start_loc_host: Any = None
+    sink_lens: Any = None
 
 
 @dataclass
@@ -326,6 +359,7 @@ def _make_builder_class() -> type:
                 ("seq_lens", r),
                 ("quantized_lens", r),
                 ("slots", r),
+                ("sink_lens", r),
                 ("qsl", r + 1),
                 ("drafts", r),
                 ("new_rows", r),
@@ -422,6 +456,7 @@ def _make_builder_class() -> type:
                     query_start_loc=qsl,
                     max_tiles=num_reqs if uniform_decode else None,
                     max_writes=num_reqs if uniform_decode else None,
+                    sink=self.config.sink,
                 )
                 if record is not None:
                     quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
@@ -429,10 +464,16 @@ def _make_builder_class() -> type:
                     s, _ = self._layout[name]
                     flat = np.asarray(values, dtype=np.int32).reshape(-1)
                     host[s : s + flat.size] = flat
+            sink_lens = np.zeros(num_reqs, dtype=np.int32)
+            if self.config.sink and record is not None:
+                sink_lens = sink_lens_for(
+                    record, slots, num_cached, self.preset.group_size, self.max_num_reqs
+                )
             for name, values in (
                 ("seq_lens", seq_lens),
                 ("quantized_lens", quantized),
                 ("slots", slots),
+                ("sink_lens", sink_lens),
                 ("qsl", qsl),
             ):
                 s, _ = self._layout[name]
@@ -484,6 +525,7 @@ def _make_builder_class() -> type:
             dev_seq = self._view(buf, "seq_lens", num_reqs)
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
             dev_slots = self._view(buf, "slots", num_reqs)
+            dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
             dev_plan = None
             if on_device:
                 dev_plan = self._device_plan(cam, record, num_reqs, int(qsl[-1]), buf)
@@ -515,6 +557,7 @@ def _make_builder_class() -> type:
                         max_seq_len=max_s,
                         num_tokens=n_tokens,
                         query_start_loc_host=sub_qsl,
+                        sink_lens=dev_sink,
                     )
                     continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
@@ -530,6 +573,7 @@ def _make_builder_class() -> type:
                     max_seq_len=max_s,
                     num_tokens=n_tokens,
                     query_start_loc_host=sub_qsl,
+                    sink_lens=None if dev_sink is None else dev_sink[dev_rows],
                 )
             return KvarnMetadata(
                 num_reqs=num_reqs,
@@ -573,6 +617,7 @@ def _make_builder_class() -> type:
                 staging_tiles=self.config.staging_tiles,
                 max_tiles=self.max_tiles,
                 max_writes=num_tokens,
+                sink=self.config.sink,
             )
             tiles = self._view(buf, "tiles", self.max_tiles, 5)
             writes = self._view(buf, "writes", num_tokens, 3)
@@ -609,6 +654,17 @@ def _make_builder_class() -> type:
             if real:
                 s, _ = self._layout["slots"]
                 host[s : s + real] = record.slots[:real]
+                if self.config.sink:
+                    # Rows were (re)added in the target step of this record, which already
+                    # decided their sink; num_cached does not matter here.
+                    s, _ = self._layout["sink_lens"]
+                    host[s : s + real] = sink_lens_for(
+                        record,
+                        np.asarray(record.slots[:real], dtype=np.int32),
+                        np.zeros(real, dtype=np.int32),
+                        self.preset.group_size,
+                        self.max_num_reqs,
+                    )
             s, _ = self._layout["qsl"]
             host[s : s + num_reqs + 1] = qsl
             used = self._layout["qsl"][0] + num_reqs + 1
@@ -617,7 +673,7 @@ def _make_builder_class() -> type:
                 src = src.pin_memory()
             self._device_buf[:used].copy_(src, non_blocking=True)
             buf = self._device_buf
-            g, sg = self.preset.group_size, self.config.staging_tokens
+            g, sg, base = self.preset.group_size, self.config.ring_tokens, self.config.sink_rows
             seq = cam.seq_lens[:num_reqs].to(torch.int32)
             if not real:  # dummy (profiling) draft step: attend the row's own token only
                 seq = seq.clamp(max=1)
@@ -629,7 +685,8 @@ def _make_builder_class() -> type:
             dev_quant.copy_(torch.minimum(self._spec["quantized"][slots.long()], last // g * g))
             rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
             ok = (rows < real) & (seq > 0)
-            writes = torch.stack([rows, slots, last % sg], dim=1)
+            row = torch.where(last < base, last, base + (last - base) % sg)
+            writes = torch.stack([rows, slots, row], dim=1)
             tiles = self._view(buf, "tiles", num_reqs, 5)
             tiles.fill_(-1)
             dev_writes = self._view(buf, "writes", num_reqs, 3)
@@ -645,6 +702,7 @@ def _make_builder_class() -> type:
                 num_writes=num_reqs,
                 group_size=g,
                 staging_tiles=self.config.staging_tiles,
+                sink=self.config.sink,
             )
             group = RowGroup(
                 rows=None,
@@ -658,6 +716,7 @@ def _make_builder_class() -> type:
                 max_seq_len=int(cam.max_seq_len),
                 num_tokens=num_reqs,
                 query_start_loc_host=qsl,
+                sink_lens=self._view(buf, "sink_lens", num_reqs) if self.config.sink else None,
             )
             return KvarnMetadata(
                 num_reqs=num_reqs,
