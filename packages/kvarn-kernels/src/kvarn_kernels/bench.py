@@ -337,6 +337,66 @@ def _store_cost(
     return result
 
 
+def _sweep(preset: str, dtype: torch.dtype, device: torch.device, quick: bool) -> list[dict]:
+    """Every autotune config of the attention kernel, timed one by one at a few sizes.
+
+    The autotuner keys on the kernel's shape constants, not on the batch or context, so it
+    picks once (at the first size it meets) for all of them; this shows what each config
+    does where it matters, to choose the defaults.
+    """
+    from kvarn_kernels.attention import kernel as attn_kernel
+    from kvarn_kernels.attention import launch
+
+    sizes = [("llama3-8b", 32, 8, 128, 16, 16384), ("llama3-8b", 32, 8, 128, 64, 16384)]
+    sizes += [("hd64", 32, 8, 64, 64, 16384)]
+    rows: list[dict[str, Any]] = []
+    saved = launch.default_launch
+    try:
+        for shape_name, hq, hkv, d, b, ctx in sizes:
+            template = _template_records(preset, d, hkv, dtype, device)
+            case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template)
+            for cfg in attn_kernel._configs():
+                if cfg.kwargs["SUB"] > get_preset(preset).group_size:
+                    continue
+                params = {
+                    **cfg.kwargs,
+                    "num_warps": cfg.num_warps,
+                    "num_stages": cfg.num_stages,
+                }
+                if cfg.maxnreg is not None:
+                    params["maxnreg"] = cfg.maxnreg
+
+                def fixed(
+                    decode: bool = True,
+                    head_dim: int = 128,
+                    group_size: int = 128,
+                    params: dict[str, int] = params,
+                ) -> dict[str, int]:
+                    return dict(params)
+
+                launch.default_launch = fixed
+                row: dict[str, Any] = {
+                    "preset": preset,
+                    "shape": shape_name,
+                    "batch": b,
+                    "context": ctx,
+                    **params,
+                }
+                try:
+                    case.run()
+                    ms = _best_ms(case.run, quick, device)["ms"]
+                    row.update(time_us=ms * 1e3, gbps=case.bytes_quantized() / (ms * 1e-3) / 1e9)
+                except Exception as exc:  # a config that does not compile is a result too
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del case
+            torch.cuda.empty_cache()
+    finally:
+        launch.default_launch = saved
+    return rows
+
+
 def _fits(bytes_needed: float, device: torch.device) -> bool:
     if device.type != "cuda":
         return bytes_needed < 1 << 28
@@ -384,7 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "notes": [],
     }
     print(f"# {report['gpu']}: device-to-device copy {hbm:.0f} GB/s", flush=True)
-    for preset in presets:
+    for preset in [] if args.skip_grid else presets:
         for shape_name, hq, hkv, d in shapes:
             template = _template_records(preset, d, hkv, dtype, device)
             checked = False
@@ -457,6 +517,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["store"].append(store)
             print(json.dumps(store), flush=True)
     report["autotune_choices"] = _autotune_choices()
+    if args.sweep and cuda:
+        os.environ["KVARN_KERNELS_AUTOTUNE"] = "0"
+        report["sweep"] = [r for p in presets for r in _sweep(p, dtype, device, quick)]
     report["elapsed_s"] = time.time() - t0
     return report
 
@@ -520,6 +583,18 @@ def markdown(report: dict[str, Any]) -> str:
                 + ", ".join(f"{k[-8:]} {100 * v:.2f}%" for k, v in fr.items())
                 + " | | | | |"
             )
+    if report.get("sweep"):
+        lines += [
+            "",
+            "| shape | batch | context | SUB | PREFETCH | warps | maxnreg | time (us) | GB/s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in report["sweep"]:
+            t = f"{r['time_us']:.1f} | {r['gbps']:.0f}" if "time_us" in r else r["error"] + " |"
+            lines.append(
+                f"| {r['shape']} | {r['batch']} | {r['context']} | {r['SUB']} | "
+                f"{r['PREFETCH']} | {r['num_warps']} | {r.get('maxnreg', '-')} | {t} |"
+            )
     if report["notes"]:
         lines += ["", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines)
@@ -536,6 +611,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
     parser.add_argument(
         "--no-autotune", action="store_true", help="attention with its default config only"
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time every autotune config of the attention kernel at three sizes",
+    )
+    parser.add_argument(
+        "--skip-grid",
+        action="store_true",
+        help="skip the batch x context grid (with --sweep: only the sweep)",
     )
     parser.add_argument(
         "--dry-run",
