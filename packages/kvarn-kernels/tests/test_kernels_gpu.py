@@ -15,7 +15,10 @@ from test_kernels_store import assert_records_match
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+# fp16/bf16: the tensor-core dots take fp16 operands, so a logit carries an error of about
+# 2^-11 of its magnitude; the 2000-token outlier-channel sequences here have larger logits than
+# the CPU tests' and measured 4.4e-3 to 4.9e-3 in fp16 on the H200 (2026-11-30).
+TOL = {torch.float32: 1e-4, torch.float16: 6e-3, torch.bfloat16: 2.5e-2}
 
 
 def _round(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
