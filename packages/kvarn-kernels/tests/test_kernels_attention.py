@@ -387,7 +387,9 @@ def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(plain, tuned, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("sub", "prefetch"), [(32, 1), (64, 2), (64, 1), (128, 1), (128, 2)])
+@pytest.mark.parametrize(
+    ("sub", "prefetch"), [(32, 1), (64, 2), (64, 1), (128, 1), (128, 2), (64, 0), (128, 0)]
+)
 def test_other_launch_configs(monkeypatch: pytest.MonkeyPatch, sub: int, prefetch: int) -> None:
     """The configs the GPU autotuner may pick (SUB, prefetch depth) meet the same tolerance."""
     from kvarn_kernels.attention import launch
@@ -442,3 +444,15 @@ def test_empty_padding_rows_give_zeros() -> None:
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     want = reference_attention(q[:1].numpy(), batch.refs[0], 0.125)
     assert_close_rms(want, out[:1].numpy(), TOL[torch.float32])
+
+
+def test_launch_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_kernels.attention.launch import launch_override
+
+    monkeypatch.setenv("KVARN_KERNELS_ATTN_LAUNCH", "SUB=64, PREFETCH=0,num_warps=2")
+    assert launch_override() == {"SUB": 64, "PREFETCH": 0, "num_warps": 2}
+    monkeypatch.setenv("KVARN_KERNELS_ATTN_LAUNCH", "SUB=64,warps=2")
+    with pytest.raises(ValueError, match="KEY=INT with KEY in"):
+        launch_override()
+    monkeypatch.delenv("KVARN_KERNELS_ATTN_LAUNCH")
+    assert launch_override() == {}

@@ -27,7 +27,9 @@ __all__ = [
     "rint_f32",
     "round_to",
     "staging_rows",
+    "unpack_crumbs",
     "unpack_loaded",
+    "unpack_nibbles",
     "unpack_rows",
 ]
 
@@ -36,6 +38,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # runs NumPy's own functions through tl.exp/tl.log, and the magic-number rint is exact there.
 PRECISE_MATH = (not INTERPRET) and libdevice is not None
 _INTERP: tl.constexpr = tl.constexpr(INTERPRET)
+# PTX unpacking (unpack_nibbles / unpack_crumbs) on the GPU; KVARN_KERNELS_NO_ASM=1
+# falls back to the portable bit operations (same results), e.g. to rule the asm out.
+_ASM_UNPACK: tl.constexpr = tl.constexpr(
+    not INTERPRET and os.environ.get("KVARN_KERNELS_NO_ASM", "0") != "1"
+)
 
 
 @triton.jit
@@ -204,3 +211,119 @@ def staging_rows(pos, SG: tl.constexpr, SINK_ROWS: tl.constexpr):
         return tl.where(pos < SINK_ROWS, pos, SINK_ROWS + (pos - SINK_ROWS) % SG)
     else:
         return pos % SG
+
+
+# Unpacking on 32-bit words (GPU): four packed bytes per register; PRMT spreads two of them into
+# the 16-bit lanes, one AND/OR (a LOP3) per lane pair gives two fp16 values at once: 0x6400 is
+# 1024.0 and the code fills its mantissa, so each lane is exactly ``1024 + code``, and one packed
+# subtraction leaves the exact code.
+_NIBBLES_ASM = tl.constexpr(
+    """
+{
+.reg .b32 t0, t1, u0, u1, k;
+mov.b32 k, 0x64006400;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.u32 u0, t0, 4;
+shr.u32 u1, t1, 4;
+and.b32 t0, t0, 0x000F000F;
+and.b32 t1, t1, 0x000F000F;
+and.b32 u0, u0, 0x000F000F;
+and.b32 u1, u1, 0x000F000F;
+or.b32 t0, t0, k;
+or.b32 t1, t1, k;
+or.b32 u0, u0, k;
+or.b32 u1, u1, k;
+sub.f16x2 $0, t0, k;
+sub.f16x2 $1, t1, k;
+sub.f16x2 $2, u0, k;
+sub.f16x2 $3, u1, k;
+}
+"""
+)
+
+_CRUMBS_ASM = tl.constexpr(
+    """
+{
+.reg .b32 t0, t1, u0, u1, k;
+mov.b32 k, 0x64006400;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+and.b32 u0, t0, 0x00030003;
+and.b32 u1, t1, 0x00030003;
+or.b32 u0, u0, k;
+sub.f16x2 $0, u0, k;
+or.b32 u1, u1, k;
+sub.f16x2 $1, u1, k;
+shr.u32 u0, t0, 2;
+shr.u32 u1, t1, 2;
+and.b32 u0, u0, 0x00030003;
+and.b32 u1, u1, 0x00030003;
+or.b32 u0, u0, k;
+sub.f16x2 $2, u0, k;
+or.b32 u1, u1, k;
+sub.f16x2 $3, u1, k;
+shr.u32 u0, t0, 4;
+shr.u32 u1, t1, 4;
+and.b32 u0, u0, 0x00030003;
+and.b32 u1, u1, 0x00030003;
+or.b32 u0, u0, k;
+sub.f16x2 $4, u0, k;
+or.b32 u1, u1, k;
+sub.f16x2 $5, u1, k;
+shr.u32 u0, t0, 6;
+shr.u32 u1, t1, 6;
+and.b32 u0, u0, 0x00030003;
+and.b32 u1, u1, 0x00030003;
+or.b32 u0, u0, k;
+sub.f16x2 $6, u0, k;
+or.b32 u1, u1, k;
+sub.f16x2 $7, u1, k;
+}
+"""
+)
+
+
+@triton.jit
+def _codes_f16(codes):
+    """Small non-negative integer codes (int16, < 1024) to fp16, exactly (via ``1024 + code``)."""
+    return (codes | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def unpack_nibbles(raw):
+    """uint8 bytes -> ``(low nibble, high nibble)`` as fp16, elementwise."""
+    if not _ASM_UNPACK:
+        x = raw.to(tl.int16)
+        return _codes_f16(x & 15), _codes_f16(x >> 4)
+    else:
+        return tl.inline_asm_elementwise(
+            asm=_NIBBLES_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[raw],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+
+
+@triton.jit
+def unpack_crumbs(raw):
+    """uint8 bytes -> the four 2-bit fields (bits 0-1 first) as fp16, elementwise."""
+    if not _ASM_UNPACK:
+        x = raw.to(tl.int16)
+        return (
+            _codes_f16(x & 3),
+            _codes_f16((x >> 2) & 3),
+            _codes_f16((x >> 4) & 3),
+            _codes_f16(x >> 6),
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm=_CRUMBS_ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[raw],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )

@@ -29,7 +29,9 @@ from kvarn_kernels._triton import (
     load_packed,
     round_to,
     staging_rows,
+    unpack_crumbs,
     unpack_loaded,
+    unpack_nibbles,
 )
 
 __all__ = [
@@ -199,13 +201,6 @@ def _attend_step(
 
 
 @triton.jit
-def _as_f16(codes):
-    """Small non-negative integer codes (int16, < 1024) to fp16 without a conversion
-    instruction: 0x6400 is 1024.0 and the code fills its mantissa, so subtracting 1024 is exact."""
-    return (codes | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-
-
-@triton.jit
 def _load_step_phased(
     cache_u8_ptr,
     cache_f16_ptr,
@@ -238,15 +233,15 @@ def _load_step_phased(
     mm = tl.arange(0, NBK)
     nv = tl.arange(0, NBV)
     k_off = OFF_KC + part * NBK + d[:, None] * (G // 2) + mm[None, :]
-    k_raw = tl.load(u8 + k_off, mask=ok, other=0).to(tl.int16)  # [D, NBK]
+    k_raw = tl.load(u8 + k_off)  # [D, NBK] uint8
     k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
     k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
     even = part * SUB + 2 * mm
     k_tok0 = tl.load(f16 + OFF_KT // 2 + even, mask=ok, other=0.0)
     k_tok1 = tl.load(f16 + OFF_KT // 2 + even + 1, mask=ok, other=0.0)
     v_off = OFF_VC + even[:, None] * NBV + nv[None, :]
-    v_raw0 = tl.load(u8 + v_off, mask=ok, other=0).to(tl.int16)  # [NBK, NBV] rows 2m
-    v_raw1 = tl.load(u8 + v_off + NBV, mask=ok, other=0).to(tl.int16)  # rows 2m + 1
+    v_raw0 = tl.load(u8 + v_off)  # [NBK, NBV] uint8, rows 2m
+    v_raw1 = tl.load(u8 + v_off + NBV)  # rows 2m + 1
     v_scale0 = tl.load(f16 + OFF_VS // 2 + even, mask=ok, other=0.0)
     v_scale1 = tl.load(f16 + OFF_VS // 2 + even + 1, mask=ok, other=0.0)
     v_zero0 = tl.load(f16 + OFF_VZ // 2 + even, mask=ok, other=0.0)
@@ -279,9 +274,7 @@ def _load_step_phased(
 
 
 @triton.jit
-def _pv_dot(pn0, pn1, codes0, codes1, FP32: tl.constexpr):
-    c0 = _as_f16(codes0)
-    c1 = _as_f16(codes1)
+def _pv_dot(pn0, pn1, c0, c1, FP32: tl.constexpr):
     if FP32:
         return tl.dot(pn0, c0.to(tl.float32), input_precision="ieee") + tl.dot(
             pn1, c1.to(tl.float32), input_precision="ieee"
@@ -329,8 +322,7 @@ def _attend_step_phased(
     mm = tl.arange(0, NBK)
     qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
     bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
-    kc0 = _as_f16(k_raw & 15)  # [D, NBK] tokens 2m
-    kc1 = _as_f16(k_raw >> 4)  # tokens 2m + 1
+    kc0, kc1 = unpack_nibbles(k_raw)  # [D, NBK] fp16 codes: tokens 2m, 2m + 1
     if FP32:
         s0 = tl.dot(qn, kc0.to(tl.float32), input_precision="ieee")
         s1 = tl.dot(qn, kc1.to(tl.float32), input_precision="ieee")
@@ -354,15 +346,19 @@ def _attend_step_phased(
     pz = tl.sum(p0 * v_zero0.to(tl.float32)[None, :], axis=1)
     pz += tl.sum(p1 * v_zero1.to(tl.float32)[None, :], axis=1)
     if VALUE_BITS == 2:
-        t0 = _pv_dot(pn0, pn1, v_raw0 & 3, v_raw1 & 3, FP32)
-        t1 = _pv_dot(pn0, pn1, (v_raw0 >> 2) & 3, (v_raw1 >> 2) & 3, FP32)
-        t2 = _pv_dot(pn0, pn1, (v_raw0 >> 4) & 3, (v_raw1 >> 4) & 3, FP32)
-        t3 = _pv_dot(pn0, pn1, v_raw0 >> 6, v_raw1 >> 6, FP32)
+        a0, a1, a2, a3 = unpack_crumbs(v_raw0)
+        b0, b1, b2, b3 = unpack_crumbs(v_raw1)
+        t0 = _pv_dot(pn0, pn1, a0, b0, FP32)
+        t1 = _pv_dot(pn0, pn1, a1, b1, FP32)
+        t2 = _pv_dot(pn0, pn1, a2, b2, FP32)
+        t3 = _pv_dot(pn0, pn1, a3, b3, FP32)
         acc2 = acc2 * alpha[:, None] + (t2 + pz[:, None]) * v_chan2.to(tl.float32)[None, :]
         acc3 = acc3 * alpha[:, None] + (t3 + pz[:, None]) * v_chan3.to(tl.float32)[None, :]
     else:
-        t0 = _pv_dot(pn0, pn1, v_raw0 & 15, v_raw1 & 15, FP32)
-        t1 = _pv_dot(pn0, pn1, v_raw0 >> 4, v_raw1 >> 4, FP32)
+        a0, a1 = unpack_nibbles(v_raw0)
+        b0, b1 = unpack_nibbles(v_raw1)
+        t0 = _pv_dot(pn0, pn1, a0, b0, FP32)
+        t1 = _pv_dot(pn0, pn1, a1, b1, FP32)
     acc0 = acc0 * alpha[:, None] + (t0 + pz[:, None]) * v_chan0.to(tl.float32)[None, :]
     acc1 = acc1 * alpha[:, None] + (t1 + pz[:, None]) * v_chan1.to(tl.float32)[None, :]
     return m_new, l_i, acc0, acc1, acc2, acc3
@@ -375,16 +371,18 @@ def default_launch(
 
     SUB: a tile is walked in G / SUB steps; the unpacked codes of one step, [D, SUB] for K and
     [SUB, D] for V, live in registers.  Per-step work (layout conversions, reductions, the
-    query-side products) is largely fixed, so large steps cost the fewest instructions per byte
-    (sm_90 SASS of the D=128 decode loop: 2.5 warp-instructions per cache byte at SUB=32, 1.0
-    at SUB=128); D=256 halves SUB to stay in registers.  PREFETCH: steps loaded ahead.
+    query-side products) is largely fixed, so large steps cost the fewest instructions per byte;
+    D=256 halves SUB to stay in registers, and D=64 runs best at 64 (H200 sweep, 2026-11-30).
+    4 warps: the step's cross-warp reductions and operand staging cost barriers, and two CTAs
+    of 4 warps per SM ran the decode loop 1.7-1.9x faster than one of 8 (same sweep).
+    PREFETCH: steps loaded ahead into registers (0: none; the other CTA hides the latency).
     """
     if INTERPRET:
         return {"SUB": 32, "PREFETCH": 2, "num_warps": 4, "num_stages": 1}
-    sub = min(group_size, 128 if head_dim <= 128 else 64)
+    sub = min(group_size, 128 if head_dim == 128 else 64)
     if decode:
-        return {"SUB": sub, "PREFETCH": 1, "num_warps": 8, "num_stages": 1}
-    return {"SUB": min(sub, 64), "PREFETCH": 1, "num_warps": 8, "num_stages": 1}
+        return {"SUB": sub, "PREFETCH": 1, "num_warps": 4, "num_stages": 1}
+    return {"SUB": min(sub, 64), "PREFETCH": 1, "num_warps": 4, "num_stages": 1}
 
 
 def _configs() -> list[triton.Config]:
@@ -392,16 +390,14 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"SUB": 32, "PREFETCH": 2}, num_warps=4, num_stages=1)]
     cfg = triton.Config
     return [
-        cfg({"SUB": 128, "PREFETCH": 1}, num_warps=8, num_stages=1),
-        cfg({"SUB": 128, "PREFETCH": 2}, num_warps=8, num_stages=1),
         cfg({"SUB": 128, "PREFETCH": 1}, num_warps=4, num_stages=1),
-        # Two CTAs per SM (a few spills; lets one CTA compute while the other waits at a barrier)
-        cfg({"SUB": 128, "PREFETCH": 1}, num_warps=8, num_stages=1, maxnreg=128),
-        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=4, num_stages=1, maxnreg=128),
-        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=8, num_stages=1),
-        cfg({"SUB": 64, "PREFETCH": 2}, num_warps=8, num_stages=1),
+        cfg({"SUB": 128, "PREFETCH": 0}, num_warps=4, num_stages=1),
+        cfg({"SUB": 128, "PREFETCH": 0}, num_warps=2, num_stages=1),
+        cfg({"SUB": 128, "PREFETCH": 1}, num_warps=8, num_stages=1),
         cfg({"SUB": 64, "PREFETCH": 1}, num_warps=4, num_stages=1),
-        cfg({"SUB": 32, "PREFETCH": 2}, num_warps=8, num_stages=1, maxnreg=128),
+        cfg({"SUB": 64, "PREFETCH": 0}, num_warps=4, num_stages=1),
+        cfg({"SUB": 64, "PREFETCH": 0}, num_warps=2, num_stages=1),
+        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=4, num_stages=1, maxnreg=128),
         cfg({"SUB": 32, "PREFETCH": 2}, num_warps=4, num_stages=1),
     ]
 
@@ -540,7 +536,65 @@ def attention_partial_kernel(
             acc1 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             acc3 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
-            ok = cq0 < c_end
+            if PREFETCH == 0:
+                # No software prefetch: the packed words go straight from the loads to the
+                # unpacking, and the other CTAs of the SM hide the latency.
+                for c in range(cq0, c_end):
+                    blkc = tl.load(bt_row + c // PARTS)
+                    (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
+                        _load_step_phased(
+                            cache_u8_ptr,
+                            cache_f16_ptr,
+                            blkc,
+                            head_off,
+                            c % PARTS,
+                            True,
+                            G,
+                            D,
+                            SUB,
+                            VALUE_BITS,
+                            OFF_KC,
+                            OFF_KS,
+                            OFF_KZ,
+                            OFF_KT,
+                            OFF_VC,
+                            OFF_VCS,
+                            OFF_VS,
+                            OFF_VZ,
+                        )
+                    )
+                    m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
+                        qs,
+                        q_amax,
+                        qpos,
+                        window,
+                        c,
+                        m_i,
+                        l_i,
+                        acc0,
+                        acc1,
+                        acc2,
+                        acc3,
+                        kr,
+                        ks,
+                        kz,
+                        kt0,
+                        kt1,
+                        vr0,
+                        vr1,
+                        vs0,
+                        vs1,
+                        vz0,
+                        vz1,
+                        vc0,
+                        vc1,
+                        vc2,
+                        vc3,
+                        SUB,
+                        VALUE_BITS,
+                        FP32,
+                    )
+            ok = (cq0 < c_end) & (PREFETCH > 0)
             blk = tl.load(bt_row + cq0 // PARTS, mask=ok, other=0)
             (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
                 _load_step_phased(
@@ -565,7 +619,7 @@ def attention_partial_kernel(
                 )
             )
             blk1 = tl.load(bt_row + (cq0 + 1) // PARTS, mask=cq0 + 1 < c_end, other=0)
-            for c in range(cq0, c_end):
+            for c in range(cq0, tl.where(PREFETCH > 0, c_end, cq0)):
                 (
                     nkr,
                     nks,

@@ -42,6 +42,28 @@ def autotune_enabled() -> bool:
     return os.environ.get("KVARN_KERNELS_AUTOTUNE", "0") == "1"
 
 
+_LAUNCH_KEYS = ("SUB", "PREFETCH", "num_warps", "num_stages", "maxnreg")
+
+
+def launch_override() -> dict[str, int]:
+    """``KVARN_KERNELS_ATTN_LAUNCH="SUB=128,PREFETCH=0,num_warps=4"``: fixed launch parameters
+    for the untuned kernel (for measurements; an engine leaves it unset)."""
+    raw = os.environ.get("KVARN_KERNELS_ATTN_LAUNCH", "").strip()
+    if not raw:
+        return {}
+    out: dict[str, int] = {}
+    for item in raw.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in _LAUNCH_KEYS or not value.strip().isdigit():
+            raise ValueError(
+                f"KVARN_KERNELS_ATTN_LAUNCH must be comma-separated KEY=INT with KEY in "
+                f"{_LAUNCH_KEYS}, got {raw!r}"
+            )
+        out[key] = int(value)
+    return out
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -168,6 +190,9 @@ def _run(
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if kv_cache.shape[0] == 0:
+        # The kernel may prefetch block 0 (unused) past a sequence's last tile: give it one.
+        kv_cache = torch.zeros((1, *kv_cache.shape[1:]), dtype=torch.uint8, device=query.device)
     sink_rows = 0 if sink_lens is None else g
     max_chunks = block_table.shape[1] + staging.shape[2] // g
     if num_splits is None:
@@ -195,7 +220,13 @@ def _run(
     if autotune_enabled():
         kernel, launch = attention_partial_kernel_autotuned, {}
     else:
-        kernel, launch = attention_partial_kernel, default_launch(decode, d, g)
+        kernel, launch = (
+            attention_partial_kernel,
+            {
+                **default_launch(decode, d, g),
+                **launch_override(),
+            },
+        )
     kernel[grid](
         query,
         query.stride(0),
