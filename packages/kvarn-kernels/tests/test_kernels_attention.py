@@ -361,6 +361,8 @@ class TestGuards:
             kk.decode_attention(**self._args(), sliding_window=0)
         with pytest.raises(ValueError, match="num_splits"):
             kk.decode_attention(**self._args(), num_splits=0)
+        with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 64\]"):
+            kk.decode_attention(**self._args(), num_splits=65)
 
 
 def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:

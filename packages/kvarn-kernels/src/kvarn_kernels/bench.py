@@ -423,7 +423,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         contexts = [4096, 16384] if quick else [4096, 16384, 65536]
         store_batch = 256
     presets = args.presets
-    if not args.no_autotune:
+    if args.autotune:
         # Read at every launch (kvarn_kernels.attention.launch.autotune_enabled).
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "1"
     t0 = time.time()
@@ -610,7 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", nargs="+", default=["kvarn_k4v2_g128"])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
     parser.add_argument(
-        "--no-autotune", action="store_true", help="attention with its default config only"
+        "--autotune",
+        action="store_true",
+        help="autotune the attention kernel (it tunes once per shape constants, at the first "
+        "batch and context it meets; default: the untuned defaults an engine runs)",
     )
     parser.add_argument(
         "--sweep",

@@ -367,22 +367,24 @@ def _attend_step_phased(
 def default_launch(
     decode: bool = True, head_dim: int = 128, group_size: int = 128
 ) -> dict[str, int]:
-    """Launch parameters of the untuned kernel.
+    """Launch parameters of the untuned kernel (what an engine running CUDA graphs gets).
 
-    SUB: a tile is walked in G / SUB steps; the unpacked codes of one step, [D, SUB] for K and
-    [SUB, D] for V, live in registers.  Per-step work (layout conversions, reductions, the
-    query-side products) is largely fixed, so large steps cost the fewest instructions per byte;
-    D=256 halves SUB to stay in registers, and D=64 runs best at 64 (H200 sweep, 2026-11-30).
-    4 warps: the step's cross-warp reductions and operand staging cost barriers, and two CTAs
-    of 4 warps per SM ran the decode loop 1.7-1.9x faster than one of 8 (same sweep).
-    PREFETCH: steps loaded ahead into registers (0: none; the other CTA hides the latency).
+    Chosen from an H200 sweep of every config (``python -m kvarn_kernels.bench --sweep``,
+    2026-11-30, docs/kernels.md): for decode, whole tiles per step (SUB = G up to 128), no
+    register prefetch (PREFETCH=0: the packed words go straight from the loads to the unpacking,
+    no spills; the other resident CTAs hide the latency) and few warps, since each step's
+    cross-warp reductions and operand staging cost barriers: 4 warps at head_dim 128 (808 GB/s
+    at batch 64, 16K context, against 413 with 8 warps and prefetch), 2 at head_dim 64 (552
+    against 124). head_dim 256 halves SUB to stay in registers (not swept).
+    Multi-query blocks (up to 64 rows) keep the earlier 8 warps and one step of prefetch.
     """
     if INTERPRET:
         return {"SUB": 32, "PREFETCH": 2, "num_warps": 4, "num_stages": 1}
-    sub = min(group_size, 128 if head_dim == 128 else 64)
+    sub = min(group_size, 128 if head_dim <= 128 else 64)
     if decode:
-        return {"SUB": sub, "PREFETCH": 1, "num_warps": 4, "num_stages": 1}
-    return {"SUB": min(sub, 64), "PREFETCH": 1, "num_warps": 4, "num_stages": 1}
+        warps = 2 if head_dim <= 64 else 4
+        return {"SUB": sub, "PREFETCH": 0, "num_warps": warps, "num_stages": 1}
+    return {"SUB": min(sub, 64), "PREFETCH": 1, "num_warps": 8, "num_stages": 1}
 
 
 def _configs() -> list[triton.Config]:

@@ -197,8 +197,8 @@ def _run(
     max_chunks = block_table.shape[1] + staging.shape[2] // g
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
-        raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits!r}")
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     group = num_q_heads // num_kv_heads
     block_h = _next_pow2(group)
     decode = query_start_loc is None
@@ -291,7 +291,8 @@ def _run(
         D=d,
         GROUP=group,
         BLOCK_H=block_h,
-        BLOCK_S=_next_pow2(num_splits),
+        # One compiled combine kernel whatever the split count (a varying batch changes it).
+        BLOCK_S=_next_pow2(_MAX_SPLITS),
         DECODE=decode,
         num_warps=4,
     )
