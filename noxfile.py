@@ -1,6 +1,7 @@
 """Development sessions for the kvarn monorepo.
 
     nox -s tests      CPU tests of every package (Triton kernels in the interpreter)
+    nox -s kernels    kvarn-kernels alone, as a kernels-only install has it (no vLLM)
     nox -s math       kvarn-math alone, numpy only (fast)
     nox -s lint       ruff
     nox -s types      mypy (strict on kvarn-math)
@@ -20,7 +21,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "lint", "types", "docs"]
+nox.options.sessions = ["tests", "kernels", "lint", "types", "docs"]
 
 ROOT = Path(__file__).parent
 PACKAGES = ROOT / "packages"
@@ -60,6 +61,28 @@ def tests(session: nox.Session) -> None:
         return
     for package in (MATH, KERNELS, VLLM, EVAL):
         session.run("pytest", *common, f"{package}/tests")
+
+
+@nox.session(python="3.11")
+def kernels(session: nox.Session) -> None:
+    """A kernels-only install (torch, triton, kvarn-math, kvarn-kernels; no vLLM) and its tests."""
+    # Triton 3.6's interpreter converts 1-element arrays to Python scalars, an error since
+    # numpy 2.4 (the GPU path is unaffected); vLLM's pins keep the tests session below it.
+    session.install(
+        "torch==2.11.0", "triton==3.6.0", "numpy<2.4", *TEST_TOOLS, "-e", f"{MATH}[testing]"
+    )
+    session.install("-e", KERNELS)
+    session.run(
+        "python",
+        "-c",
+        "import importlib.util, sys; import kvarn_kernels; "
+        "sys.exit('vllm must not be installed here' if importlib.util.find_spec('vllm') else 0)",
+    )
+    session.env.update(
+        {"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci", "CUDA_VISIBLE_DEVICES": ""}
+    )
+    common = ["-m", "not gpu", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
+    session.run("pytest", *common, f"{KERNELS}/tests", *session.posargs)
 
 
 @nox.session(python="3.11")
