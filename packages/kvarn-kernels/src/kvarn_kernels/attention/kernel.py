@@ -207,7 +207,6 @@ def _load_step_phased(
     block,
     head_off,
     part,
-    ok,
     G: tl.constexpr,
     D: tl.constexpr,
     SUB: tl.constexpr,
@@ -221,8 +220,9 @@ def _load_step_phased(
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
 ):
-    """Loads of one step for 4-bit keys, split by token parity (the two nibbles of a key byte
-    are tokens 2m and 2m+1), and value channel scales split by channel phase."""
+    """Loads of one step (part ``part`` of the tile in ``block``) for 4-bit keys, split by
+    token parity (the two nibbles of a key byte are tokens 2m and 2m+1), and value channel
+    scales split by channel phase."""
     NBK: tl.constexpr = SUB // 2
     PV: tl.constexpr = 8 // VALUE_BITS
     NBV: tl.constexpr = D // PV  # bytes per value row == channels per phase
@@ -234,23 +234,23 @@ def _load_step_phased(
     nv = tl.arange(0, NBV)
     k_off = OFF_KC + part * NBK + d[:, None] * (G // 2) + mm[None, :]
     k_raw = tl.load(u8 + k_off)  # [D, NBK] uint8
-    k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
-    k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
+    k_scale = tl.load(f16 + OFF_KS // 2 + d)
+    k_zero = tl.load(f16 + OFF_KZ // 2 + d)
     even = part * SUB + 2 * mm
-    k_tok0 = tl.load(f16 + OFF_KT // 2 + even, mask=ok, other=0.0)
-    k_tok1 = tl.load(f16 + OFF_KT // 2 + even + 1, mask=ok, other=0.0)
+    k_tok0 = tl.load(f16 + OFF_KT // 2 + even)
+    k_tok1 = tl.load(f16 + OFF_KT // 2 + even + 1)
     v_off = OFF_VC + even[:, None] * NBV + nv[None, :]
     v_raw0 = tl.load(u8 + v_off)  # [NBK, NBV] uint8, rows 2m
     v_raw1 = tl.load(u8 + v_off + NBV)  # rows 2m + 1
-    v_scale0 = tl.load(f16 + OFF_VS // 2 + even, mask=ok, other=0.0)
-    v_scale1 = tl.load(f16 + OFF_VS // 2 + even + 1, mask=ok, other=0.0)
-    v_zero0 = tl.load(f16 + OFF_VZ // 2 + even, mask=ok, other=0.0)
-    v_zero1 = tl.load(f16 + OFF_VZ // 2 + even + 1, mask=ok, other=0.0)
-    v_chan0 = tl.load(f16 + OFF_VCS // 2 + PV * nv, mask=ok, other=0.0)
-    v_chan1 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 1, mask=ok, other=0.0)
+    v_scale0 = tl.load(f16 + OFF_VS // 2 + even)
+    v_scale1 = tl.load(f16 + OFF_VS // 2 + even + 1)
+    v_zero0 = tl.load(f16 + OFF_VZ // 2 + even)
+    v_zero1 = tl.load(f16 + OFF_VZ // 2 + even + 1)
+    v_chan0 = tl.load(f16 + OFF_VCS // 2 + PV * nv)
+    v_chan1 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 1)
     if PV == 4:
-        v_chan2 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 2, mask=ok, other=0.0)
-        v_chan3 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 3, mask=ok, other=0.0)
+        v_chan2 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 2)
+        v_chan3 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 3)
     else:
         v_chan2 = v_chan0
         v_chan3 = v_chan1
@@ -375,14 +375,17 @@ def default_launch(
     no spills; the other resident CTAs hide the latency) and few warps, since each step's
     cross-warp reductions and operand staging cost barriers: 4 warps at head_dim 128 (808 GB/s
     at batch 64, 16K context, against 413 with 8 warps and prefetch), 2 at head_dim 64 (552
-    against 124). head_dim 256 halves SUB to stay in registers (not swept).
+    against 124). head_dim 256 (not swept) halves SUB and keeps 8 warps, to stay in registers
+    (with 4 it spills).
     Multi-query blocks (up to 64 rows) keep the earlier 8 warps and one step of prefetch.
+    PREFETCH (steps loaded ahead into registers) applies to the generic path only (0 means 1
+    there); the 4-bit-key path never prefetches.
     """
     if INTERPRET:
         return {"SUB": 32, "PREFETCH": 2, "num_warps": 4, "num_stages": 1}
     sub = min(group_size, 128 if head_dim <= 128 else 64)
     if decode:
-        warps = 2 if head_dim <= 64 else 4
+        warps = 2 if head_dim <= 64 else 4 if head_dim <= 128 else 8
         return {"SUB": sub, "PREFETCH": 0, "num_warps": warps, "num_stages": 1}
     return {"SUB": min(sub, 64), "PREFETCH": 1, "num_warps": 8, "num_stages": 1}
 
@@ -538,127 +541,32 @@ def attention_partial_kernel(
             acc1 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             acc2 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             acc3 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
-            if PREFETCH == 0:
-                # No software prefetch: the packed words go straight from the loads to the
-                # unpacking, and the other CTAs of the SM hide the latency.
-                for c in range(cq0, c_end):
-                    blkc = tl.load(bt_row + c // PARTS)
-                    (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
-                        _load_step_phased(
-                            cache_u8_ptr,
-                            cache_f16_ptr,
-                            blkc,
-                            head_off,
-                            c % PARTS,
-                            True,
-                            G,
-                            D,
-                            SUB,
-                            VALUE_BITS,
-                            OFF_KC,
-                            OFF_KS,
-                            OFF_KZ,
-                            OFF_KT,
-                            OFF_VC,
-                            OFF_VCS,
-                            OFF_VS,
-                            OFF_VZ,
-                        )
-                    )
-                    m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
-                        qs,
-                        q_amax,
-                        qpos,
-                        window,
-                        c,
-                        m_i,
-                        l_i,
-                        acc0,
-                        acc1,
-                        acc2,
-                        acc3,
-                        kr,
-                        ks,
-                        kz,
-                        kt0,
-                        kt1,
-                        vr0,
-                        vr1,
-                        vs0,
-                        vs1,
-                        vz0,
-                        vz1,
-                        vc0,
-                        vc1,
-                        vc2,
-                        vc3,
+            # No software prefetch here (the H200 sweep: faster, and no spills): the packed
+            # words go straight from the loads to the unpacking, and the other resident CTAs
+            # hide the latency.  PREFETCH applies to the generic path only.
+            for c in range(cq0, c_end):
+                blkc = tl.load(bt_row + c // PARTS)
+                (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
+                    _load_step_phased(
+                        cache_u8_ptr,
+                        cache_f16_ptr,
+                        blkc,
+                        head_off,
+                        c % PARTS,
+                        G,
+                        D,
                         SUB,
                         VALUE_BITS,
-                        FP32,
+                        OFF_KC,
+                        OFF_KS,
+                        OFF_KZ,
+                        OFF_KT,
+                        OFF_VC,
+                        OFF_VCS,
+                        OFF_VS,
+                        OFF_VZ,
                     )
-            ok = (cq0 < c_end) & (PREFETCH > 0)
-            blk = tl.load(bt_row + cq0 // PARTS, mask=ok, other=0)
-            (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
-                _load_step_phased(
-                    cache_u8_ptr,
-                    cache_f16_ptr,
-                    blk,
-                    head_off,
-                    cq0 % PARTS,
-                    ok,
-                    G,
-                    D,
-                    SUB,
-                    VALUE_BITS,
-                    OFF_KC,
-                    OFF_KS,
-                    OFF_KZ,
-                    OFF_KT,
-                    OFF_VC,
-                    OFF_VCS,
-                    OFF_VS,
-                    OFF_VZ,
                 )
-            )
-            blk1 = tl.load(bt_row + (cq0 + 1) // PARTS, mask=cq0 + 1 < c_end, other=0)
-            for c in range(cq0, tl.where(PREFETCH > 0, c_end, cq0)):
-                (
-                    nkr,
-                    nks,
-                    nkz,
-                    nkt0,
-                    nkt1,
-                    nvr0,
-                    nvr1,
-                    nvs0,
-                    nvs1,
-                    nvz0,
-                    nvz1,
-                    nvc0,
-                    nvc1,
-                    nvc2,
-                    nvc3,
-                ) = _load_step_phased(
-                    cache_u8_ptr,
-                    cache_f16_ptr,
-                    blk1,
-                    head_off,
-                    (c + 1) % PARTS,
-                    c + 1 < c_end,
-                    G,
-                    D,
-                    SUB,
-                    VALUE_BITS,
-                    OFF_KC,
-                    OFF_KS,
-                    OFF_KZ,
-                    OFF_KT,
-                    OFF_VC,
-                    OFF_VCS,
-                    OFF_VS,
-                    OFF_VZ,
-                )
-                blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
                     qs,
                     q_amax,
@@ -690,9 +598,6 @@ def attention_partial_kernel(
                     VALUE_BITS,
                     FP32,
                 )
-                kr, ks, kz, kt0, kt1 = nkr, nks, nkz, nkt0, nkt1
-                vr0, vr1, vs0, vs1, vz0, vz1 = nvr0, nvr1, nvs0, nvs1, nvz0, nvz1
-                vc0, vc1, vc2, vc3 = nvc0, nvc1, nvc2, nvc3
             # Channel d = PV * n + phase: interleave the phase accumulators once.
             if VALUE_BITS == 2:
                 acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_M, D])

@@ -190,9 +190,6 @@ def _run(
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if kv_cache.shape[0] == 0:
-        # The kernel may prefetch block 0 (unused) past a sequence's last tile: give it one.
-        kv_cache = torch.zeros((1, *kv_cache.shape[1:]), dtype=torch.uint8, device=query.device)
     sink_rows = 0 if sink_lens is None else g
     max_chunks = block_table.shape[1] + staging.shape[2] // g
     if num_splits is None:
