@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch):
+@pytest.mark.parametrize("dense_context", [False, True])
+def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_context):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import AttentionCGSupport
@@ -160,9 +161,27 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch):
             )
             err = float((out[i : i + 1].float() - ref).norm() / ref.norm())
             assert err < 0.02, (li, r, err)
-    # One tensor, two groups: group 0 quantized its tile into block 3, group 1 into block 13
-    # (the sink's record is still written, for prefix-cache hits); nothing else was written
-    # (tiles are complete only for the 100-token request).
+    # A chunked-prefill continuation (69 tokens after 101 cached: a context row) beside a
+    # decode row, through multi_query_attention or (KVARN_VLLM_DENSE_CONTEXT=1) the dense path:
+    # dequantized tiles, the exact first tile and staging, attended in torch here (no GPU).
+    from kvarn_vllm import impl as kimpl
+
+    monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "1" if dense_context else "0")
+    outs = step([2, 0], [101, 41], [69, 1])
+    for li, (q, out, meta) in enumerate(outs):
+        window = 96 if li == 1 else None
+        assert meta.context is not None
+        assert kimpl._use_dense_context(meta.context) == dense_context
+        k, v = history[(li, 2)]
+        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
+        ref = torch.from_numpy(
+            reference_attention(q[:69].float().numpy(), seq, D**-0.5, sliding_window=window)
+        )
+        err = float((out[:69].float() - ref).norm() / ref.norm())
+        assert err < 0.02, (li, "context", err)
+    # One tensor, two groups: group 0 quantized the 170-token request's two tiles into blocks 3
+    # and 4, group 1 into 13 and 14 (the sink's record too, for prefix-cache hits); nothing else
+    # was written (the 41-token request has no complete tile).
     assert kv_caches[names[0]].data_ptr() == kv_caches[names[1]].data_ptr()
     written = [b for b in range(num_blocks) if kv_caches[names[0]][b].any()]
-    assert written == [3, 13]
+    assert written == [3, 4, 13, 14]  # the continuation completed each group's second tile

@@ -19,6 +19,7 @@ never capped below what the user asked for.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from kvarn_vllm import compat
@@ -206,7 +207,9 @@ def _make_impl_class() -> type:
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
-            if md.context is not None:
+            if md.context is not None and _use_dense_context(md.context):
+                self._context_dense(md.context, query, kv_cache, staging, output, n)
+            elif md.context is not None:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
                 res = kernels.multi_query_attention(
@@ -228,6 +231,78 @@ def _make_impl_class() -> type:
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
             return output
+
+        def _context_dense(self, g, query, kv_cache, staging, output, n):
+            """Chunks after cached tokens through dense attention (opt-in, see
+            ``KVARN_VLLM_DENSE_CONTEXT``): each row's cache is dequantized once into the
+            model dtype (tile 0 from the sink rows where the row keeps it exact, open tiles
+            from staging), in the rotated frame, and attended by FlashAttention's varlen kernel
+            with the rotated queries; the output is un-rotated. Rows are short on the host
+            side (a prefill step has few), so the gathering is a loop over rows."""
+            h = g.host
+            preset, gsize = self.preset, self.preset.group_size
+            q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+            q_rot = kernels.rotate(q)
+            ks, vs = [], []
+            ring = staging.shape[2] - self.config.sink_rows
+            base = self.config.sink_rows
+            for i in range(len(h["seq_lens"])):
+                seq_len, quant = int(h["seq_lens"][i]), int(h["quantized_lens"][i])
+                slot = int(h["staging_slots"][i])
+                if quant:
+                    blocks = g.block_table[i, : quant // gsize].contiguous()
+                    k_t, v_t = kernels.dequantize(
+                        kv_cache, blocks, preset, self.head_size, dtype=q.dtype
+                    )
+                    if int(h["sink_lens"][i]) and base:
+                        k_t[:gsize] = staging[slot, 0, :gsize]
+                        v_t[:gsize] = staging[slot, 1, :gsize]
+                    ks.append(k_t)
+                    vs.append(v_t)
+                pos = torch.arange(quant, seq_len, device=q.device)
+                rows = torch.where(pos < base, pos, base + (pos - base) % ring)
+                ks.append(staging[slot, 0].index_select(0, rows))
+                vs.append(staging[slot, 1].index_select(0, rows))
+            k = torch.cat(ks)
+            v = torch.cat(vs)
+            kv_lens = torch.as_tensor(h["seq_lens"], dtype=torch.int32)
+            cu_k = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32)
+            torch.cumsum(kv_lens, 0, out=cu_k[1:])
+            o_rot = torch.empty_like(q_rot)
+            window = self.sliding_window
+            flash = _flash_prefill(self.head_size)
+            if flash is not None:
+                flash_fn, fa_version = flash
+                flash_fn(
+                    q_rot,
+                    k,
+                    v,
+                    max_seqlen_q=g.max_query_len,
+                    cu_seqlens_q=g.query_start_loc,
+                    max_seqlen_k=int(kv_lens.max()),
+                    cu_seqlens_k=cu_k.to(q.device),
+                    softmax_scale=self.scale,
+                    causal=True,
+                    window_size=None if window is None else [window - 1, 0],
+                    out=o_rot,
+                    fa_version=fa_version,
+                )
+            else:
+                exact_causal_attention(
+                    q_rot,
+                    k,
+                    v,
+                    o_rot,
+                    g.query_start_loc_host,
+                    self.scale,
+                    window,
+                    kv_start_loc=cu_k.tolist(),
+                )
+            res = kernels.unrotate(o_rot)
+            if g.token_index is None:
+                output[:n].copy_(res)
+            else:
+                output.index_copy_(0, g.token_index, res)
 
         def _fresh(self, g, query, key, value, output, n):
             """Exact causal attention of a first chunk over its own K/V (original frame)."""
@@ -298,6 +373,19 @@ def _make_impl_class() -> type:
 
 _PREFILL: dict[str, Any] = {}
 
+DENSE_CONTEXT_ENV = "KVARN_VLLM_DENSE_CONTEXT"
+DENSE_CONTEXT_MIN_QUERY = 64
+
+
+def _use_dense_context(group: Any) -> bool:
+    """Whether a context group goes through :meth:`_context_dense`: only when
+    ``KVARN_VLLM_DENSE_CONTEXT=1`` (experimental, not yet measured on a GPU), the host knows
+    the rows' lengths exactly (no speculative decoding) and some row brings at least
+    ``DENSE_CONTEXT_MIN_QUERY`` query tokens (a chunked-prefill continuation, not a verify)."""
+    if os.environ.get(DENSE_CONTEXT_ENV, "0") != "1":
+        return False
+    return group.host is not None and group.max_query_len >= DENSE_CONTEXT_MIN_QUERY
+
 
 def _flash_prefill(head_size: int) -> tuple[Any, int] | None:
     """FlashAttention for exact prefill, decided once per process and logged once.
@@ -323,27 +411,33 @@ def exact_causal_attention(
     query_start_loc: Any,
     scale: float,
     sliding_window: int | None = None,
+    kv_start_loc: Any = None,
 ) -> Any:
-    """Causal attention of each sequence over its own tokens, in torch (reference path).
+    """Causal attention of each sequence's queries over its keys, in torch (reference path).
 
-    Used where vLLM's Triton kernels are unavailable (vLLM without a GPU driver), and by
-    the tests. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``, ``query_start_loc`` host
-    ints ``[B+1]``; writes ``out`` ``[T, Hq, D]``.
+    Used where vLLM's Triton kernels or FlashAttention are unavailable (vLLM without a GPU
+    driver), and by the tests. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[S, Hkv, D]``,
+    ``query_start_loc`` host ints ``[B+1]``; ``kv_start_loc`` host ints ``[B+1]`` (default:
+    ``query_start_loc``, each sequence's queries over its own tokens); a sequence's queries
+    are its last positions. Writes ``out`` ``[T, Hq, D]``.
     """
     import torch
 
     group = q.shape[1] // k.shape[1]
+    kv_loc = query_start_loc if kv_start_loc is None else kv_start_loc
     for b in range(len(query_start_loc) - 1):
         lo, hi = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        klo, khi = int(kv_loc[b]), int(kv_loc[b + 1])
         if hi <= lo:
             continue
         qb = q[lo:hi].transpose(0, 1).float()
-        kb = k[lo:hi].transpose(0, 1).float().repeat_interleave(group, 0)
-        vb = v[lo:hi].transpose(0, 1).float().repeat_interleave(group, 0)
-        pos = torch.arange(hi - lo, device=q.device)
-        allowed = pos[:, None] >= pos[None, :]
+        kb = k[klo:khi].transpose(0, 1).float().repeat_interleave(group, 0)
+        vb = v[klo:khi].transpose(0, 1).float().repeat_interleave(group, 0)
+        qpos = torch.arange(hi - lo, device=q.device) + (khi - klo) - (hi - lo)
+        kpos = torch.arange(khi - klo, device=q.device)
+        allowed = qpos[:, None] >= kpos[None, :]
         if sliding_window is not None:
-            allowed &= pos[:, None] - pos[None, :] < sliding_window
+            allowed &= qpos[:, None] - kpos[None, :] < sliding_window
         scores = (qb @ kb.transpose(1, 2)) * scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[lo:hi] = (scores.softmax(-1) @ vb).transpose(0, 1).to(out.dtype)

@@ -12,12 +12,15 @@ from types import ModuleType
 __all__ = [
     "allocate_staging",
     "decode_attention",
+    "dequantize",
     "kernels_module",
     "multi_query_attention",
     "plan_store",
     "plan_store_device",
+    "rotate",
     "staging_bytes",
     "store_kv",
+    "unrotate",
 ]
 
 _REQUIRED = (
@@ -28,6 +31,9 @@ _REQUIRED = (
     "multi_query_attention",
     "allocate_staging",
     "staging_bytes",
+    "dequantize",
+    "rotate",
+    "unrotate",
 )
 
 
@@ -87,3 +93,18 @@ def allocate_staging(*args, **kwargs):
 def staging_bytes(*args, **kwargs):
     """``kvarn_kernels.staging_bytes``."""
     return kernels_module().staging_bytes(*args, **kwargs)
+
+
+def dequantize(*args, **kwargs):
+    """``kvarn_kernels.dequantize`` (dense-context prefill)."""
+    return kernels_module().dequantize(*args, **kwargs)
+
+
+def rotate(*args, **kwargs):
+    """``kvarn_kernels.rotate``."""
+    return kernels_module().rotate(*args, **kwargs)
+
+
+def unrotate(*args, **kwargs):
+    """``kvarn_kernels.unrotate``."""
+    return kernels_module().unrotate(*args, **kwargs)

@@ -252,6 +252,9 @@ class RowGroup:
         query_start_loc_host: ``[n + 1]`` int32 NumPy copy of ``query_start_loc``.
         sink_lens: ``[n]`` int32 (``G`` where the exact first tile is in staging), or None
             when the cache keeps no sink.
+        host: NumPy copies of ``seq_lens``, ``quantized_lens``, ``sink_lens`` and
+            ``staging_slots`` where the host knows them exactly (no speculative decoding),
+            else None.
     """
 
     rows: Any
@@ -266,6 +269,7 @@ class RowGroup:
     num_tokens: int
     query_start_loc_host: Any = None
     sink_lens: Any = None
+    host: dict[str, Any] | None = None
 
 
 @dataclass
@@ -575,6 +579,16 @@ def _make_builder_class() -> type:
                     query_start_loc_host=sub_qsl,
                     sink_lens=None if dev_sink is None else dev_sink[dev_rows],
                 )
+            if not on_device:
+                for kind, (rows, *_rest) in group_hosts.items():
+                    group = groups[kind]
+                    if group is not None:
+                        group.host = {
+                            "seq_lens": seq_lens[rows],
+                            "quantized_lens": quantized[rows],
+                            "sink_lens": sink_lens[rows],
+                            "staging_slots": slots[rows],
+                        }
             return KvarnMetadata(
                 num_reqs=num_reqs,
                 num_actual_tokens=int(cam.num_actual_tokens),
