@@ -429,7 +429,8 @@ def _runner(args: argparse.Namespace, out: Path):
     return run
 
 
-def _smoke_model(args: argparse.Namespace) -> Path:
+def smoke_model(args: argparse.Namespace) -> Path:
+    """``--model``, or SmolLM2 converted once from ``--gguf`` (default: the GPU machine's file)."""
     if args.model:
         return Path(args.model)
     gguf = (
@@ -441,7 +442,7 @@ def _smoke_model(args: argparse.Namespace) -> Path:
 
 
 def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
-    model = _smoke_model(args)
+    model = smoke_model(args)
     run = _runner(args, out)
     prompts = make_prompts(args.num_prompts)
     base = dict(
@@ -780,7 +781,7 @@ def serve_command(
 
 
 def phase_server(args: argparse.Namespace, out: Path) -> bool:
-    model = str(_smoke_model(args))
+    model = str(smoke_model(args))
     results: dict[str, Any] = {}
     ok = True
     for kv in args.server_dtypes:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -45,11 +44,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_smoke import (
-    GGUF_NAME,
     _free,
     compare_outputs,
-    convert_gguf,
     environment,
+    smoke_model,
 )
 
 KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
@@ -306,17 +304,6 @@ def _phase(
     return all(r.get("ok") for r in runs.values())
 
 
-def _model(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model)
-    gguf = (
-        Path(args.gguf) if args.gguf else Path(os.environ.get("KVARN_GPU_FILES", ".")) / GGUF_NAME
-    )
-    if not gguf.exists():
-        raise SystemExit(f"GGUF not found at {gguf}; pass --gguf or --model")
-    return convert_gguf(gguf, Path(args.converted_dir))
-
-
 def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
     """Real weights; no speculation vs n-gram, for bf16 and the kvarn presets (item 2/4)."""
     base = {
@@ -327,13 +314,13 @@ def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
         "max_num_seqs": 128,
     }
     prompts = make_repetitive_prompts(args.num_prompts)
-    model = _model(args)
+    model = smoke_model(args)
     return _phase(args, out, "agreement", model, ("ngram",), None, base, prompts, args.max_tokens)
 
 
 def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
     """Dummy weights; no speculation vs a dummy one-layer EAGLE draft (kvarn serves EAGLE)."""
-    model = _model(args)
+    model = smoke_model(args)
     draft = eagle_draft_dir(model, out / "eagle-draft")
     base = {
         "enforce_eager": True,
@@ -349,7 +336,7 @@ def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
 
 def phase_stress(args: argparse.Namespace, out: Path) -> bool:
     """Dummy target + dummy EAGLE draft, CUDA graphs, prefix caching, thousands of steps."""
-    model = _model(args)
+    model = smoke_model(args)
     draft = eagle_draft_dir(model, out / "eagle-draft")
     base = {
         "enforce_eager": False,
