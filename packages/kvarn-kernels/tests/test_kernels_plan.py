@@ -23,8 +23,9 @@ G = 64
 class Sim:
     """The cache and staging of a batch of requests, holding token identities."""
 
-    def __init__(self, num_requests: int, staging_tiles: int) -> None:
+    def __init__(self, num_requests: int, staging_tiles: int, sink: bool = False) -> None:
         self.sg = staging_tiles * G
+        self.base = G if sink else 0  # sink rows in front of the ring
         self.staging: dict[tuple[int, int], tuple[int, int]] = {}
         self.blocks: dict[int, list[tuple[int, int]]] = {}
         self.writes_per_block: dict[int, int] = {}
@@ -35,7 +36,7 @@ class Sim:
         for block, slot, start, staged, fresh in tiles:
             if block < 0:
                 continue
-            toks = [self.staging[(slot, (start + i) % self.sg)] for i in range(staged)]
+            toks = [self.staging[(slot, self.row(start + i))] for i in range(staged)]
             toks += [batch[fresh + i] for i in range(G - staged)]
             self.blocks[int(block)] = toks
             self.writes_per_block[int(block)] = self.writes_per_block.get(int(block), 0) + 1
@@ -43,6 +44,9 @@ class Sim:
             if token < 0:
                 continue
             self.staging[(int(slot), int(pos))] = batch[token]
+
+    def row(self, pos: int) -> int:
+        return pos if pos < self.base else self.base + (pos - self.base) % self.sg
 
 
 @st.composite
@@ -60,7 +64,12 @@ def schedules(draw: st.DrawFn) -> dict[str, object]:
             else:
                 steps.append((draw(st.sampled_from([1, 1, 2, G - 1, G, G + 1, 3 * G + 7])), 0))
         reqs.append(steps)
-    return {"spec": spec, "reqs": reqs, "prompt": [draw(st.integers(0, 3 * G)) for _ in range(n)]}
+    return {
+        "spec": spec,
+        "reqs": reqs,
+        "prompt": [draw(st.integers(0, 3 * G)) for _ in range(n)],
+        "sink": draw(st.booleans()),
+    }
 
 
 @examples(200)
@@ -69,7 +78,8 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
     reqs, spec = sched["reqs"], sched["spec"]
     n = len(reqs)
     s_tiles = 2 if spec else 1
-    sim = Sim(n, s_tiles)
+    sink = bool(sched.get("sink", False))
+    sim = Sim(n, s_tiles, sink)
     table = np.arange(n * 64, dtype=np.int32).reshape(n, 64) * 7 % (n * 64)
     slots = list(range(n))[::-1]
     cached = [0] * n
@@ -107,14 +117,17 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             "kvarn_k4v2_g64",
             staging_tiles=s_tiles,
             num_quantized=quant,
+            sink=sink,
         )
-        assert_device_plan_equals(plan, cached, new, committed_after, slots, table, s_tiles, quant)
+        assert_device_plan_equals(
+            plan, cached, new, committed_after, slots, table, s_tiles, quant, sink
+        )
         sim.apply(plan, batch)
         quant = plan.quantized_lens.tolist()
         for i in range(n):
             # staging holds [quantized_len, seq_len)
             for pos in range(quant[i], cached[i] + new[i]):
-                assert sim.staging[(slots[i], pos % sim.sg)] == (pos, version[i][pos])
+                assert sim.staging[(slots[i], sim.row(pos))] == (pos, version[i][pos])
             # accepted drafts become committed; rejected ones are dropped from the length
             keep = min(new[i], 1 if (spec and step > 0 and new[i]) else new[i]) + accepted[i]
             cached[i] += keep
@@ -124,10 +137,13 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             assert sim.writes_per_block[block] == 1
             assert sim.blocks[block] == [committed_tok[i][p] for p in range(t * G, (t + 1) * G)]
         assert quant[i] == (max(committed_tok[i], default=-1) + 1) // G * G or spec
+        if sink:  # the sink rows hold the request's committed first tile, for good
+            for pos in range(min(G, cached[i])):
+                assert sim.staging[(slots[i], pos)] == committed_tok[i][pos]
 
 
 def assert_device_plan_equals(  # type: ignore[no-untyped-def]
-    plan, cached, new, committed, slots, table, s_tiles, quant
+    plan, cached, new, committed, slots, table, s_tiles, quant, sink=False
 ) -> None:
     """plan_store_device, given the committed count as ``num_drafts``, makes the same plan."""
     n = len(cached)
@@ -148,6 +164,7 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
         staging_tiles=s_tiles,
         max_tiles=plan.num_tiles + 2,
         max_writes=int(qsl[-1]) + 2,
+        sink=sink,
     )
     tiles, writes = dev.tiles.numpy(), dev.writes.numpy()
     np.testing.assert_array_equal(tiles[: plan.num_tiles], plan.tiles.numpy())
