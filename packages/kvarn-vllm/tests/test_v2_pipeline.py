@@ -185,3 +185,21 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     assert kv_caches[names[0]].data_ptr() == kv_caches[names[1]].data_ptr()
     written = [b for b in range(num_blocks) if kv_caches[names[0]][b].any()]
     assert written == [3, 4, 13, 14]  # the continuation completed each group's second tile
+
+    # Preemption and recompute: the 170-token request (row 2) is preempted and resumed in the
+    # same row from nothing (vLLM recomputes it; 80 tokens here) with other blocks. Its stale
+    # staging, sink rows and old blocks must not leak into what the resumed request attends.
+    for t, offset in zip(tables, (0, 10)):
+        t[2, :2] = torch.tensor([6, 7], dtype=torch.int32) + offset
+    for li in range(2):
+        history.pop((li, 2))
+    step([2], [0], [80])
+    for li, (q, out, meta) in enumerate(step([2], [80], [1])):
+        window = 96 if li == 1 else None
+        k, v = history[(li, 2)]
+        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
+        ref = torch.from_numpy(
+            reference_attention(q[:1].float().numpy(), seq, D**-0.5, sliding_window=window)
+        )
+        err = float((out[:1].float() - ref).norm() / ref.norm())
+        assert err < 0.02, (li, "resumed", err)
