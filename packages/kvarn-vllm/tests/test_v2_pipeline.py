@@ -194,7 +194,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     for li in range(2):
         history.pop((li, 2))
     step([2], [0], [80])
-    for li, (q, out, meta) in enumerate(step([2], [80], [1])):
+    for li, (q, out, _meta) in enumerate(step([2], [80], [1])):
         window = 96 if li == 1 else None
         k, v = history[(li, 2)]
         seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
