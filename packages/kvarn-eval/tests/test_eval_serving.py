@@ -564,7 +564,13 @@ def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     assert rows["kvarn_k4v2_g128"]["mean_lcp"] == 5 and rows["kvarn_k4v2_g128"]["exact_match"] == 0
     assert rows["kvarn_k4v2_g128"]["bits_per_element"] == pytest.approx(57 * 8 / 128)
     assert {p["label"] for p in result["points"]} == set(rows) - {"bf16@TRITON_ATTN"}
-    no_ref = greedy_result(records[1:], {})
+    # The reference run lost: the noise run (same cache, other batch size) stands in, labelled.
+    stand_in = greedy_result(records[1:], {})
+    assert "stands in" in stand_in["tables"][0]["title"]
+    assert stand_in["reference"] == "bf16@TRITON_ATTN seqs<=8"
+    rows = {r["method"]: r for r in stand_in["rows"]}
+    assert rows["fp8"]["exact_match"] == 1.0 and rows["kvarn_k4v2_g128"]["mean_lcp"] == 5
+    no_ref = greedy_result(records[2:], {})
     assert "NO REFERENCE" in no_ref["tables"][0]["title"]
 
 
