@@ -3,8 +3,9 @@
 Stage 1 (``attention_partial_kernel``): one program = (sequence, KV head, query block, split).
 Its rows are ``BLOCK_Q`` query tokens x the ``GROUP`` query heads of the KV head, so every tile is
 read once per KV head.  It rotates the queries in registers, walks its share of the sequence's
-steps of ``SUB`` positions (quantized tiles through the block table, then the staged open tokens),
-dequantizes in registers and keeps an fp32 online softmax (base 2).  Stage 2
+steps of ``SUB`` positions (the exact first tile from the staging's sink rows when the sequence
+keeps one, quantized tiles through the block table, then the staged open tokens), dequantizes in
+registers and keeps an fp32 online softmax (base 2).  Stage 2
 (``attention_combine_kernel``) merges the splits and un-rotates the output.
 
 Score of a quantized tile, with the scale folding of the record format:
