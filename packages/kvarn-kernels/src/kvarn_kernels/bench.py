@@ -586,14 +586,14 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("sweep"):
         lines += [
             "",
-            "| shape | batch | context | SUB | PREFETCH | warps | maxnreg | time (us) | GB/s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| shape | batch | context | SUB | warps | maxnreg | time (us) | GB/s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in report["sweep"]:
             t = f"{r['time_us']:.1f} | {r['gbps']:.0f}" if "time_us" in r else r["error"] + " |"
             lines.append(
                 f"| {r['shape']} | {r['batch']} | {r['context']} | {r['SUB']} | "
-                f"{r['PREFETCH']} | {r['num_warps']} | {r.get('maxnreg', '-')} | {t} |"
+                f"{r['num_warps']} | {r.get('maxnreg', '-')} | {t} |"
             )
     if report["notes"]:
         lines += ["", *[f"- {n}" for n in report["notes"]]]

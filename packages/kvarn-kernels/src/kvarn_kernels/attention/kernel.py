@@ -371,40 +371,35 @@ def default_launch(
     """Launch parameters of the untuned kernel (what an engine running CUDA graphs gets).
 
     Chosen from an H200 sweep of every config (``python -m kvarn_kernels.bench --sweep``,
-    2026-11-30, docs/kernels.md): for decode, whole tiles per step (SUB = G up to 128), no
-    register prefetch (PREFETCH=0: the packed words go straight from the loads to the unpacking,
-    no spills; the other resident CTAs hide the latency) and few warps, since each step's
-    cross-warp reductions and operand staging cost barriers: 4 warps at head_dim 128 (808 GB/s
-    at batch 64, 16K context, against 413 with 8 warps and prefetch), 2 at head_dim 64 (552
-    against 124). head_dim 256 (not swept) halves SUB and keeps 8 warps, to stay in registers
-    (with 4 it spills).
-    Multi-query blocks (up to 64 rows) keep the earlier 8 warps and one step of prefetch.
-    PREFETCH (steps loaded ahead into registers) applies to the generic path only (0 means 1
-    there); the 4-bit-key path never prefetches.
+    2026-11-30, docs/kernels.md): for decode, whole tiles per step (SUB = G up to 128) and few
+    warps, since each step's cross-warp reductions and operand staging cost barriers: 4 warps at
+    head_dim 128 (808 GB/s at batch 64, 16K context, against 413 with 8 warps and register
+    prefetch), 2 at head_dim 64 (552 against 124). head_dim 256 (not swept) halves SUB and keeps
+    8 warps, to stay in registers (with 4 it spills). Multi-query blocks (up to 64 rows) keep
+    the earlier 8 warps. The 4-bit-key path loads each step as it goes (no register prefetch:
+    faster in that sweep, and no spills); the generic path prefetches one step.
     """
     if INTERPRET:
-        return {"SUB": 32, "PREFETCH": 2, "num_warps": 4, "num_stages": 1}
+        return {"SUB": 32, "num_warps": 4, "num_stages": 1}
     sub = min(group_size, 128 if head_dim <= 128 else 64)
     if decode:
         warps = 2 if head_dim <= 64 else 4 if head_dim <= 128 else 8
-        return {"SUB": sub, "PREFETCH": 0, "num_warps": warps, "num_stages": 1}
-    return {"SUB": min(sub, 64), "PREFETCH": 1, "num_warps": 8, "num_stages": 1}
+        return {"SUB": sub, "num_warps": warps, "num_stages": 1}
+    return {"SUB": min(sub, 64), "num_warps": 8, "num_stages": 1}
 
 
 def _configs() -> list[triton.Config]:
     if INTERPRET:
-        return [triton.Config({"SUB": 32, "PREFETCH": 2}, num_warps=4, num_stages=1)]
+        return [triton.Config({"SUB": 32}, num_warps=4, num_stages=1)]
     cfg = triton.Config
     return [
-        cfg({"SUB": 128, "PREFETCH": 1}, num_warps=4, num_stages=1),
-        cfg({"SUB": 128, "PREFETCH": 0}, num_warps=4, num_stages=1),
-        cfg({"SUB": 128, "PREFETCH": 0}, num_warps=2, num_stages=1),
-        cfg({"SUB": 128, "PREFETCH": 1}, num_warps=8, num_stages=1),
-        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=4, num_stages=1),
-        cfg({"SUB": 64, "PREFETCH": 0}, num_warps=4, num_stages=1),
-        cfg({"SUB": 64, "PREFETCH": 0}, num_warps=2, num_stages=1),
-        cfg({"SUB": 64, "PREFETCH": 1}, num_warps=4, num_stages=1, maxnreg=128),
-        cfg({"SUB": 32, "PREFETCH": 2}, num_warps=4, num_stages=1),
+        cfg({"SUB": 128}, num_warps=4, num_stages=1),
+        cfg({"SUB": 128}, num_warps=2, num_stages=1),
+        cfg({"SUB": 128}, num_warps=8, num_stages=1),
+        cfg({"SUB": 64}, num_warps=4, num_stages=1),
+        cfg({"SUB": 64}, num_warps=2, num_stages=1),
+        cfg({"SUB": 64}, num_warps=4, num_stages=1, maxnreg=128),
+        cfg({"SUB": 32}, num_warps=4, num_stages=1),
     ]
 
 
@@ -457,7 +452,6 @@ def attention_partial_kernel(
     DECODE: tl.constexpr,
     FP32: tl.constexpr,
     SUB: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PHASED: tl.constexpr,
     OFF_KC: tl.constexpr,
     OFF_KS: tl.constexpr,
@@ -533,9 +527,9 @@ def attention_partial_kernel(
         if SINK_ROWS > 0:
             n_sink = tl.minimum(tl.load(sink_lens_ptr + seq), qlen) // SUB
         cq0 = tl.maximum(c0, n_sink)
-        # Software prefetch in registers: the packed bytes of the next PREFETCH steps are in
-        # flight while step c computes (they are small: codes stay packed until used), and the
-        # block id one step further ahead; the cache is read once, front to back.
+        # The cache is read once, front to back.  The 4-bit-key (phased) path loads each step
+        # as it goes; the generic path prefetches one step into registers (the packed bytes of
+        # step c + 1 are in flight while step c computes, and the block id one step further).
         if PHASED:
             NBV: tl.constexpr = D * VALUE_BITS // 8
             acc0 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
@@ -544,7 +538,7 @@ def attention_partial_kernel(
             acc3 = tl.zeros([BLOCK_M, NBV], dtype=tl.float32)
             # No software prefetch here (the H200 sweep: faster, and no spills): the packed
             # words go straight from the loads to the unpacking, and the other resident CTAs
-            # hide the latency.  PREFETCH applies to the generic path only.
+            # hide the latency.
             for c in range(cq0, c_end):
                 blkc = tl.load(bt_row + c // PARTS)
                 (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
@@ -630,14 +624,14 @@ def attention_partial_kernel(
             )
             ok1 = cq0 + 1 < c_end
             blk1 = tl.load(bt_row + (cq0 + 1) // PARTS, mask=ok1, other=0)
-            if PREFETCH == 2:
+            for c in range(cq0, c_end):
                 k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
                     cache_u8_ptr,
                     cache_f16_ptr,
                     blk1,
                     head_off,
-                    (cq0 + 1) % PARTS,
-                    ok1,
+                    (c + 1) % PARTS,
+                    c + 1 < c_end,
                     G,
                     D,
                     SUB,
@@ -652,110 +646,32 @@ def attention_partial_kernel(
                     OFF_VS,
                     OFF_VZ,
                 )
-                blk2 = tl.load(bt_row + (cq0 + 2) // PARTS, mask=cq0 + 2 < c_end, other=0)
-                for c in range(cq0, c_end):
-                    k_raw2, k_scale2, k_zero2, k_tok2, v_raw2, v_scale2, v_zero2, v_chan2 = (
-                        _load_step(
-                            cache_u8_ptr,
-                            cache_f16_ptr,
-                            blk2,
-                            head_off,
-                            (c + 2) % PARTS,
-                            c + 2 < c_end,
-                            G,
-                            D,
-                            SUB,
-                            KEY_BITS,
-                            VALUE_BITS,
-                            OFF_KC,
-                            OFF_KS,
-                            OFF_KZ,
-                            OFF_KT,
-                            OFF_VC,
-                            OFF_VCS,
-                            OFF_VS,
-                            OFF_VZ,
-                        )
-                    )
-                    blk2 = tl.load(bt_row + (c + 3) // PARTS, mask=c + 3 < c_end, other=0)
-                    m_i, l_i, acc = _attend_step(
-                        qs,
-                        q_amax,
-                        qpos,
-                        window,
-                        c,
-                        m_i,
-                        l_i,
-                        acc,
-                        k_raw,
-                        k_scale,
-                        k_zero,
-                        k_tok,
-                        v_raw,
-                        v_scale,
-                        v_zero,
-                        v_chan,
-                        D,
-                        SUB,
-                        KEY_BITS,
-                        VALUE_BITS,
-                        FP32,
-                    )
-                    k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
-                    v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
-                    k_raw1, k_scale1, k_zero1, k_tok1 = k_raw2, k_scale2, k_zero2, k_tok2
-                    v_raw1, v_scale1, v_zero1, v_chan1 = v_raw2, v_scale2, v_zero2, v_chan2
-            else:
-                for c in range(cq0, c_end):
-                    k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = (
-                        _load_step(
-                            cache_u8_ptr,
-                            cache_f16_ptr,
-                            blk1,
-                            head_off,
-                            (c + 1) % PARTS,
-                            c + 1 < c_end,
-                            G,
-                            D,
-                            SUB,
-                            KEY_BITS,
-                            VALUE_BITS,
-                            OFF_KC,
-                            OFF_KS,
-                            OFF_KZ,
-                            OFF_KT,
-                            OFF_VC,
-                            OFF_VCS,
-                            OFF_VS,
-                            OFF_VZ,
-                        )
-                    )
-                    blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
-                    m_i, l_i, acc = _attend_step(
-                        qs,
-                        q_amax,
-                        qpos,
-                        window,
-                        c,
-                        m_i,
-                        l_i,
-                        acc,
-                        k_raw,
-                        k_scale,
-                        k_zero,
-                        k_tok,
-                        v_raw,
-                        v_scale,
-                        v_zero,
-                        v_chan,
-                        D,
-                        SUB,
-                        KEY_BITS,
-                        VALUE_BITS,
-                        FP32,
-                    )
-                    k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
-                    v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
+                blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
+                m_i, l_i, acc = _attend_step(
+                    qs,
+                    q_amax,
+                    qpos,
+                    window,
+                    c,
+                    m_i,
+                    l_i,
+                    acc,
+                    k_raw,
+                    k_scale,
+                    k_zero,
+                    k_tok,
+                    v_raw,
+                    v_scale,
+                    v_zero,
+                    v_chan,
+                    D,
+                    SUB,
+                    KEY_BITS,
+                    VALUE_BITS,
+                    FP32,
+                )
+                k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
+                v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
 
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
         for c in range(c0, tl.minimum(c1, n_sink)):

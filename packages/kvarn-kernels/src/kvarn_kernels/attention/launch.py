@@ -42,11 +42,11 @@ def autotune_enabled() -> bool:
     return os.environ.get("KVARN_KERNELS_AUTOTUNE", "0") == "1"
 
 
-_LAUNCH_KEYS = ("SUB", "PREFETCH", "num_warps", "num_stages", "maxnreg")
+_LAUNCH_KEYS = ("SUB", "num_warps", "num_stages", "maxnreg")
 
 
 def launch_override() -> dict[str, int]:
-    """``KVARN_KERNELS_ATTN_LAUNCH="SUB=128,PREFETCH=0,num_warps=4"``: fixed launch parameters
+    """``KVARN_KERNELS_ATTN_LAUNCH="SUB=128,num_warps=4"``: fixed launch parameters
     for the untuned kernel (for measurements; an engine leaves it unset)."""
     raw = os.environ.get("KVARN_KERNELS_ATTN_LAUNCH", "").strip()
     if not raw:
