@@ -9,6 +9,7 @@ from kvarn_kernels.cache import (
     allocate_staging,
     cache_shape,
     staging_bytes,
+    staging_rows,
     staging_shape,
 )
 from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
@@ -36,6 +37,7 @@ __all__ = [
     "quantize_tiles",
     "rotate",
     "staging_bytes",
+    "staging_rows",
     "staging_shape",
     "store_kv",
     "unrotate",

@@ -9,14 +9,20 @@ holds the tokens of each request's open tile(s); position ``p`` of a request liv
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import numpy as np
 import torch
 from kvarn_math.layout import Preset, tile_layout
+
+_Pos = TypeVar("_Pos", np.ndarray, torch.Tensor)
 
 __all__ = [
     "allocate_cache",
     "allocate_staging",
     "cache_shape",
     "staging_bytes",
+    "staging_rows",
     "staging_shape",
 ]
 
@@ -101,3 +107,15 @@ def allocate_staging(
     """A zeroed staging area of :func:`staging_shape`."""
     shape = staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles, sink)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def staging_rows(pos: _Pos, ring_tokens: int, sink_rows: int = 0) -> _Pos:
+    """Staging rows of positions ``pos`` (NumPy or torch integers): a slot's first
+    ``sink_rows`` rows (``G`` with the exact first tile, else 0) hold positions ``p < sink_rows``
+    for good, the ring of ``ring_tokens = S*G`` rows after them holds the others at
+    ``sink_rows + (p - sink_rows) % ring_tokens``. The kernels' twin is
+    ``kvarn_kernels._triton.staging_rows``."""
+    wrapped = sink_rows + (pos - sink_rows) % ring_tokens
+    if isinstance(pos, torch.Tensor):
+        return torch.where(pos < sink_rows, pos, wrapped)
+    return np.where(pos < sink_rows, pos, wrapped)

@@ -33,6 +33,8 @@ import numpy.typing as npt
 import torch
 from kvarn_math.layout import Preset, get_preset
 
+from kvarn_kernels.cache import staging_rows
+
 __all__ = ["TILE_FIELDS", "WRITE_FIELDS", "StorePlan", "plan_store", "plan_store_device"]
 
 TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
@@ -234,7 +236,7 @@ def plan_store(
     wreq, pos = _expand(lo, np.maximum(total - lo, 0))
     keep = (pos >= q_after[wreq]) | (pos < base)
     wreq, pos = wreq[keep], pos[keep]
-    rows = np.where(pos < base, pos, base + (pos - base) % sg)
+    rows = staging_rows(pos, sg, base)
     writes = np.stack([qstart[wreq] + pos - cached[wreq], slots[wreq], rows], axis=1).reshape(-1, 3)
 
     num_tiles, num_writes = tiles.shape[0], writes.shape[0]
@@ -383,8 +385,7 @@ def plan_store_device(
         pos = cached[wowner] + i - qsl[wowner]
         base = g if sink else 0
         write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= q_after[wowner]) | (pos < base))
-        rows = torch.where(pos < base, pos, base + (pos - base) % sg)
-        writes = torch.stack([i, slots[wowner], rows], dim=1)
+        writes = torch.stack([i, slots[wowner], staging_rows(pos, sg, base)], dim=1)
         writes = torch.where(write_ok[:, None], writes, -1)
     else:
         writes = torch.full((max_writes, 3), -1, dtype=i64, device=dev)

@@ -244,8 +244,7 @@ def _make_impl_class() -> type:
             q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
             q_rot = kernels.rotate(q)
             ks, vs = [], []
-            ring = staging.shape[2] - self.config.sink_rows
-            base = self.config.sink_rows
+            ring, base = self.config.ring_tokens, self.config.sink_rows
             for i in range(len(h["seq_lens"])):
                 seq_len, quant = int(h["seq_lens"][i]), int(h["quantized_lens"][i])
                 slot = int(h["staging_slots"][i])
@@ -260,7 +259,7 @@ def _make_impl_class() -> type:
                     ks.append(k_t)
                     vs.append(v_t)
                 pos = torch.arange(quant, seq_len, device=q.device)
-                rows = torch.where(pos < base, pos, base + (pos - base) % ring)
+                rows = kernels.staging_rows(pos, ring, base)
                 ks.append(staging[slot, 0].index_select(0, rows))
                 vs.append(staging[slot, 1].index_select(0, rows))
             k = torch.cat(ks)

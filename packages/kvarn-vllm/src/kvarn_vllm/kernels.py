@@ -19,6 +19,7 @@ __all__ = [
     "plan_store_device",
     "rotate",
     "staging_bytes",
+    "staging_rows",
     "store_kv",
     "unrotate",
 ]
@@ -34,6 +35,7 @@ _REQUIRED = (
     "dequantize",
     "rotate",
     "unrotate",
+    "staging_rows",
 )
 
 
@@ -108,3 +110,8 @@ def rotate(*args, **kwargs):
 def unrotate(*args, **kwargs):
     """``kvarn_kernels.unrotate``."""
     return kernels_module().unrotate(*args, **kwargs)
+
+
+def staging_rows(*args, **kwargs):
+    """``kvarn_kernels.staging_rows`` (position -> staging row, sink rows and ring)."""
+    return kernels_module().staging_rows(*args, **kwargs)

@@ -656,6 +656,8 @@ def _make_builder_class() -> type:
             """
             import torch
 
+            from kvarn_vllm import kernels
+
             num_reqs = int(cam.num_reqs)
             qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int32)
             if np.any(np.diff(qsl) > 1):
@@ -699,8 +701,7 @@ def _make_builder_class() -> type:
             dev_quant.copy_(torch.minimum(self._spec["quantized"][slots.long()], last // g * g))
             rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
             ok = (rows < real) & (seq > 0)
-            row = torch.where(last < base, last, base + (last - base) % sg)
-            writes = torch.stack([rows, slots, row], dim=1)
+            writes = torch.stack([rows, slots, kernels.staging_rows(last, sg, base)], dim=1)
             tiles = self._view(buf, "tiles", num_reqs, 5)
             tiles.fill_(-1)
             dev_writes = self._view(buf, "writes", num_reqs, 3)
