@@ -59,6 +59,9 @@ MODE_VARIANTS: dict[str, dict[str, Any]] = {
     "no_prefix_cache": {"enable_prefix_caching": False},
     "chunk128": {"max_num_batched_tokens": 128, "max_num_seqs": 64, "enable_chunked_prefill": True},
     "batch1": {"max_num_seqs": 1},
+    # A cache of 4096 tokens (blocks sized per cache) for 100 requests: vLLM must preempt
+    # running requests and recompute them later; the run records how many times it did.
+    "preempt": {"_cache_tokens": 4096},
 }
 
 # The reusable pieces live in kvarn-eval (it owns the benchmarks): the greedy-fidelity metrics,
@@ -144,6 +147,38 @@ class RunResult:
     generate_seconds: float | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    num_preemptions: int | None = None
+
+
+def _cache_kwargs(kv_cache_dtype: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Turns the ``_cache_tokens`` pseudo-option into vLLM's ``num_gpu_blocks_override`` for
+    this cache's block size (kvarn: the preset's tile; others: vLLM's default 16)."""
+    kwargs = dict(kwargs)
+    tokens = kwargs.pop("_cache_tokens", None)
+    if tokens is not None:
+        from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype
+
+        block = (
+            parse_kv_cache_dtype(kv_cache_dtype).block_size
+            if is_kvarn_dtype(kv_cache_dtype)
+            else int(kwargs.get("block_size") or 16)
+        )
+        kwargs["num_gpu_blocks_override"] = max(1, int(tokens) // block)
+        kwargs["disable_log_stats"] = False
+    return kwargs
+
+
+def _preemptions(llm: Any) -> int | None:
+    """vLLM's preemption counter (``vllm:num_preemptions``), or None without stats."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:
+        return None
+    total = None
+    for m in metrics:
+        if getattr(m, "name", "") in ("vllm:num_preemptions", "vllm:num_preemptions_total"):
+            total = (total or 0) + int(getattr(m, "value", 0) or 0)
+    return total
 
 
 def kvarn_checks(runs: dict[str, RunResult]) -> dict[str, Any]:
@@ -233,7 +268,7 @@ def run_llm(
     bf16_backend: str | None,
 ) -> RunResult:
     """Start one engine, generate greedily, record capacity and outputs, shut it down."""
-    kwargs = dict(llm_kwargs)
+    kwargs = _cache_kwargs(kv_cache_dtype, llm_kwargs)
     if bf16_backend and not kv_cache_dtype.startswith(("kvarn_", "turboquant_")):
         # bf16 and fp8 baselines on a named backend (no FlashAttention without the fa3 part);
         # kvarn and TurboQuant choose their own backends.
@@ -276,6 +311,7 @@ def run_llm(
             result.texts = (
                 [o.outputs[0].text for o in outs] if isinstance(prompts[0], str) else None
             )
+            result.num_preemptions = _preemptions(llm)
         result.ok = True
     except Exception as exc:  # record it, carry on
         result.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -510,6 +546,9 @@ def phase_smoke(args: argparse.Namespace, out: Path) -> bool:
             f"{c['token_agreement']:.2%}, mean LCP {c['mean_lcp']:.1f} tokens",
             flush=True,
         )
+    for name, r in runs.items():
+        if r.num_preemptions is not None:
+            print(f"{name}: {r.num_preemptions} preemptions", flush=True)
     for problem in checks["problems"]:
         print(f"CHECK FAILED: {problem}", flush=True)
     return all(r.ok for r in runs.values()) and not checks["problems"]

@@ -52,6 +52,7 @@ from e2e_smoke import (
 
 KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
 DTYPES = ("auto", *KVARN_PRESETS)
+_DTYPE_ORDER = {d: i for i, d in enumerate(DTYPES)}
 
 _SUBJECTS = (
     "the red fox",
@@ -234,7 +235,7 @@ def comparison_rows(runs: dict[str, dict[str, Any]], methods: tuple[str, ...]) -
     """Per cache dtype: greedy agreement of each speculative run with the same dtype's
     non-speculative run, plus acceptance and throughput beside it."""
     rows: dict[str, Any] = {}
-    for dtype in DTYPES:
+    for dtype in sorted({name.split("/")[0] for name in runs}, key=_DTYPE_ORDER.get):
         base = runs.get(f"{dtype}/none")
         for method in methods:
             run = runs.get(f"{dtype}/{method}")
@@ -263,12 +264,11 @@ def _phase(
     prompts: list[str],
     max_tokens: int,
     logprobs: bool = False,
-    dtypes: tuple[str, ...] = DTYPES,
     with_baseline: bool = True,
 ) -> bool:
     runs: dict[str, dict[str, Any]] = {}
     path = out / f"spec_{phase}.json"
-    for dtype in dtypes:
+    for dtype in args.dtypes:
         for method in (("none",) if with_baseline else ()) + methods:
             name = f"{dtype}/{method}"
             kwargs = dict(base_kwargs)
@@ -383,6 +383,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stress-tokens", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--run-timeout", type=float, default=150.0, help="seconds per engine")
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=list(DTYPES),
+        choices=list(DTYPES),
+        help="KV cache dtypes to run (default: all)",
+    )
     p.add_argument("--internal-run", default=None, help=argparse.SUPPRESS)
     p.add_argument("--internal-result", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)

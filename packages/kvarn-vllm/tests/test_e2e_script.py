@@ -326,3 +326,26 @@ def test_serve_cli_accepts_kvarn_dtype(registered, e2e):
     args = parser.parse_args(cmd[5:])
     assert args.kv_cache_dtype == "kvarn_k4v2_g128"
     assert args.port == 9000 and args.max_model_len == 2048
+
+
+def test_preempt_variant_sizes_the_cache_per_block_size(e2e):
+    extra = e2e.MODE_VARIANTS["preempt"]
+    kvarn = e2e._cache_kwargs("kvarn_k4v2_g128", {"max_num_seqs": 8, **extra})
+    bf16 = e2e._cache_kwargs("auto", {"max_num_seqs": 8, **extra})
+    assert kvarn["num_gpu_blocks_override"] == extra["_cache_tokens"] // 128
+    assert bf16["num_gpu_blocks_override"] == extra["_cache_tokens"] // 16
+    assert "_cache_tokens" not in kvarn and kvarn["disable_log_stats"] is False
+    assert e2e._cache_kwargs("auto", {"seed": 0}) == {"seed": 0}
+
+
+def test_preemptions_read_from_metrics(e2e):
+    class Counter:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+
+    class FakeLLM:
+        def get_metrics(self):
+            return [Counter("vllm:num_preemptions", 3), Counter("vllm:prompt_tokens", 99)]
+
+    assert e2e._preemptions(FakeLLM()) == 3
+    assert e2e._preemptions(object()) is None

@@ -104,3 +104,8 @@ def test_eagle_draft_dir(spec_script, tmp_path):
 def test_parse_args(spec_script):
     args = spec_script.parse_args(["--phase", "stress", "--out", "x"])
     assert args.phase == "stress" and args.num_spec == 4 and args.run_timeout == 150.0
+    assert tuple(args.dtypes) == spec_script.DTYPES
+    only = spec_script.parse_args(["--phase", "stress", "--dtypes", "kvarn_k4v2_g128"])
+    assert only.dtypes == ["kvarn_k4v2_g128"]
+    with pytest.raises(SystemExit):
+        spec_script.parse_args(["--dtypes", "kvarn_bogus"])
