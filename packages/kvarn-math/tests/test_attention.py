@@ -95,3 +95,74 @@ def test_attention_argument_errors() -> None:
         dense_attention(np.full((1, 2, 64), np.nan), k, k)
     with pytest.raises(ValueError, match=r"\[T, H_kv, D\]"):
         quantize_sequence(np.zeros((10, 64)), np.zeros((10, 64)), "kvarn_k4v2_g64")
+
+
+def _assert_same_sequence(a, b) -> None:
+    assert a.preset == b.preset and a.head_dim == b.head_dim
+    for name in ("records", "tail_k", "tail_v", "first_k", "first_v"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
+
+
+@pytest.mark.parametrize("t", [50, 128, 300])
+@pytest.mark.parametrize("requantize", [False, True])
+def test_sink_tokens_at_the_ends_equal_the_old_options(t: int, requantize: bool) -> None:
+    k = make_kv((t, 2, 64), "outlier_channels", 4)
+    v = make_kv((t, 2, 64), "gaussian", 5)
+    preset = "kvarn_k4v2_g128"
+    full = quantize_sequence(k, v, preset, sink_tokens=128, sink_requantize=requantize)
+    _assert_same_sequence(full, quantize_sequence(k, v, preset, keep_first_tile=True))
+    none = quantize_sequence(k, v, preset, sink_tokens=0, sink_requantize=requantize)
+    _assert_same_sequence(none, quantize_sequence(k, v, preset))
+    assert none.sink_tokens == 0 and full.sink_tokens == (128 if t >= 128 else 0)
+
+
+@pytest.mark.parametrize("requantize", [False, True])
+@pytest.mark.parametrize("sink", [1, 16, 127])
+def test_partial_sink_overlays_tile_zero(sink: int, requantize: bool) -> None:
+    k = make_kv((300, 2, 64), "outlier_channels", 6)
+    v = make_kv((300, 2, 64), "gaussian", 7)
+    p = get_preset("kvarn_k4v4_g64")
+    g = p.group_size
+    sink = min(sink, g - 1)
+    seq = quantize_sequence(k, v, p, sink_tokens=sink, sink_requantize=requantize)
+    assert seq.num_tokens == 300 and seq.sink_tokens == sink
+    assert seq.records.shape[0] == 300 // g  # tile 0 keeps its record
+    k_rot, v_rot = dense_kv(seq)
+    # positions < S read exact; the rest of tile 0 and later tiles read the records
+    np.testing.assert_allclose(k_rot[:sink], rotate(k[:sink], axis=-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v_rot[:sink], rotate(v[:sink], axis=-1), rtol=1e-5, atol=1e-5)
+    plain_k, plain_v = dense_kv(quantize_sequence(k, v, p))
+    if requantize:
+        assert np.array_equal(k_rot[g:], plain_k[g:]) and np.array_equal(v_rot[g:], plain_v[g:])
+    else:
+        assert np.array_equal(k_rot[sink:], plain_k[sink:])
+        assert np.array_equal(v_rot[sink:], plain_v[sink:])
+
+
+@pytest.mark.parametrize("sink", [1, 4, 64])
+def test_requantized_tile_zero_ignores_the_sink_tokens(sink: int) -> None:
+    k = make_kv((256, 2, 64), "gaussian", 8)
+    v = make_kv((256, 2, 64), "gaussian", 9)
+    k2, v2 = k.copy(), v.copy()
+    k2[:sink] = 1000.0 * make_kv((sink, 2, 64), "gaussian", 10)
+    v2[:sink] = -50.0
+    preset = "kvarn_k4v2_g128"
+    a = quantize_sequence(k, v, preset, sink_tokens=sink, sink_requantize=True)
+    b = quantize_sequence(k2, v2, preset, sink_tokens=sink, sink_requantize=True)
+    assert np.array_equal(a.records, b.records)
+    # without requantizing, the outlier sink changes tile 0's record (and only it)
+    c = quantize_sequence(k2, v2, preset, sink_tokens=sink)
+    assert not np.array_equal(c.records[0], b.records[0])
+    assert np.array_equal(c.records[1:], b.records[1:])
+
+
+def test_sink_argument_errors() -> None:
+    k = np.zeros((256, 2, 64), np.float32)
+    for bad in (-1, 129):
+        with pytest.raises(ValueError, match="sink_tokens must be in"):
+            quantize_sequence(k, k, "kvarn_k4v2_g128", sink_tokens=bad)
+    with pytest.raises(ValueError, match="not both"):
+        quantize_sequence(k, k, "kvarn_k4v2_g128", keep_first_tile=True, sink_tokens=4)

@@ -2,8 +2,10 @@
 
 A sequence of ``T`` tokens of ``H_kv`` KV heads is stored as
 
-* an optional exact **first tile** (the attention sink, tokens ``[0, G)``, kept unquantized),
-* ``num_tiles`` quantized **tile records** covering the next ``num_tiles * G`` tokens,
+* optional exact **sink tokens** ``[0, S)`` (the attention sink, kept unquantized), ``S <= G``,
+* ``num_tiles`` quantized **tile records**: with ``S = G`` (the whole first tile exact) they
+  cover tokens ``[G, G + num_tiles * G)``; otherwise ``[0, num_tiles * G)``, tile 0 included, and
+  reads of positions ``< S`` take the exact rows instead of tile 0's record,
 * an unquantized **open tail** of fewer than ``G`` tokens (the tile still being filled).
 
 Attention runs in the rotated frame: ``q`` is rotated, scores are ``(q H) . k_rot``, the
@@ -42,7 +44,9 @@ class QuantizedSequence:
         head_dim: ``D``.
         records: ``[num_tiles, H_kv, tile_bytes]`` uint8 quantized tiles.
         tail_k, tail_v: ``[T_tail, H_kv, D]`` float32 open-tile tokens, ``T_tail < G``.
-        first_k, first_v: ``[G, H_kv, D]`` float32 exact first tile, or ``None``.
+        first_k, first_v: ``[S, H_kv, D]`` float32 exact sink tokens ``[0, S)``, ``0 < S <= G``,
+            or ``None``. ``S = G`` is the exact first tile (no record of tile 0 in ``records``);
+            ``S < G`` overlays the first ``S`` positions of tile 0's record.
     """
 
     preset: Preset
@@ -54,24 +58,55 @@ class QuantizedSequence:
     first_v: F32 | None = None
 
     @property
+    def sink_tokens(self) -> int:
+        """``S``, the number of leading tokens read exact (0 without a sink)."""
+        return 0 if self.first_k is None else int(self.first_k.shape[0])
+
+    @property
     def num_tokens(self) -> int:
         """Total tokens ``T``."""
-        first = 0 if self.first_k is None else self.first_k.shape[0]
-        return int(first + self.records.shape[0] * self.preset.group_size + self.tail_k.shape[0])
+        g = self.preset.group_size
+        first = g if self.sink_tokens == g else 0  # a partial sink overlays tile 0's record
+        return int(first + self.records.shape[0] * g + self.tail_k.shape[0])
 
 
 def quantize_sequence(
-    k: npt.ArrayLike, v: npt.ArrayLike, preset: str | Preset, keep_first_tile: bool = False
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    preset: str | Preset,
+    keep_first_tile: bool = False,
+    *,
+    sink_tokens: int | None = None,
+    sink_requantize: bool = False,
 ) -> QuantizedSequence:
     """Store a sequence the way the cache does.
+
+    The sink exists once tile 0 is complete (``T >= G``); a shorter sequence is all open tail.
 
     Args:
         k: ``[T, H_kv, D]`` original-frame keys.
         v: ``[T, H_kv, D]`` original-frame values.
         preset: the cache preset.
-        keep_first_tile: keep tokens ``[0, G)`` exact (only when ``T >= G``).
+        keep_first_tile: keep tokens ``[0, G)`` exact; the same as ``sink_tokens=G``.
+        sink_tokens: keep tokens ``[0, S)`` exact, ``0 <= S <= G`` (0: no sink). With
+            ``0 < S < G`` tile 0 is still quantized into a record, which serves positions
+            ``[S, G)``. ``None``: ``G`` with ``keep_first_tile``, else 0.
+        sink_requantize: with ``0 < S < G``, quantize tile 0 with its first ``S`` tokens
+            replaced by copies of token ``S``, so that the sink tokens (often outliers) do not
+            enter tile 0's scales; its record then does not depend on them.
+
+    Raises:
+        ValueError: bad shapes, ``sink_tokens`` outside ``[0, G]``, or ``sink_tokens``
+            together with ``keep_first_tile``.
     """
     p = get_preset(preset)
+    g = p.group_size
+    if sink_tokens is None:
+        sink_tokens = g if keep_first_tile else 0
+    elif keep_first_tile:
+        raise ValueError("give keep_first_tile or sink_tokens, not both")
+    if not 0 <= sink_tokens <= g:
+        raise ValueError(f"sink_tokens must be in [0, {g}] (the group size), got {sink_tokens}")
     k_arr = np.asarray(k, dtype=np.float32)
     v_arr = np.asarray(v, dtype=np.float32)
     if k_arr.shape != v_arr.shape or k_arr.ndim != 3:
@@ -80,12 +115,17 @@ def quantize_sequence(
         )
     t, h, d = k_arr.shape
     tile_layout(p, d)
-    g = p.group_size
-    start = g if keep_first_tile and t >= g else 0
+    sink = sink_tokens if t >= g else 0
+    start = g if sink == g else 0
     num_tiles = (t - start) // g
     end = start + num_tiles * g
-    body_k = k_arr[start:end].reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
-    body_v = v_arr[start:end].reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
+    body_k, body_v = k_arr[start:end], v_arr[start:end]
+    if sink_requantize and 0 < sink < g:
+        body_k, body_v = body_k.copy(), body_v.copy()
+        body_k[:sink] = body_k[sink]
+        body_v[:sink] = body_v[sink]
+    body_k = body_k.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
+    body_v = body_v.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
     records = quantize_tiles(body_k, body_v, p)
     return QuantizedSequence(
         preset=p,
@@ -93,8 +133,8 @@ def quantize_sequence(
         records=records,
         tail_k=k_arr[end:].copy(),
         tail_v=v_arr[end:].copy(),
-        first_k=k_arr[:start].copy() if start else None,
-        first_v=v_arr[:start].copy() if start else None,
+        first_k=k_arr[:sink].copy() if sink else None,
+        first_v=v_arr[:sink].copy() if sink else None,
     )
 
 
@@ -105,15 +145,19 @@ def dense_kv(seq: QuantizedSequence) -> tuple[F32, F32]:
     n, h = seq.records.shape[:2]
     parts_k = [k_tiles.transpose(0, 2, 1, 3).reshape(n * p.group_size, h, d)]
     parts_v = [v_tiles.transpose(0, 2, 1, 3).reshape(n * p.group_size, h, d)]
-    if seq.first_k is not None and seq.first_v is not None:
+    sink = seq.sink_tokens
+    if sink == p.group_size and seq.first_k is not None and seq.first_v is not None:
         parts_k.insert(0, rotate(seq.first_k, axis=-1))
         parts_v.insert(0, rotate(seq.first_v, axis=-1))
     parts_k.append(rotate(seq.tail_k, axis=-1))
     parts_v.append(rotate(seq.tail_v, axis=-1))
-    return (
-        np.concatenate(parts_k).astype(np.float32),
-        np.concatenate(parts_v).astype(np.float32),
-    )
+    k_rot = np.concatenate(parts_k).astype(np.float32)
+    v_rot = np.concatenate(parts_v).astype(np.float32)
+    if 0 < sink < p.group_size and seq.first_k is not None and seq.first_v is not None:
+        # a partial sink: its positions read the exact rows, not tile 0's record
+        k_rot[:sink] = rotate(seq.first_k, axis=-1)
+        v_rot[:sink] = rotate(seq.first_v, axis=-1)
+    return k_rot, v_rot
 
 
 def dense_attention(
