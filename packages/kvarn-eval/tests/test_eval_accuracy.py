@@ -81,6 +81,26 @@ def test_perplexity_reference_and_quantized_rows(model: torch.nn.Module) -> None
     assert [r.method for r in result.rows] == ["fp32", "bf16", "kivi_k2v2"]
 
 
+def test_perplexity_sink_tokens(model: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(2)
+    chunks = torch.randint(4, 94, (2, 3 * BLOCK), generator=gen).tolist()
+    methods = [Exact(), KIVI2]
+
+    def run(**kwargs: object):  # type: ignore[no-untyped-def]
+        return evaluate_perplexity(
+            model, chunks, methods, head_dim=HEAD_DIM, block_size=BLOCK, **kwargs
+        )
+
+    default, no_sink = run(), run(exact_first_block=False)
+    assert default.sink_tokens == BLOCK and no_sink.sink_tokens == 0
+    full, zero = run(sink_tokens=BLOCK), run(sink_tokens=0, sink_requantize=True)
+    assert full.row("kivi_k2v2").chunk_nll == default.row("kivi_k2v2").chunk_nll
+    assert zero.row("kivi_k2v2").chunk_nll == no_sink.row("kivi_k2v2").chunk_nll
+    partial = run(sink_tokens=4, sink_requantize=True)
+    assert partial.sink_tokens == 4 and partial.to_dict()["sink_requantize"] is True
+    assert partial.row("kivi_k2v2").chunk_nll != default.row("kivi_k2v2").chunk_nll
+
+
 def test_perplexity_rejects_bad_input(model: torch.nn.Module) -> None:
     with pytest.raises(ValueError, match="reference 'bf16'"):
         evaluate_perplexity(model, [[5] * 200], [KIVI2], head_dim=HEAD_DIM, block_size=BLOCK)
@@ -118,6 +138,8 @@ def test_quantized_fraction() -> None:
     assert quantized_fraction(100, 64, True) == 0.0  # block 1 reads only the exact sink
     assert quantized_fraction(150, 64, True) == pytest.approx(64 / 151)
     assert quantized_fraction(200, 64, False) == pytest.approx(192 / 201)
+    assert quantized_fraction(100, 64, True, sink_tokens=4) == pytest.approx(60 / 101)
+    assert quantized_fraction(200, 64, False, sink_tokens=64) == pytest.approx(128 / 201)
 
 
 def test_task_scoring(model: torch.nn.Module) -> None:

@@ -17,6 +17,7 @@ def test_help_lists_suites(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "--quick" in out and "--methods" in out and "wikitext" in out
+    assert "--sink-tokens" in out and "--sink-requantize" in out
 
 
 @pytest.mark.parametrize(
@@ -44,6 +45,11 @@ def test_argument_errors_exit_2(
         (["bench", "--methods", "bf16,k9v9"], "unknown method 'k9v9'"),
         (["bench", "--tokens", "200"], "chunk_len must be at least two blocks"),
         (["bench", "--model", "/no/such/folder"], "neither a built-in"),
+        (["bench", "--sink-tokens", "-1"], "sink_tokens must be in [0, 128]"),
+        (["bench", "--sink-tokens", "129"], "sink_tokens must be in [0, 128]"),
+        (["bench", "--sink-tokens", "65", "--block-size", "64"], "sink_tokens must be in [0, 64]"),
+        (["bench", "--sink-tokens", "4", "--no-exact-first-block"], "not both"),
+        (["bench", "--sink-requantize"], "--sink-requantize needs --sink-tokens"),
     ],
 )
 def test_bad_values_return_2_before_loading(
@@ -61,6 +67,10 @@ def test_quick_sizes_and_explicit_override() -> None:
     assert mixed.num_chunks == 3 and mixed.chunk_len == 512
     default = cli.options_from_args(parser.parse_args(["bench"]))
     assert default == BenchOptions()
+    sink = cli.options_from_args(
+        parser.parse_args(["bench", "--sink-tokens", "16", "--sink-requantize"])
+    )
+    assert sink.sink_tokens == 16 and sink.sink_requantize and sink.exact_first_block
 
 
 def test_list(capsys: pytest.CaptureFixture[str]) -> None:

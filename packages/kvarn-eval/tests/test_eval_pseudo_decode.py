@@ -56,6 +56,21 @@ def test_mask_sees_each_past_key_exactly_once(seq_len: int, exact_first: bool) -
             assert not quantized[q, :BLOCK].any()
 
 
+@pytest.mark.parametrize("sink", [0, 1, 16, BLOCK])
+def test_mask_with_sink_tokens(sink: int) -> None:
+    seq_len = 3 * BLOCK + 5
+    mask = pseudo_decode_mask(seq_len, BLOCK, True, sink_tokens=sink)
+    quantized, exact = mask[:, :seq_len], mask[:, seq_len:]
+    causal = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+    assert not (quantized & exact).any() and torch.equal(quantized | exact, causal)
+    # keys before S are never read quantized; the rest of block 0 is, from block 1 on
+    assert not quantized[:, :sink].any()
+    assert quantized[BLOCK:, sink:BLOCK].all()
+    assert not quantized[:BLOCK].any()
+    if sink in (0, BLOCK):
+        assert torch.equal(mask, pseudo_decode_mask(seq_len, BLOCK, sink == BLOCK))
+
+
 def test_mask_sliding_window() -> None:
     mask = pseudo_decode_mask(300, BLOCK, True, sliding_window=100)
     visible = mask[:, :300] | mask[:, 300:]
@@ -111,9 +126,18 @@ def test_one_pass_equals_growing_prefixes(model_pair, ids, method) -> None:  # t
 
 
 def _explicit_block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: KIVI, exact_first: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    method: KIVI,
+    sink: int,
+    requantize: bool = False,
 ) -> torch.Tensor:
-    """Decode-style reference: each block's queries read a cache of quantized earlier tiles."""
+    """Decode-style reference: each block's queries read a cache of quantized earlier tiles.
+
+    Tokens ``[0, sink)`` are cached exact; with ``requantize`` block 0 is quantized with them
+    replaced by token ``sink``.
+    """
     _, hq, t, d = q.shape
     hkv = k.shape[1]
     out = torch.zeros(1, t, hq, d, dtype=torch.float64)
@@ -134,26 +158,64 @@ def _explicit_block_attention(
         # the block is full (or the sequence ends): flush it into the cache
         tile_k = k[0, :, start:stop].permute(1, 0, 2).numpy()
         tile_v = v[0, :, start:stop].permute(1, 0, 2).numpy()
-        if stop - start == BLOCK and not (exact_first and start == 0):
-            tile_k, tile_v = method.roundtrip(tile_k, tile_v)
+        if stop - start == BLOCK and not (start == 0 and sink == BLOCK):
+            in_k, in_v = tile_k.copy(), tile_v.copy()
+            if start == 0 and requantize and sink:
+                in_k[:sink], in_v[:sink] = tile_k[sink], tile_v[sink]
+            rt_k, rt_v = method.roundtrip(in_k, in_v)
+            if start == 0:
+                rt_k[:sink], rt_v[:sink] = tile_k[:sink], tile_v[:sink]
+            tile_k, tile_v = rt_k, rt_v
         cache_k.append(tile_k)
         cache_v.append(tile_v)
     return out
 
 
-@pytest.mark.parametrize("exact_first", [True, False])
-def test_attention_equals_explicit_block_loop(exact_first: bool) -> None:
+@pytest.mark.parametrize(
+    "exact_first,sink_tokens,requantize",
+    [
+        (True, None, False),
+        (False, None, False),
+        (True, 0, False),
+        (False, BLOCK, True),
+        (True, 1, False),
+        (True, 16, False),
+        (True, 1, True),
+        (True, 16, True),
+    ],
+)
+def test_attention_equals_explicit_block_loop(
+    exact_first: bool, sink_tokens: int | None, requantize: bool
+) -> None:
     gen = torch.Generator().manual_seed(3)
     t = 3 * BLOCK + 9
     q = torch.randn(1, 4, t, HEAD_DIM, generator=gen)
     k = torch.randn(1, 2, t, HEAD_DIM, generator=gen) * 2
     v = torch.randn(1, 2, t, HEAD_DIM, generator=gen)
+    k[:, :, :4] *= 20  # an outlier sink
     method = KIVI(name="kivi_k2v2", group_size=BLOCK, key_bits=2, value_bits=2)
-    config = PseudoDecodeConfig(method, BLOCK, exact_first)
+    config = PseudoDecodeConfig(method, BLOCK, exact_first, sink_tokens, requantize)
     with pseudo_decode(config):
         got, _ = pseudo_decode_attention(torch.nn.Module(), q, k, v, None, scaling=HEAD_DIM**-0.5)
-    want = _explicit_block_attention(q, k, v, method, exact_first)
+    want = _explicit_block_attention(q, k, v, method, config.sink, requantize)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sink_requantize_keeps_the_sink_out_of_block_zero() -> None:
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(1, 2, 3 * BLOCK, HEAD_DIM, generator=gen)
+    v = torch.randn(1, 2, 3 * BLOCK, HEAD_DIM, generator=gen)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :4] = 500.0
+    v2[:, :, :4] = -30.0
+    method = KVarN.of("kvarn_k4v2_g64")
+    config = PseudoDecodeConfig(method, BLOCK, sink_tokens=4, sink_requantize=True)
+    a_k, a_v = quantize_kv(k, v, config)
+    b_k, b_v = quantize_kv(k2, v2, config)
+    assert torch.equal(a_k[:, :, 4:], b_k[:, :, 4:]) and torch.equal(a_v[:, :, 4:], b_v[:, :, 4:])
+    plain = PseudoDecodeConfig(method, BLOCK, sink_tokens=4)
+    c_k, _ = quantize_kv(k2, v2, plain)
+    assert not torch.equal(c_k[:, :, 4:64], b_k[:, :, 4:64])
 
 
 def test_quantize_kv_touches_only_read_blocks() -> None:
@@ -188,6 +250,9 @@ def test_config_errors() -> None:
         PseudoDecodeConfig(KVarN.of("kvarn_k4v2_g128"), block_size=64)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         PseudoDecodeConfig(None, block_size=0)
+    for bad in (-1, BLOCK + 1):
+        with pytest.raises(ValueError, match="sink_tokens must be in"):
+            PseudoDecodeConfig(None, block_size=BLOCK, sink_tokens=bad)
     q = torch.zeros(1, 2, 4, HEAD_DIM)
     with pytest.raises(RuntimeError, match="needs a configuration"):
         pseudo_decode_attention(torch.nn.Module(), q, q, q, None)

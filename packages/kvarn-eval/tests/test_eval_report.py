@@ -73,6 +73,15 @@ TASK = {
 }
 
 
+def test_sink_label() -> None:
+    assert report.sink_label(PPL) == ", first block exact"
+    assert report.sink_label({**PPL, "exact_first_block": False}) == ""
+    assert report.sink_label({**PPL, "sink_tokens": 0}) == ""
+    assert report.sink_label({**PPL, "sink_tokens": 16}) == ", first 16 tokens exact"
+    requantized = report.sink_label({**PPL, "sink_tokens": 4, "sink_requantize": True})
+    assert requantized == ", first 4 tokens exact (block 0 quantized without them)"
+
+
 def test_markdown_tables() -> None:
     md = report.markdown_table(PPL)
     lines = md.splitlines()

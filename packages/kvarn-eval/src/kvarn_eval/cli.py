@@ -265,6 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="quantize the first block too (default: kept exact, like the attention sink)",
     )
+    bench.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep only the first N tokens exact (0 <= N <= --block-size; 0: no sink, the "
+        "block size: the default exact first block); the rest of the first block is read "
+        "quantized like any earlier block",
+    )
+    bench.add_argument(
+        "--sink-requantize",
+        action="store_true",
+        help="with --sink-tokens N: quantize the first block with its first N tokens replaced "
+        "by copies of token N, keeping the sink out of its scales (they are read exact)",
+    )
     bench.add_argument("--text", default=None, help="perplexity text file instead of WikiText-2")
     bench.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     bench.add_argument(
@@ -321,6 +336,11 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         sizes["chunk_len"] = args.tokens
     if args.items is not None:
         sizes["items"] = args.items
+    # BenchOptions checks the range of --sink-tokens
+    if args.sink_tokens is not None and args.no_exact_first_block:
+        raise ValueError("give --sink-tokens or --no-exact-first-block, not both")
+    if args.sink_requantize and args.sink_tokens is None:
+        raise ValueError("--sink-requantize needs --sink-tokens N")
     return BenchOptions(
         model=args.model,
         methods=args.methods,
@@ -332,6 +352,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         min_context_tokens=args.min_context,
         block_size=args.block_size,
         exact_first_block=not args.no_exact_first_block,
+        sink_tokens=args.sink_tokens,
+        sink_requantize=args.sink_requantize,
         text_file=args.text,
         threads=args.threads,
         greedy_prompts=args.greedy_prompts,

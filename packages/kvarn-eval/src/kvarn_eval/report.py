@@ -28,6 +28,7 @@ __all__ = [
     "plot_results",
     "plot_serving",
     "print_tables",
+    "sink_label",
     "task_table",
     "write_json",
 ]
@@ -152,12 +153,30 @@ def task_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def sink_label(result: Mapping[str, Any]) -> str:
+    """Title fragment naming a pseudo-decode result's exact sink (``""`` for none).
+
+    Args:
+        result: a perplexity or greedy result dict; older ones have no ``sink_tokens`` and go
+            by ``exact_first_block``.
+    """
+    block = result["block_size"]
+    sink = result.get("sink_tokens")
+    if sink is None:
+        sink = block if result["exact_first_block"] else 0
+    if sink == block:
+        return ", first block exact"
+    if sink == 0:
+        return ""
+    rest = " (block 0 quantized without them)" if result.get("sink_requantize") else ""
+    return f", first {sink} tokens exact{rest}"
+
+
 def _title(result: Mapping[str, Any]) -> str:
     if "chunk_len" in result:
         return (
             f"{result['suite']}: {result['num_chunks']} x {result['chunk_len']} tokens, "
-            f"pseudo-decode blocks of {result['block_size']}"
-            f"{', first block exact' if result['exact_first_block'] else ''}, "
+            f"pseudo-decode blocks of {result['block_size']}{sink_label(result)}, "
             f"reference {result['reference']}"
         )
     return (

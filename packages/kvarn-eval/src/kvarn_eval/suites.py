@@ -49,6 +49,9 @@ class BenchOptions:
         min_context_tokens: task prompts are filled with solved shots to this many tokens.
         block_size: pseudo-decode block (tile) size.
         exact_first_block: keep the first block exact (attention sink).
+        sink_tokens: keep only keys ``[0, S)`` exact, ``0 <= S <= block_size``, the rest of
+            block 0 read quantized (``None``: ``exact_first_block`` decides).
+        sink_requantize: quantize block 0 with its sink tokens replaced by token ``S``.
         text_file: perplexity text for the ``wikitext`` suite instead of WikiText-2.
         threads: torch CPU threads (``None``: torch's default).
         greedy_prompts: prompts of the CPU ``greedy`` suite.
@@ -67,6 +70,8 @@ class BenchOptions:
     min_context_tokens: int = 512
     block_size: int = 128
     exact_first_block: bool = True
+    sink_tokens: int | None = None
+    sink_requantize: bool = False
     text_file: str | None = None
     threads: int | None = None
     greedy_prompts: int = 8
@@ -82,6 +87,11 @@ class BenchOptions:
             raise ValueError(
                 f"chunk_len must be at least two blocks ({2 * self.block_size} tokens) for any "
                 f"quantized cache to be read, got {self.chunk_len}"
+            )
+        if self.sink_tokens is not None and not 0 <= self.sink_tokens <= self.block_size:
+            raise ValueError(
+                f"sink_tokens must be in [0, {self.block_size}] (the block size), "
+                f"got {self.sink_tokens}"
             )
         if self.min_context_tokens < 0:
             raise ValueError(f"min_context_tokens must be >= 0, got {self.min_context_tokens}")
@@ -280,6 +290,8 @@ def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> di
         reference=opts.reference,
         block_size=opts.block_size,
         exact_first_block=opts.exact_first_block,
+        sink_tokens=opts.sink_tokens,
+        sink_requantize=opts.sink_requantize,
         suite=suite,
         source=source,
         advance=advance,
@@ -318,6 +330,8 @@ def _greedy(ctx: BenchContext) -> dict[str, Any]:
         reference=opts.reference,
         block_size=opts.block_size,
         exact_first_block=opts.exact_first_block,
+        sink_tokens=opts.sink_tokens,
+        sink_requantize=opts.sink_requantize,
         source=source,
         advance=advance,
     )
@@ -360,6 +374,8 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
             reference=opts.reference,
             block_size=opts.block_size,
             exact_first_block=opts.exact_first_block,
+            sink_tokens=opts.sink_tokens,
+            sink_requantize=opts.sink_requantize,
             advance=advance,
         )
         result.skipped = skipped

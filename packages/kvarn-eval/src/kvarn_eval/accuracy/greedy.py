@@ -24,6 +24,7 @@ from kvarn_math.baselines import Method
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
 from kvarn_eval.accuracy.summary import MethodRows
 from kvarn_eval.fidelity import compare_outputs
+from kvarn_eval.report import sink_label
 
 __all__ = ["GreedyResult", "GreedyRow", "evaluate_greedy", "greedy_generate", "greedy_tables"]
 
@@ -97,6 +98,8 @@ class GreedyResult(MethodRows):
     block_size: int
     exact_first_block: bool
     rows: list[GreedyRow]
+    sink_tokens: int = 0
+    sink_requantize: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -111,6 +114,8 @@ def evaluate_greedy(
     reference: str = "bf16",
     block_size: int = 128,
     exact_first_block: bool = True,
+    sink_tokens: int | None = None,
+    sink_requantize: bool = False,
     source: str = "",
     advance: Callable[[str], None] | None = None,
 ) -> GreedyResult:
@@ -125,6 +130,9 @@ def evaluate_greedy(
         reference: the method compared against.
         block_size: pseudo-decode block (tile) size.
         exact_first_block: keep the first block exact.
+        sink_tokens: keys ``[0, S)`` read exact by every query (``None``: the whole first block
+            with ``exact_first_block``, else none); see :class:`PseudoDecodeConfig`.
+        sink_requantize: quantize block 0 without its sink tokens (copies of token ``S``).
         source: where the prompts come from (stored).
         advance: called with the method name after each method (progress bars).
     """
@@ -139,8 +147,9 @@ def evaluate_greedy(
     ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
     start = time.perf_counter()
     outputs: dict[str, list[list[int]]] = {}
+    sink = PseudoDecodeConfig(None, block_size, exact_first_block, sink_tokens).sink
     for method in sorted(methods, key=lambda m: m.name != reference):
-        config = PseudoDecodeConfig(method, block_size, exact_first_block)
+        config = PseudoDecodeConfig(method, block_size, exact_first_block, sink, sink_requantize)
         outputs[method.name] = greedy_generate(model, ids, new_tokens, config)
         if advance is not None:
             advance(method.name)
@@ -168,6 +177,8 @@ def evaluate_greedy(
         block_size=block_size,
         exact_first_block=exact_first_block,
         rows=rows,
+        sink_tokens=sink,
+        sink_requantize=sink_requantize,
         seconds=time.perf_counter() - start,
     )
 
@@ -193,7 +204,7 @@ def greedy_tables(result: dict[str, Any]) -> dict[str, Any]:
     title = (
         f"greedy: {result['num_prompts']} prompts of {result['prompt_len']} tokens, "
         f"{result['new_tokens']} greedy tokens, pseudo-decode blocks of {result['block_size']}"
-        f"{', first block exact' if result['exact_first_block'] else ''}; agreement with "
+        f"{sink_label(result)}; agreement with "
         f"{result['reference']} (fp32: the noise of bf16 rounding itself)"
     )
     result["tables"] = [{"title": title, "header": header, "rows": rows}]

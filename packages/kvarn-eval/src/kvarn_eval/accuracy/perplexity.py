@@ -132,6 +132,8 @@ class PerplexityResult(MethodRows):
     exact_first_block: bool
     head_dim: int
     rows: list[PerplexityRow]
+    sink_tokens: int = 0
+    sink_requantize: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -171,6 +173,8 @@ def evaluate_perplexity(
     reference: str = "bf16",
     block_size: int = 128,
     exact_first_block: bool = True,
+    sink_tokens: int | None = None,
+    sink_requantize: bool = False,
     suite: str = "text",
     source: str = "",
     advance: Callable[[str], None] | None = None,
@@ -184,6 +188,9 @@ def evaluate_perplexity(
         head_dim: the model's head dimension (for bits per element).
         block_size: pseudo-decode block (tile) size.
         exact_first_block: keep the first block exact.
+        sink_tokens: keys ``[0, S)`` read exact by every query (``None``: the whole first block
+            with ``exact_first_block``, else none); see :class:`PseudoDecodeConfig`.
+        sink_requantize: quantize block 0 without its sink tokens (copies of token ``S``).
         advance: called with the method name after each forward pass (progress bars).
     """
     import time
@@ -195,6 +202,10 @@ def evaluate_perplexity(
     if len(lengths) != 1 or min(lengths) < 2:
         raise ValueError(f"chunks must share one length >= 2, got lengths {sorted(lengths)}")
     ordered = sorted(methods, key=lambda m: m.name != reference)
+    configs = {
+        m.name: PseudoDecodeConfig(m, block_size, exact_first_block, sink_tokens, sink_requantize)
+        for m in ordered
+    }
     scores: dict[str, list[ChunkScores]] = {m.name: [] for m in ordered}
     start = time.perf_counter()
     with torch.inference_mode():
@@ -203,8 +214,7 @@ def evaluate_perplexity(
             targets = ids[0, 1:]
             ref_logprobs: torch.Tensor | None = None
             for method in ordered:
-                config = PseudoDecodeConfig(method, block_size, exact_first_block)
-                with pseudo_decode(config):
+                with pseudo_decode(configs[method.name]):
                     logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
                 score, logprobs = compare_logits(logits, ref_logprobs, targets)
                 if ref_logprobs is None:
@@ -225,5 +235,7 @@ def evaluate_perplexity(
         exact_first_block=exact_first_block,
         head_dim=head_dim,
         rows=rows,
+        sink_tokens=configs[reference].sink,
+        sink_requantize=sink_requantize,
         seconds=time.perf_counter() - start,
     )

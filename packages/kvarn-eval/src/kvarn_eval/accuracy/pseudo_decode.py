@@ -5,7 +5,10 @@ A plain forward pass attends to exact K/V, so it barely sees KV-cache quantizati
 block ``b`` attends to the exact K/V of its own block (causally) and to the *quantized* K/V of
 every earlier block, as a decoder does once earlier tiles have been flushed to the quantized
 cache. With ``exact_first_block`` the first block stays exact everywhere (the fork keeps the
-first tile, the attention sink, unquantized).
+first tile, the attention sink, unquantized). ``sink_tokens = S`` generalizes it: only keys
+``[0, S)`` stay exact everywhere, and the rest of block 0 is read quantized like any earlier
+block; ``sink_requantize`` quantizes block 0 with its first ``S`` tokens replaced by copies of
+token ``S`` (so that the sink does not enter block 0's scales).
 
 Quantization errors accumulate through the layers exactly as in block-by-block decoding: layer
 ``l`` quantizes K/V computed from hidden states that already went through quantized attention in
@@ -52,21 +55,41 @@ class PseudoDecodeConfig:
         method: the KV-cache method whose ``roundtrip`` reconstructs K/V; ``None`` for exact
             float32 K/V (then the hook is plain causal attention).
         block_size: tokens per pseudo-decode block; a multiple of ``method.group_size``.
-        exact_first_block: keep the first block exact (the attention sink tile).
+        exact_first_block: keep the first block exact (the attention sink tile); the same as
+            ``sink_tokens=block_size``. Ignored when ``sink_tokens`` is given.
+        sink_tokens: keys ``[0, S)`` are read exact by every query, ``0 <= S <= block_size``;
+            the rest of block 0 is read quantized. ``None``: ``block_size`` with
+            ``exact_first_block``, else 0.
+        sink_requantize: quantize block 0 with its first ``S`` tokens replaced by copies of
+            token ``S`` (they are read exact anyway; this keeps them out of the scales).
     """
 
     method: Method | None
     block_size: int = 128
     exact_first_block: bool = True
+    sink_tokens: int | None = None
+    sink_requantize: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.sink_tokens is not None and not 0 <= self.sink_tokens <= self.block_size:
+            raise ValueError(
+                f"sink_tokens must be in [0, {self.block_size}] (the block size), "
+                f"got {self.sink_tokens}"
+            )
         if self.method is not None and self.block_size % self.method.group_size:
             raise ValueError(
                 f"block_size must be a multiple of {self.method.name}'s group size "
                 f"{self.method.group_size}, got {self.block_size}"
             )
+
+    @property
+    def sink(self) -> int:
+        """``S``: leading keys every query reads exact (``sink_tokens`` resolved)."""
+        if self.sink_tokens is not None:
+            return self.sink_tokens
+        return self.block_size if self.exact_first_block else 0
 
 
 _ACTIVE: ContextVar[PseudoDecodeConfig | None] = ContextVar("kvarn_pseudo_decode", default=None)
@@ -88,24 +111,27 @@ def pseudo_decode_mask(
     exact_first_block: bool,
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
+    *,
+    sink_tokens: int | None = None,
 ) -> torch.Tensor:
     """Boolean mask ``[T, 2T]`` over the keys ``[K_hat; K]`` (quantized first, exact second).
 
     Query ``t`` in block ``b = t // block_size`` may see exact key ``s`` when ``s <= t`` and ``s``
-    is in block ``b`` (or in block 0 with ``exact_first_block``), and quantized key ``s`` when
-    ``s`` is in an earlier block (other than block 0 with ``exact_first_block``). A sliding window
-    ``w`` additionally requires ``t - s < w``. Every query sees exactly one copy of each key
-    ``s <= t`` (inside the window).
+    is in block ``b`` or ``s < S``, and quantized key ``s`` when ``s`` is in an earlier block and
+    ``s >= S``. ``S`` is ``sink_tokens`` when given, else ``block_size`` with
+    ``exact_first_block`` (block 0 exact) and 0 without. A sliding window ``w`` additionally
+    requires ``t - s < w``. Every query sees exactly one copy of each key ``s <= t`` (inside the
+    window).
     """
+    if sink_tokens is None:
+        sink_tokens = block_size if exact_first_block else 0
     pos = torch.arange(seq_len, device=device)
     q_block = (pos // block_size)[:, None]
     k_block = (pos // block_size)[None, :]
     causal = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
         causal = causal & (pos[:, None] - pos[None, :] < sliding_window)
-    exact_block = k_block == q_block
-    if exact_first_block:
-        exact_block = exact_block | (k_block == 0)
+    exact_block = (k_block == q_block) | (pos[None, :] < sink_tokens)
     exact = causal & exact_block
     quantized = causal & ~exact_block
     return torch.cat([quantized, exact], dim=1)
@@ -117,23 +143,32 @@ def quantize_kv(
     """Reconstructions of ``key, value`` ``[B, H_kv, T, D]`` as the quantized cache holds them.
 
     Only tokens that some query reads quantized are passed through ``method.roundtrip``: the
-    complete blocks before the last block, minus block 0 with ``exact_first_block``. The other
-    positions are returned exact (the mask never selects them). Returns float tensors like
-    ``key``.
+    complete blocks before the last block, minus block 0 when the sink covers it
+    (``config.sink == block_size``). The other positions are returned exact (the mask never
+    selects them; neither does it select sink positions inside block 0). With
+    ``sink_requantize`` the roundtrip sees tokens ``[0, S)`` replaced by copies of token ``S``.
+    Returns float tensors like ``key``.
     """
     if config.method is None:
         return key, value
     batch, _, seq_len, _ = key.shape
     num_blocks = -(-seq_len // config.block_size)
-    start = config.block_size if config.exact_first_block else 0
+    sink = config.sink
+    start = config.block_size if sink == config.block_size else 0
     stop = (num_blocks - 1) * config.block_size
     k_hat, v_hat = key.clone(), value.clone()
     if stop <= start:
         return k_hat, v_hat
+    k_in, v_in = key, value
+    if config.sink_requantize and start < sink:
+        # here sink < block_size <= stop: token `sink` is inside the quantized range
+        k_in, v_in = key.clone(), value.clone()
+        k_in[:, :, :sink] = key[:, :, sink : sink + 1]
+        v_in[:, :, :sink] = value[:, :, sink : sink + 1]
     for b in range(batch):
         # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
-        k_np = key[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
-        v_np = value[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
+        k_np = k_in[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
+        v_np = v_in[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
         k_rt, v_rt = config.method.roundtrip(k_np, v_np)
         k_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1)
         v_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1)
@@ -188,7 +223,7 @@ def pseudo_decode_attention(
     else:
         k_hat, v_hat = quantize_kv(key, value, config)
         mask = pseudo_decode_mask(
-            seq_len, config.block_size, config.exact_first_block, window, query.device
+            seq_len, config.block_size, False, window, query.device, sink_tokens=config.sink
         )[offset:]
         out = F.scaled_dot_product_attention(
             query,

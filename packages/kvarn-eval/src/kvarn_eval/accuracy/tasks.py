@@ -119,11 +119,18 @@ def prepare_items(
     return prepared
 
 
-def quantized_fraction(position: int, block_size: int, exact_first_block: bool) -> float:
-    """Share of the keys ``0..position`` that the query at ``position`` reads quantized."""
+def quantized_fraction(
+    position: int, block_size: int, exact_first_block: bool, sink_tokens: int | None = None
+) -> float:
+    """Share of the keys ``0..position`` that the query at ``position`` reads quantized.
+
+    Keys ``[0, S)`` are exact: ``S = sink_tokens`` when given, else ``block_size`` with
+    ``exact_first_block`` and 0 without.
+    """
     block_start = (position // block_size) * block_size
-    first_exact = block_size if exact_first_block else 0
-    quantized = max(0, block_start - first_exact)
+    if sink_tokens is None:
+        sink_tokens = block_size if exact_first_block else 0
+    quantized = max(0, block_start - sink_tokens)
     return quantized / (position + 1)
 
 
@@ -194,6 +201,8 @@ class TaskResult(MethodRows):
     block_size: int
     exact_first_block: bool
     rows: list[TaskRow]
+    sink_tokens: int = 0
+    sink_requantize: bool = False
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -213,9 +222,15 @@ def evaluate_task(
     reference: str = "bf16",
     block_size: int = 128,
     exact_first_block: bool = True,
+    sink_tokens: int | None = None,
+    sink_requantize: bool = False,
     advance: Callable[[str], None] | None = None,
 ) -> TaskResult:
-    """Score ``items`` with every method under pseudo-decode."""
+    """Score ``items`` with every method under pseudo-decode.
+
+    ``block_size``, ``exact_first_block``, ``sink_tokens`` and ``sink_requantize`` are those of
+    :class:`PseudoDecodeConfig`.
+    """
     names = [m.name for m in methods]
     if reference not in names:
         raise ValueError(f"reference {reference!r} must be one of the methods {names}")
@@ -225,11 +240,14 @@ def evaluate_task(
         raise ValueError(f"task {suite!r}: no items to score")
     raw: dict[str, list[int]] = {m.name: [] for m in methods}
     per_char: dict[str, list[int]] = {m.name: [] for m in methods}
+    sink = PseudoDecodeConfig(None, block_size, exact_first_block, sink_tokens).sink
     start = time.perf_counter()
     with torch.inference_mode():
         for item in items:
             for method in methods:
-                config = PseudoDecodeConfig(method, block_size, exact_first_block)
+                config = PseudoDecodeConfig(
+                    method, block_size, exact_first_block, sink, sink_requantize
+                )
                 with pseudo_decode(config):
                     sums, greedy = _score_batch(model, item, pad_id)
                 if kind == "last_word":
@@ -266,7 +284,7 @@ def evaluate_task(
             )
         )
     context_lengths = [len(it.context) for it in items]
-    fractions = [quantized_fraction(n - 1, block_size, exact_first_block) for n in context_lengths]
+    fractions = [quantized_fraction(n - 1, block_size, True, sink) for n in context_lengths]
     return TaskResult(
         suite=suite,
         kind=kind,
@@ -279,5 +297,7 @@ def evaluate_task(
         block_size=block_size,
         exact_first_block=exact_first_block,
         rows=rows,
+        sink_tokens=sink,
+        sink_requantize=sink_requantize,
         seconds=time.perf_counter() - start,
     )
