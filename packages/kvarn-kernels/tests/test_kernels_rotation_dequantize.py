@@ -106,6 +106,35 @@ def test_paged_dequantize(rotated: bool, dtype: torch.dtype) -> None:
     assert kg.dtype == dtype and kg.shape == (128, h, d)
     torch.testing.assert_close(kg.float(), want_k, **tol)
     torch.testing.assert_close(vg.float(), want_v, **tol)
+    # Into slices of a preallocated [2, T, H, D] workspace: same values, rows around untouched.
+    ws = torch.full((2, 200, h, d), 7.0, dtype=dtype)
+    ko, vo = kk.dequantize(
+        cache, ids, preset, d, dtype=dtype, rotated=rotated, out=(ws[0, 10:138], ws[1, 10:138])
+    )
+    assert ko.data_ptr() == ws[0, 10].data_ptr()
+    torch.testing.assert_close(ws[0, 10:138], kg)
+    torch.testing.assert_close(ws[1, 10:138], vg)
+    assert bool((ws[:, :10] == 7).all()) and bool((ws[:, 138:] == 7).all())
+
+
+def test_dequantize_out_guards() -> None:
+    preset, d, h = "kvarn_k4v2_g64", 64, 2
+    records = ref_quantize_tiles(
+        make_kv((1, h, 64, d), "gaussian", 1), make_kv((1, h, 64, d), "gaussian", 2), preset
+    )
+    cache = torch.from_numpy(records.copy())
+    ids = torch.zeros(1, dtype=torch.int32)
+    ok = torch.empty(64, h, d)
+    with pytest.raises(ValueError, match=r"out\[0\] \(k\) must be torch.float32 \[64, 2, 64\]"):
+        kk.dequantize(cache, ids, preset, d, dtype=torch.float32, out=(torch.empty(63, h, d), ok))
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        bad = torch.empty(64, h, 2 * d)[:, :, ::2]
+        kk.dequantize(cache, ids, preset, d, dtype=torch.float32, out=(ok, bad))
+    with pytest.raises(ValueError, match="share strides"):
+        other = torch.empty(64, 2 * h, d)[:, :h]
+        kk.dequantize(cache, ids, preset, d, dtype=torch.float32, out=(ok, other))
+    with pytest.raises(ValueError, match="tuple"):
+        kk.dequantize(cache, ids, preset, d, dtype=torch.float32, out=ok)
 
 
 def test_dequantize_guards() -> None:

@@ -182,6 +182,21 @@ def test_kvarn_checks_catch_silent_fallback(e2e):
     assert any("staging" in p for p in problems)
     assert any("block size 16" in p for p in problems)
     assert any("not more than bf16" in p for p in problems)
+    # A forced cache size (the preemption mode) holds as many tokens as bf16's by design.
+    forced = {"num_gpu_blocks_override": 32}
+    preempt = {
+        "auto/preempt": R("auto/preempt", "auto", forced, ok=True, kv_cache_tokens_config=4096),
+        "kvarn_k4v2_g128/preempt": R(
+            "kvarn_k4v2_g128/preempt",
+            "kvarn_k4v2_g128",
+            forced,
+            ok=True,
+            kv_cache_tokens_config=4096,
+            block_size=128,
+            staging_gib_logged=0.4,
+        ),
+    }
+    assert e2e.kvarn_checks(preempt)["problems"] == []
     cap = {
         "capacity/auto": R("capacity/auto", "auto", {}, ok=True, kv_cache_tokens_logged=900),
         "capacity/kvarn_k4v4_g64": R(

@@ -25,14 +25,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("dense_context", [False, True])
+@pytest.mark.parametrize("dense_context", ["off", "on", "tiny"])
 def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_context):
+    """``dense_context``: continuation chunks through the multi-query kernel (off), the
+    dense path (on), or the dense path with a workspace too small for the row (tiny: the
+    row falls back to the multi-query kernel)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.gpu import attn_utils
 
+    from kvarn_vllm import impl as kimpl
+
+    monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "0" if dense_context == "off" else "1")
+    monkeypatch.setattr(kimpl, "_WORKSPACES", {})
+    # Workspace of 1024 tokens, or 128 (tiny): less than the 170-token context row below.
+    ws_tokens = 128 if dense_context == "tiny" else 1024
+    monkeypatch.setattr(kimpl, "DENSE_CONTEXT_WORKSPACE_BYTES", ws_tokens * 2 * HKV * D * 2)
     vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
     # After construction: VllmConfig refuses V2 without a GPU Triton; the builder only checks.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -162,16 +172,17 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
             err = float((out[i : i + 1].float() - ref).norm() / ref.norm())
             assert err < 0.02, (li, r, err)
     # A chunked-prefill continuation (69 tokens after 101 cached: a context row) beside a
-    # decode row, through multi_query_attention or (KVARN_VLLM_DENSE_CONTEXT=1) the dense path:
-    # dequantized tiles, the exact first tile and staging, attended in torch here (no GPU).
-    from kvarn_vllm import impl as kimpl
-
-    monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "1" if dense_context else "0")
+    # decode row, through multi_query_attention or the dense path: dequantized tiles, the
+    # exact first tile and staging, attended in torch here (no GPU).
     outs = step([2, 0], [101, 41], [69, 1])
     for li, (q, out, meta) in enumerate(outs):
         window = 96 if li == 1 else None
         assert meta.context is not None
-        assert kimpl._use_dense_context(meta.context) == dense_context
+        workspace = layers[li].impl.workspace
+        assert (workspace is None) == (dense_context == "off")
+        if workspace is not None:
+            assert workspace.shape[1] == ws_tokens
+        assert kimpl._use_dense_context(meta.context, workspace) == (dense_context != "off")
         k, v = history[(li, 2)]
         seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
         ref = torch.from_numpy(
@@ -203,3 +214,24 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         )
         err = float((out[:1].float() - ref).norm() / ref.norm())
         assert err < 0.02, (li, "resumed", err)
+
+
+def test_dense_runs_pack_rows_into_the_workspace(monkeypatch):
+    from kvarn_vllm import impl as kimpl
+
+    assert kimpl.dense_runs([100, 100, 100], 256) == [(0, 2), (2, 3)]
+    assert kimpl.dense_runs([300, 50, 50], 256) == [(0, 1), (1, 3)]
+    assert kimpl.dense_runs([50, 300, 50], 256) == [(0, 1), (1, 2), (2, 3)]
+    assert kimpl.dense_runs([256, 1], 256) == [(0, 1), (1, 2)]
+    assert kimpl.dense_runs([], 256) == []
+    for lens in ([5] * 10, [200, 60, 1, 400, 3, 255], [1000]):
+        runs = kimpl.dense_runs(lens, 256)
+        assert [r for lo, hi in runs for r in range(lo, hi)] == list(range(len(lens)))
+        for lo, hi in runs:  # a run fits, or is one row that does not
+            assert sum(lens[lo:hi]) <= 256 or hi - lo == 1
+
+    monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "yes")
+    with pytest.raises(ValueError, match="KVARN_VLLM_DENSE_CONTEXT must be 0 or 1, got 'yes'"):
+        kimpl.dense_context_enabled()
+    monkeypatch.delenv(kimpl.DENSE_CONTEXT_ENV)
+    assert kimpl.dense_context_enabled()

@@ -7,7 +7,10 @@ Where the modes differ on purpose (the docs say so too):
 * every other query reads the cache as this step's store left it: complete tiles
   quantized, the open tile from staging (exact, rotated frame). So a chunked-prefill
   continuation or a prefix-cache hit sees quantized tiles where an unchunked prefill
-  of the same prompt saw exact K/V.
+  of the same prompt saw exact K/V. A continuation chunk of 64+ tokens dequantizes its
+  row's cache once into a preallocated workspace and runs FlashAttention over it (the
+  default, ``KVARN_VLLM_DENSE_CONTEXT=0`` turns it off); rows whose context does not fit
+  the workspace, and short continuations, go through the multi-query kernel.
 
 Staging for the open tiles (``[num_slots, 2, S*G, num_kv_heads, head_dim]``, model dtype)
 is allocated here, in ``__init__``: vLLM builds the model before it profiles memory, so
@@ -156,6 +159,11 @@ def _make_impl_class() -> type:
                 _STAGING["tokens"] = self.config.staging_tokens
                 _STAGING["staging_tiles"] = self.config.staging_tiles
                 _STAGING["sink"] = self.config.sink
+            self.workspace = None
+            if dense_context_enabled():
+                self.workspace = _dense_workspace(
+                    self.num_kv_heads, head_size, vllm_config, torch.get_default_device()
+                )
 
         def forward(
             self,
@@ -207,7 +215,7 @@ def _make_impl_class() -> type:
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
-            if md.context is not None and _use_dense_context(md.context):
+            if md.context is not None and _use_dense_context(md.context, self.workspace):
                 self._context_dense(md.context, query, kv_cache, staging, output, n)
             elif md.context is not None:
                 g = md.context
@@ -233,75 +241,106 @@ def _make_impl_class() -> type:
             return output
 
         def _context_dense(self, g, query, kv_cache, staging, output, n):
-            """Chunks after cached tokens through dense attention (opt-in, see
-            ``KVARN_VLLM_DENSE_CONTEXT``): each row's cache is dequantized once into the
-            model dtype (tile 0 from the sink rows where the row keeps it exact, open tiles
-            from staging), in the rotated frame, and attended by FlashAttention's varlen kernel
-            with the rotated queries; the output is un-rotated. Rows are short on the host
-            side (a prefill step has few), so the gathering is a loop over rows."""
+            """Chunks after cached tokens through dense attention: rows are taken in runs
+            whose contexts fit the workspace together; each row's cache is dequantized into
+            it in the model dtype (tile 0 from the sink rows where the row keeps it exact,
+            open tiles from staging), in the rotated frame, and attended by FlashAttention's
+            varlen kernel with the rotated queries. A row whose context alone exceeds the
+            workspace goes through the multi-query kernel. The host knows every length (no
+            speculative decoding), so the batching is a loop over rows on the host."""
             h = g.host
-            preset, gsize = self.preset, self.preset.group_size
+            gsize = self.preset.group_size
             q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
-            q_rot = kernels.rotate(q)
-            ks, vs = [], []
+            res = torch.empty_like(q)
+            ws = self.workspace
+            qs = [int(x) for x in g.query_start_loc_host]
             ring, base = self.config.ring_tokens, self.config.sink_rows
-            for i in range(len(h["seq_lens"])):
-                seq_len, quant = int(h["seq_lens"][i]), int(h["quantized_lens"][i])
-                slot = int(h["staging_slots"][i])
-                if quant:
-                    blocks = g.block_table[i, : quant // gsize].contiguous()
-                    k_t, v_t = kernels.dequantize(
-                        kv_cache, blocks, preset, self.head_size, dtype=q.dtype
+            for lo, hi in dense_runs(h["seq_lens"], ws.shape[1]):
+                q_lo, q_hi = qs[lo], qs[hi]
+                if int(h["seq_lens"][lo]) > ws.shape[1]:  # one row, too long to dequantize
+                    self._context_mqa(g, q[q_lo:q_hi], kv_cache, staging, lo, hi, res[q_lo:q_hi])
+                    continue
+                off = 0
+                for i in range(lo, hi):
+                    seq_len, quant = int(h["seq_lens"][i]), int(h["quantized_lens"][i])
+                    slot = int(h["staging_slots"][i])
+                    if quant:
+                        blocks = g.block_table[i, : quant // gsize].contiguous()
+                        kernels.dequantize(
+                            kv_cache,
+                            blocks,
+                            self.preset,
+                            self.head_size,
+                            dtype=q.dtype,
+                            out=(ws[0, off : off + quant], ws[1, off : off + quant]),
+                        )
+                        if int(h["sink_lens"][i]) and base:
+                            ws[:, off : off + gsize] = staging[slot, :, :gsize]
+                    pos = torch.arange(quant, seq_len, device=q.device)
+                    rows = kernels.staging_rows(pos, ring, base)
+                    ws[:, off + quant : off + seq_len] = staging[slot].index_select(1, rows)
+                    off += seq_len
+                kv_lens = torch.as_tensor(
+                    [int(x) for x in h["seq_lens"][lo:hi]], dtype=torch.int32
+                )
+                cu_k = torch.zeros(hi - lo + 1, dtype=torch.int32)
+                torch.cumsum(kv_lens, 0, out=cu_k[1:])
+                q_rot = kernels.rotate(q[q_lo:q_hi])
+                o_rot = torch.empty_like(q_rot)
+                window = self.sliding_window
+                flash = _flash_prefill(self.head_size)
+                if flash is not None:
+                    flash_fn, fa_version = flash
+                    cu_q = g.query_start_loc[lo : hi + 1] - g.query_start_loc[lo]
+                    flash_fn(
+                        q_rot,
+                        ws[0, :off],
+                        ws[1, :off],
+                        max_seqlen_q=max(qs[i + 1] - qs[i] for i in range(lo, hi)),
+                        cu_seqlens_q=cu_q,
+                        max_seqlen_k=int(kv_lens.max()),
+                        cu_seqlens_k=cu_k.to(q.device),
+                        softmax_scale=self.scale,
+                        causal=True,
+                        window_size=None if window is None else [window - 1, 0],
+                        out=o_rot,
+                        fa_version=fa_version,
                     )
-                    if int(h["sink_lens"][i]) and base:
-                        k_t[:gsize] = staging[slot, 0, :gsize]
-                        v_t[:gsize] = staging[slot, 1, :gsize]
-                    ks.append(k_t)
-                    vs.append(v_t)
-                pos = torch.arange(quant, seq_len, device=q.device)
-                rows = kernels.staging_rows(pos, ring, base)
-                ks.append(staging[slot, 0].index_select(0, rows))
-                vs.append(staging[slot, 1].index_select(0, rows))
-            k = torch.cat(ks)
-            v = torch.cat(vs)
-            kv_lens = torch.as_tensor(h["seq_lens"], dtype=torch.int32)
-            cu_k = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32)
-            torch.cumsum(kv_lens, 0, out=cu_k[1:])
-            o_rot = torch.empty_like(q_rot)
-            window = self.sliding_window
-            flash = _flash_prefill(self.head_size)
-            if flash is not None:
-                flash_fn, fa_version = flash
-                flash_fn(
-                    q_rot,
-                    k,
-                    v,
-                    max_seqlen_q=g.max_query_len,
-                    cu_seqlens_q=g.query_start_loc,
-                    max_seqlen_k=int(kv_lens.max()),
-                    cu_seqlens_k=cu_k.to(q.device),
-                    softmax_scale=self.scale,
-                    causal=True,
-                    window_size=None if window is None else [window - 1, 0],
-                    out=o_rot,
-                    fa_version=fa_version,
-                )
-            else:
-                exact_causal_attention(
-                    q_rot,
-                    k,
-                    v,
-                    o_rot,
-                    g.query_start_loc_host,
-                    self.scale,
-                    window,
-                    kv_start_loc=cu_k.tolist(),
-                )
-            res = kernels.unrotate(o_rot)
+                else:
+                    exact_causal_attention(
+                        q_rot,
+                        ws[0, :off],
+                        ws[1, :off],
+                        o_rot,
+                        [x - q_lo for x in qs[lo : hi + 1]],
+                        self.scale,
+                        window,
+                        kv_start_loc=cu_k.tolist(),
+                    )
+                res[q_lo:q_hi] = kernels.unrotate(o_rot)
             if g.token_index is None:
                 output[:n].copy_(res)
             else:
                 output.index_copy_(0, g.token_index, res)
+
+        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out):
+            """Rows ``lo:hi`` of a context group through the multi-query kernel."""
+            kernels.multi_query_attention(
+                q,
+                g.query_start_loc[lo : hi + 1] - g.query_start_loc[lo],
+                kv_cache,
+                staging,
+                g.block_table[lo:hi],
+                g.seq_lens[lo:hi],
+                g.quantized_lens[lo:hi],
+                g.staging_slots[lo:hi],
+                self.preset,
+                self.scale,
+                sliding_window=self.sliding_window,
+                max_query_len=g.max_query_len,
+                out=out,
+                sink_lens=None if g.sink_lens is None else g.sink_lens[lo:hi],
+            )
 
         def _fresh(self, g, query, key, value, output, n):
             """Exact causal attention of a first chunk over its own K/V (original frame)."""
@@ -376,14 +415,80 @@ DENSE_CONTEXT_ENV = "KVARN_VLLM_DENSE_CONTEXT"
 DENSE_CONTEXT_MIN_QUERY = 64
 
 
-def _use_dense_context(group: Any) -> bool:
-    """Whether a context group goes through :meth:`_context_dense`: only when
-    ``KVARN_VLLM_DENSE_CONTEXT=1`` (experimental, not yet measured on a GPU), the host knows
-    the rows' lengths exactly (no speculative decoding) and some row brings at least
-    ``DENSE_CONTEXT_MIN_QUERY`` query tokens (a chunked-prefill continuation, not a verify)."""
-    if os.environ.get(DENSE_CONTEXT_ENV, "0") != "1":
+DENSE_CONTEXT_WORKSPACE_BYTES = 256 * 2**20
+_WORKSPACES: dict[tuple[Any, ...], Any] = {}
+
+
+def dense_context_enabled() -> bool:
+    """``KVARN_VLLM_DENSE_CONTEXT`` (default ``1``; ``0`` sends every continuation chunk
+    through the multi-query kernel)."""
+    raw = os.environ.get(DENSE_CONTEXT_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{DENSE_CONTEXT_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _use_dense_context(group: Any, workspace: Any) -> bool:
+    """Whether a context group goes through :meth:`_context_dense`: only with a workspace
+    (``KVARN_VLLM_DENSE_CONTEXT`` on), when the host knows the rows' lengths exactly (no
+    speculative decoding) and some row brings at least ``DENSE_CONTEXT_MIN_QUERY`` query
+    tokens (a chunked-prefill continuation, not a verify)."""
+    if workspace is None:
         return False
     return group.host is not None and group.max_query_len >= DENSE_CONTEXT_MIN_QUERY
+
+
+def dense_runs(seq_lens: Any, capacity: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges ``[lo, hi)`` whose context lengths sum to at most
+    ``capacity`` tokens; a row longer than ``capacity`` is a range of its own (the caller
+    sends it to the multi-query kernel)."""
+    runs: list[tuple[int, int]] = []
+    lo, total = 0, 0
+    for i, length in enumerate(int(x) for x in seq_lens):
+        if i > lo and total + length > capacity:
+            runs.append((lo, i))
+            lo, total = i, 0
+        total += length
+        if length > capacity:
+            runs.append((lo, i + 1))
+            lo, total = i + 1, 0
+    if lo < len(seq_lens):
+        runs.append((lo, len(seq_lens)))
+    return runs
+
+
+def _dense_workspace(num_kv_heads: int, head_size: int, vllm_config: Any, device: Any) -> Any:
+    """The dense-context workspace ``[2, T, num_kv_heads, head_size]`` (model dtype), one per
+    process and shape, shared by the layers (they run one after another). Allocated at model
+    build, like staging, so vLLM's memory profiling counts it. ``T`` is the most tokens
+    that fit ``DENSE_CONTEXT_WORKSPACE_BYTES``, a multiple of 128, at most 4 x max_model_len."""
+    import torch
+
+    model = vllm_config.model_config
+    dtype = model.dtype if model is not None else torch.get_default_dtype()
+    per_token = 2 * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+    source = model if model is not None else vllm_config.scheduler_config
+    max_len = int(getattr(source, "max_model_len", 0) or 0)
+    tokens = DENSE_CONTEXT_WORKSPACE_BYTES // per_token // 128 * 128
+    if max_len:
+        tokens = min(tokens, -(-4 * max_len // 128) * 128)
+    tokens = max(tokens, 128)
+    key = (str(device), dtype, num_kv_heads, head_size)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.empty(
+            (2, tokens, num_kv_heads, head_size), dtype=dtype, device=device
+        )
+        logger.info(
+            "kvarn: dense-context workspace: %d tokens x %d KV heads x %d dims, %.0f MiB "
+            "(continuation chunks attend their dequantized context with FlashAttention; a "
+            "row with a longer context uses the multi-query kernel; %s=0 turns it off)",
+            tokens,
+            num_kv_heads,
+            head_size,
+            tokens * per_token / 2**20,
+            DENSE_CONTEXT_ENV,
+        )
+    return _WORKSPACES[key]
 
 
 def _flash_prefill(head_size: int) -> tuple[Any, int] | None:

@@ -26,12 +26,16 @@ def _launch(
     layout: TileLayout,
     dtype: torch.dtype,
     rotated: bool,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, h = block_ids.shape[0], kv_cache.shape[1]
     p, d = layout.preset, layout.head_dim
     g = p.group_size
-    k = torch.empty((n * g, h, d), dtype=dtype, device=kv_cache.device)
-    v = torch.empty_like(k)
+    if out is None:
+        k = torch.empty((n * g, h, d), dtype=dtype, device=kv_cache.device)
+        v = torch.empty_like(k)
+    else:
+        k, v = out
     if n == 0:
         return k, v
     off = layout.offsets
@@ -71,6 +75,7 @@ def dequantize(
     head_dim: int,
     dtype: torch.dtype = torch.float16,
     rotated: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V of the tiles ``block_ids`` of a paged cache.
 
@@ -81,6 +86,9 @@ def dequantize(
         head_dim: ``D``.
         dtype: output dtype (fp16, bf16 or fp32).
         rotated: ``True`` returns the rotated frame the cache stores; ``False`` un-rotates.
+        out: ``(k, v)`` to write into instead of new tensors (e.g. slices of a preallocated
+            workspace): each ``[n * G, num_kv_heads, head_dim]`` of ``dtype`` on the cache's
+            device, last dimension contiguous, both with the same strides.
 
     Returns:
         ``(k, v)``, each ``[n * G, num_kv_heads, head_dim]``: token ``j`` of tile ``i`` is row
@@ -92,7 +100,38 @@ def dequantize(
     check_same_device(kv_cache=kv_cache, block_ids=block_ids)
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
-    return _launch(kv_cache, block_ids, layout, dtype, rotated)
+    if out is not None:
+        _check_out(
+            out,
+            (block_ids.shape[0] * layout.preset.group_size, kv_cache.shape[1], head_dim),
+            dtype,
+            kv_cache.device,
+        )
+    return _launch(kv_cache, block_ids, layout, dtype, rotated, out)
+
+
+def _check_out(
+    out: tuple[torch.Tensor, torch.Tensor],
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError("out must be a (k, v) tuple of tensors")
+    for name, t in zip(("out[0] (k)", "out[1] (v)"), out, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+            raise ValueError(
+                f"{name} must be {dtype} {list(shape)} on {device}, got {t.dtype} "
+                f"{list(t.shape)} on {t.device}"
+            )
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if out[0].stride() != out[1].stride():
+        raise ValueError(
+            f"out tensors must share strides, got {out[0].stride()} and {out[1].stride()}"
+        )
 
 
 def _dense(
