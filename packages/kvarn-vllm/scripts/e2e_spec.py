@@ -18,12 +18,19 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 * ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode,
   piecewise under speculation), prefix caching on, thousands of engine steps; checks every
   sampled token's logprob is finite and nothing crashed.
+* ``repeat`` (real SmolLM2 weights, CUDA graphs): an EAGLE draft built from the target's own
+  weights that proposes the last token again (:func:`repeat_draft_dir`), over prompts of which
+  half make the model repeat a word (drafts accepted) and half vary (drafts rejected): greedy
+  agreement spec vs no spec, acceptance and tokens/s, bf16 beside both kvarn presets. This
+  stands in for n-gram, which kvarn cannot run on vLLM 0.26, with real acceptances and
+  rejections in the same batches.
 
 Usage (GPU machine)::
 
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase agreement --model /tmp/smollm2-hf --out $OUT/spec
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase dummy --model /tmp/smollm2-hf --out $OUT/spec
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase stress --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-vllm/scripts/e2e_spec.py --phase repeat --model /tmp/smollm2-hf --out $OUT/spec
 
 ``--model`` is a Hugging Face folder (config + weights + tokenizer); without it the SmolLM2
 GGUF is converted as ``e2e_smoke.py`` does (``--gguf`` or ``$KVARN_GPU_FILES``).
@@ -92,6 +99,29 @@ def make_repetitive_prompts(n: int) -> list[str]:
     return prompts
 
 
+_ECHO_WORDS = ("yes", "go", "blue", "tree", "stop", "hello", "rain", "apple", "north", "seven")
+
+
+def make_echo_prompts(n: int) -> list[str]:
+    """``n`` prompts, alternately one that makes a model repeat a word (a draft proposing the
+    last token again is accepted) and one of :func:`make_repetitive_prompts` (rejected)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    varying = make_repetitive_prompts(n)
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            prompts.append(varying[i])
+        else:
+            word = _ECHO_WORDS[(i // 2) % len(_ECHO_WORDS)]
+            count = 40 + (i // 2) % 7
+            prompts.append(
+                f"Write the word '{word}' {count} times, separated by spaces: "
+                + " ".join([word] * (3 + i % 4))
+            )
+    return prompts
+
+
 def spec_counters(metrics: list[Any]) -> dict[str, float]:
     """Sum vLLM's ``vllm:spec_decode_*`` counters (``LLM.get_metrics()``) over engines."""
     out: dict[str, float] = {}
@@ -136,6 +166,50 @@ def eagle_draft_dir(model: Path, out: Path) -> Path:
     cfg = json.loads((model / "config.json").read_text())
     cfg["num_hidden_layers"] = 1
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def repeat_draft_dir(model: Path, out: Path) -> Path:
+    """A one-layer EAGLE draft, with real weights, that proposes the last token again.
+
+    vLLM's EAGLE-1 Llama draft computes ``fc([embed(token), h])`` -> one decoder layer (no
+    input norm) -> ``h + residual`` -> the target's ``lm_head`` (shared: the draft has no
+    ``lm_head`` or ``embed_tokens`` weights). With ``fc = [0 | I]`` and the layer's output
+    projections ``o_proj`` and ``down_proj`` zero, the draft returns the target's final
+    (normed) hidden state unchanged, so its logits are the target's logits for the token just
+    sampled: every draft token repeats the last one. The layer's other weights are the
+    target's layer 0 (its attention still reads and writes the draft's KV cache).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model / "config.json").read_text())
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"{model}: biased projections; zeroing the weights would not zero them")
+    cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state: dict[str, Any] = {}
+    for f in sorted(model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    prefix = "model.layers.0."
+    layer = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not layer:
+        raise ValueError(f"{model}: no {prefix}* weights in its safetensors")
+    hidden = int(cfg["hidden_size"])
+    dtype = layer["self_attn.q_proj.weight"].dtype
+    weights = {
+        "fc.weight": torch.cat(
+            [torch.zeros(hidden, hidden, dtype=dtype), torch.eye(hidden, dtype=dtype)], dim=1
+        )
+    }
+    for name, tensor in layer.items():
+        if name.startswith("input_layernorm"):
+            continue  # vLLM drops the first draft layer's input norm
+        if name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            tensor = torch.zeros_like(tensor)
+        weights[f"layers.0.{name}"] = tensor.contiguous()
+    save_file(weights, str(out / "model.safetensors"))
     return out
 
 
@@ -366,7 +440,27 @@ def phase_stress(args: argparse.Namespace, out: Path) -> bool:
     )
 
 
-PHASES = {"agreement": phase_agreement, "dummy": phase_dummy, "stress": phase_stress}
+def phase_repeat(args: argparse.Namespace, out: Path) -> bool:
+    """Real weights, CUDA graphs; no speculation vs the repeat-last-token EAGLE draft."""
+    model = smoke_model(args)
+    draft = repeat_draft_dir(model, out / "repeat-draft")
+    base = {
+        "enforce_eager": False,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": 2048,
+        "seed": 0,
+        "max_num_seqs": 128,
+    }
+    prompts = make_echo_prompts(args.num_prompts)
+    return _phase(args, out, "repeat", model, ("eagle",), draft, base, prompts, args.max_tokens)
+
+
+PHASES = {
+    "agreement": phase_agreement,
+    "dummy": phase_dummy,
+    "stress": phase_stress,
+    "repeat": phase_repeat,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -109,3 +109,55 @@ def test_parse_args(spec_script):
     assert only.dtypes == ["kvarn_k4v2_g128"]
     with pytest.raises(SystemExit):
         spec_script.parse_args(["--dtypes", "kvarn_bogus"])
+
+
+def test_echo_prompts_alternate(spec_script):
+    prompts = spec_script.make_echo_prompts(10)
+    assert len(set(prompts)) == 10
+    assert prompts[0].startswith("Write the word 'yes'") and prompts[0].endswith("yes yes yes")
+    assert prompts[1] == spec_script.make_repetitive_prompts(10)[1]
+    with pytest.raises(ValueError):
+        spec_script.make_echo_prompts(0)
+
+
+def test_repeat_draft_dir_returns_the_target_hidden_state(spec_script, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "target")
+    draft = spec_script.repeat_draft_dir(tmp_path / "target", tmp_path / "draft")
+    from safetensors.torch import load_file
+
+    w = load_file(str(draft / "model.safetensors"))
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    assert not any("lm_head" in k or "embed_tokens" in k or "input_layernorm" in k for k in w)
+    target = load_file(str(tmp_path / "target" / "model.safetensors"))
+    assert torch.equal(
+        w["layers.0.self_attn.q_proj.weight"], target["model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert not w["layers.0.self_attn.o_proj.weight"].any()
+    assert not w["layers.0.mlp.down_proj.weight"].any()
+    # fc([embed, h]) = h, and the zeroed output projections add nothing: the draft's hidden
+    # state is the target's, whatever the embedding and the attention/MLP inputs are.
+    emb, h = torch.randn(5, 32), torch.randn(5, 32)
+    fc = w["fc.weight"].float()
+    assert torch.allclose(torch.cat([emb, h], -1) @ fc.T, h)
+    x = torch.randn(5, 32)
+    assert not (x @ w["layers.0.self_attn.o_proj.weight"].float().T).any()
+    assert not (torch.randn(5, 48) @ w["layers.0.mlp.down_proj.weight"].float().T).any()
+
+    biased = json.loads((tmp_path / "target" / "config.json").read_text())
+    biased["attention_bias"] = True
+    (tmp_path / "target" / "config.json").write_text(json.dumps(biased))
+    with pytest.raises(ValueError, match="biased projections"):
+        spec_script.repeat_draft_dir(tmp_path / "target", tmp_path / "draft2")

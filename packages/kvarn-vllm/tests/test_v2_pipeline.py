@@ -30,13 +30,12 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     """``dense_context``: continuation chunks through the multi-query kernel (off), the
     dense path (on), or the dense path with a workspace too small for the row (tiny: the
     row falls back to the multi-query kernel)."""
+    from kvarn_vllm import impl as kimpl
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.gpu import attn_utils
-
-    from kvarn_vllm import impl as kimpl
 
     monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "0" if dense_context == "off" else "1")
     monkeypatch.setattr(kimpl, "_WORKSPACES", {})

@@ -280,9 +280,7 @@ def _make_impl_class() -> type:
                     rows = kernels.staging_rows(pos, ring, base)
                     ws[:, off + quant : off + seq_len] = staging[slot].index_select(1, rows)
                     off += seq_len
-                kv_lens = torch.as_tensor(
-                    [int(x) for x in h["seq_lens"][lo:hi]], dtype=torch.int32
-                )
+                kv_lens = torch.as_tensor([int(x) for x in h["seq_lens"][lo:hi]], dtype=torch.int32)
                 cu_k = torch.zeros(hi - lo + 1, dtype=torch.int32)
                 torch.cumsum(kv_lens, 0, out=cu_k[1:])
                 q_rot = kernels.rotate(q[q_lo:q_hi])
