@@ -386,6 +386,8 @@ def _sweep(preset: str, dtype: torch.dtype, device: torch.device, quick: bool) -
                     case.run()
                     ms = _best_ms(case.run, quick, device)["ms"]
                     row.update(time_us=ms * 1e3, gbps=case.bytes_quantized() / (ms * 1e-3) / 1e9)
+                    # Each config checked too: software pipelining must not change the result.
+                    row["rel_error_vs_dequantized_sdpa"] = _check_against_dequantized(case)
                 except Exception as exc:  # a config that does not compile is a result too
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 print(json.dumps(row), flush=True)
@@ -586,14 +588,20 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("sweep"):
         lines += [
             "",
-            "| shape | batch | context | SUB | warps | maxnreg | time (us) | GB/s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| shape | batch | context | SUB | warps | stages | maxnreg | time (us) | GB/s "
+            "| rel. error |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in report["sweep"]:
-            t = f"{r['time_us']:.1f} | {r['gbps']:.0f}" if "time_us" in r else r["error"] + " |"
+            t = (
+                f"{r['time_us']:.1f} | {r['gbps']:.0f} | "
+                f"{_fmt(r.get('rel_error_vs_dequantized_sdpa'), '.1e')}"
+                if "time_us" in r
+                else r["error"] + " | |"
+            )
             lines.append(
                 f"| {r['shape']} | {r['batch']} | {r['context']} | {r['SUB']} | "
-                f"{r['num_warps']} | {r.get('maxnreg', '-')} | {t} |"
+                f"{r['num_warps']} | {r.get('num_stages', 1)} | {r.get('maxnreg', '-')} | {t} |"
             )
     if report["notes"]:
         lines += ["", *[f"- {n}" for n in report["notes"]]]

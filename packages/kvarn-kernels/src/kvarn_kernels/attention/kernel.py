@@ -400,6 +400,13 @@ def _configs() -> list[triton.Config]:
         cfg({"SUB": 64}, num_warps=2, num_stages=1),
         cfg({"SUB": 64}, num_warps=4, num_stages=1, maxnreg=128),
         cfg({"SUB": 32}, num_warps=4, num_stages=1),
+        # Software pipelining (cp.async into shared memory: step c + 1's bytes in flight while
+        # step c computes, without the registers a manual prefetch costs). Not yet timed.
+        cfg({"SUB": 128}, num_warps=4, num_stages=2),
+        cfg({"SUB": 128}, num_warps=4, num_stages=3),
+        cfg({"SUB": 64}, num_warps=4, num_stages=3),
+        cfg({"SUB": 128}, num_warps=2, num_stages=2),
+        cfg({"SUB": 64}, num_warps=2, num_stages=3),
     ]
 
 
