@@ -85,3 +85,34 @@ def test_engine_args_build_cache_config(registered):
     cache = CacheConfig(cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
     assert cache.cache_dtype == "kvarn_k4v4_g128"
     assert not cache.user_specified_block_size
+
+
+@pytest.mark.parametrize(
+    ("dtype", "given", "expected"),
+    [
+        ("kvarn_k4v2_g128", None, 256),  # vLLM's 1024 lowered, logged
+        ("kvarn_k4v2_g128", 1024, 1024),  # a given value is kept
+        ("kvarn_k4v2_g128", 64, 64),
+        ("auto", None, 1024),  # other caches keep vLLM's default
+    ],
+)
+def test_default_max_num_seqs(registered, monkeypatch, caplog, dtype, given, expected):
+    from types import SimpleNamespace
+
+    from kvarn_vllm import patches
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert "default-max-num-seqs" in patches.applied()
+    # An H200-like platform's defaults (the CPU platform's would be 256 already).
+    monkeypatch.setattr(
+        EngineArgs, "get_batch_defaults", classmethod(lambda cls, ws: ({None: 8192}, {None: 1024}))
+    )
+    args = EngineArgs(model="unused", kv_cache_dtype=dtype, max_num_seqs=given)
+    args.max_num_batched_tokens = 8192
+    with caplog.at_level("INFO", logger="vllm.kvarn"):
+        args._set_default_max_num_seqs_and_batched_tokens_args(
+            None, SimpleNamespace(max_model_len=4096), SimpleNamespace(use_batched_dp_moe=False)
+        )
+    assert args.max_num_seqs == expected
+    lowered = [r for r in caplog.records if "max_num_seqs not given" in r.getMessage()]
+    assert bool(lowered) == (dtype.startswith("kvarn") and given is None)

@@ -171,6 +171,33 @@ def wrap_backend_selection(select: SelectFn) -> bool:
     return True
 
 
+def wrap_default_max_num_seqs(adjust: Callable[[Any, bool], None]) -> bool:
+    """Let ``adjust(engine_args, was_unset)`` revise ``max_num_seqs`` after vLLM fills its
+    defaults (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``);
+    ``was_unset`` says the user gave none.
+
+    Returns:
+        True when the wrapper was installed now, False when it already was.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs._set_default_max_num_seqs_and_batched_tokens_args
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def _set_default_max_num_seqs_and_batched_tokens_args(self, *args, **kwargs):
+        was_unset = self.max_num_seqs is None
+        result = original(self, *args, **kwargs)
+        adjust(self, was_unset)
+        return result
+
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = _mark(
+        _set_default_max_num_seqs_and_batched_tokens_args, original
+    )
+    return True
+
+
 def calling_layer_name() -> str | None:
     """The ``prefix`` of the attention layer whose ``__init__`` is on the call stack.
 

@@ -119,6 +119,30 @@ def _make_spec(layer, vllm_config):
         raise ValueError(f"{where}: {exc}.{hint}") from None
 
 
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def _default_max_num_seqs(engine_args, was_unset: bool) -> None:
+    """With a ``kvarn_*`` cache and no ``--max-num-seqs``, use at most 256 request slots.
+
+    vLLM 0.26 defaults to 1024 on 70+ GiB GPUs; kvarn allocates exact staging per slot (32 GiB
+    for the Llama-3.1-8B shape at 1024 slots, a quarter of the KV budget). A value the user
+    gave is never changed.
+    """
+    if not (was_unset and is_kvarn_dtype(getattr(engine_args, "kv_cache_dtype", None))):
+        return
+    current = engine_args.max_num_seqs
+    if current is not None and current > DEFAULT_MAX_NUM_SEQS:
+        engine_args.max_num_seqs = DEFAULT_MAX_NUM_SEQS
+        logger.info(
+            "kvarn: max_num_seqs not given; using %d instead of vLLM's default %d, since "
+            "kvarn keeps exact staging for each request slot (pass --max-num-seqs to choose; "
+            "more slots take KV capacity)",
+            DEFAULT_MAX_NUM_SEQS,
+            current,
+        )
+
+
 def _widen_cache_dtype():
     import torch
 
@@ -157,6 +181,20 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM >= 0.33: register_kv_cache_dtype() does all of this publicly.",
         scope="process",
         apply=_widen_cache_dtype,
+    ),
+    Patch(
+        name="default-max-num-seqs",
+        target="vllm.engine.arg_utils.EngineArgs._set_default_max_num_seqs_and_batched_tokens_args",
+        why="On GPUs with 70+ GiB vLLM 0.26 defaults to max_num_seqs 1024; kvarn allocates "
+        "exact staging for every request slot, so that default spends about a quarter of an "
+        "H200's KV budget on staging for the Llama-3.1-8B shape (capacity ~3.3x bf16 instead "
+        "of 4.36x at 256).",
+        how="Wrap the method: when the user gave no max_num_seqs and kv_cache_dtype is "
+        "kvarn_*, lower vLLM's default to 256 and log it. A given --max-num-seqs is kept.",
+        remove_when="kvarn's staging no longer scales with max_num_seqs (slots drawn from the "
+        "KV pool) or vLLM lets a KV-cache dtype suggest scheduler defaults.",
+        scope="process",
+        apply=lambda: compat.wrap_default_max_num_seqs(_default_max_num_seqs),
     ),
     Patch(
         name="backend-selection",
