@@ -111,7 +111,12 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         default=defaults.fill,
         help="share of each KV cache a burst fills (default 1.0)",
     )
-    gpu.add_argument("--max-num-seqs", type=_positive, default=defaults.max_num_seqs, help="(512)")
+    gpu.add_argument(
+        "--max-num-seqs",
+        type=_positive,
+        default=defaults.max_num_seqs,
+        help="vLLM's concurrency limit for every cache (256; kvarn allocates staging per slot)",
+    )
     gpu.add_argument(
         "--gpu-memory-utilization",
         type=_positive_float,

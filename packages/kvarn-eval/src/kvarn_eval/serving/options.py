@@ -46,7 +46,7 @@ class ServingOptions:
     output_len: int = 1024
     requests: int | None = None
     fill: float = 1.0
-    max_num_seqs: int = 512
+    max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
