@@ -29,6 +29,7 @@ script continues; the exit status is 1 if any run failed.
     python e2e_smoke.py --out DIR --phase throughput --throughput-dtypes auto
     python e2e_smoke.py --out DIR --phase throughput --throughput-dtypes kvarn_k4v2_g128
     python e2e_smoke.py --out DIR --phase server --gguf PATH
+    python e2e_smoke.py --out DIR --phase quant --gguf PATH
 """
 
 from __future__ import annotations
@@ -125,6 +126,26 @@ def llama_8b_config_dir(out: Path) -> Path:
     path = out / "llama-3.1-8b-shape"
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(LLAMA_8B_SHAPE, indent=2))
+    return path
+
+
+AWQ_CONFIG: dict[str, Any] = {
+    # AutoAWQ's GEMM format (4-bit, groups of 128, zero points): what an AWQ checkpoint of
+    # this shape declares; vLLM picks its AWQ (Marlin) kernels from it.
+    "quant_method": "awq",
+    "bits": 4,
+    "group_size": 128,
+    "zero_point": True,
+    "version": "gemm",
+}
+
+
+def awq_8b_config_dir(out: Path) -> Path:
+    """The Llama-3.1-8B shape with an AWQ-INT4 ``quantization_config`` (dummy weights)."""
+    path = out / "llama-3.1-8b-awq-shape"
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**LLAMA_8B_SHAPE, "quantization_config": dict(AWQ_CONFIG)}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
@@ -607,6 +628,72 @@ def phase_capacity(args: argparse.Namespace, out: Path) -> bool:
     return all(r.ok for r in runs.values()) and not payload["checks"]["problems"]
 
 
+def phase_quant(args: argparse.Namespace, out: Path) -> bool:
+    """kvarn beside weight quantization: vLLM's on-the-fly fp8 on real SmolLM2 weights (greedy
+    agreement of the kvarn cache with the bf16 cache, both over fp8 weights), and an
+    AWQ-INT4-shaped Llama-3.1-8B with dummy weights (starts, generates, holds more tokens)."""
+    model = smoke_model(args)
+    run = _runner(args, out)
+    prompts = make_prompts(args.num_prompts)
+    fp8 = dict(
+        model=str(model),
+        quantization="fp8",
+        max_model_len=args.max_model_len,
+        seed=0,
+        gpu_memory_utilization=args.smoke_gpu_memory_utilization,
+        enforce_eager=True,
+        max_num_seqs=args.max_num_seqs,
+    )
+    runs: dict[str, RunResult] = {}
+    for kv in ("auto", args.mode_preset):
+        runs[f"{kv}/fp8-weights"] = run(f"{kv}/fp8-weights", kv, fp8, prompts, args.max_tokens)
+    awq = dict(
+        model=str(awq_8b_config_dir(out)),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=True,
+        max_num_seqs=64,
+        max_model_len=4096,
+        seed=0,
+    )
+    awq_prompts = random_token_prompts(16, 1000, LLAMA_8B_SHAPE["vocab_size"])
+    for kv in ("auto", args.mode_preset):
+        runs[f"{kv}/awq-shape"] = run(f"{kv}/awq-shape", kv, awq, awq_prompts, 64)
+    comparisons = {}
+    ref, got = runs["auto/fp8-weights"], runs[f"{args.mode_preset}/fp8-weights"]
+    if ref.ok and got.ok:
+        comparisons[f"{args.mode_preset} vs bf16 cache, fp8 weights"] = compare_outputs(
+            ref.outputs, got.outputs
+        )
+    checks = kvarn_checks(runs)
+    payload = {
+        "phase": "quant",
+        "model": str(model),
+        "awq_config": AWQ_CONFIG,
+        "environment": environment(),
+        "comparisons": comparisons,
+        "checks": checks,
+        "runs": {n: _public(r, args.keep_outputs) for n, r in runs.items()},
+        "sample_texts": {n: (r.texts or [])[:3] for n, r in runs.items()},
+    }
+    _dump(out / "quant.json", payload)
+    for name, c in comparisons.items():
+        print(
+            f"{name}: exact {c['exact_match']:.2%}, token agreement "
+            f"{c['token_agreement']:.2%}, mean LCP {c['mean_lcp']:.1f} tokens",
+            flush=True,
+        )
+    for name, r in runs.items():
+        print(
+            f"{name}: ok={r.ok} KV tokens {r.kv_cache_tokens_logged or r.kv_cache_tokens_config}",
+            flush=True,
+        )
+    for problem in checks["problems"]:
+        print(f"CHECK FAILED: {problem}", flush=True)
+    return all(r.ok for r in runs.values()) and not checks["problems"]
+
+
 def throughput_summary(runs: dict[str, RunResult]) -> dict[str, Any]:
     """Tokens per second of each run's generate call, and ratios to the bf16 run."""
     table: dict[str, Any] = {}
@@ -906,10 +993,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="directory for smoke.json / capacity.json (required)")
     p.add_argument(
         "--phase",
-        choices=("smoke", "modes", "capacity", "throughput", "server", "all"),
+        choices=("smoke", "modes", "capacity", "throughput", "server", "quant", "all"),
         default="smoke",
         help="smoke: bf16 vs each preset; modes: serving-mode pairs for bf16 and "
-        "--mode-preset; capacity: Llama-3.1-8B shape; all: the three in one go "
+        "--mode-preset; capacity: Llama-3.1-8B shape; quant: with fp8 weights (SmolLM2) and "
+        "an AWQ-INT4-shaped Llama-3.1-8B; all: smoke, modes and capacity in one go "
         "(longer than one 10-minute device call)",
     )
     p.add_argument(
@@ -1010,6 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
         ok &= phase_throughput(args, out)
     if args.phase == "server":
         ok &= phase_server(args, out)
+    if args.phase == "quant":
+        ok &= phase_quant(args, out)
     print("ALL OK" if ok else "SOME RUNS FAILED (see the JSON)", flush=True)
     return 0 if ok else 1
 

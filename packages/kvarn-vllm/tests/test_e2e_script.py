@@ -364,3 +364,20 @@ def test_preemptions_read_from_metrics(e2e):
 
     assert e2e._preemptions(FakeLLM()) == 3
     assert e2e._preemptions(object()) is None
+
+
+def test_awq_shape_config_is_what_vllm_parses(e2e, tmp_path):
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    path = e2e.awq_8b_config_dir(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["hidden_size"] == e2e.LLAMA_8B_SHAPE["hidden_size"]
+    awq = get_quantization_config("awq").from_config(config["quantization_config"])
+    assert (awq.weight_bits, awq.group_size, awq.zero_point) == (4, 128, True)
+    # Every quantized projection's input width is a whole number of AWQ groups.
+    for width in (config["hidden_size"], config["intermediate_size"]):
+        assert width % awq.group_size == 0
+
+
+def test_quant_phase_is_selectable(e2e):
+    assert e2e.parse_args(["--out", "x", "--phase", "quant"]).phase == "quant"
