@@ -637,4 +637,18 @@ def test_bench_and_report_end_to_end(
     assert len(caches) == 4
     assert caches[("kvarn_k4v2_g128", 1024)]["capacity_vs_bf16"] == 6.0  # across the two runs
     assert (merged / "serving.png").stat().st_size > 0
+    assert json.loads((merged / "results.json").read_text())["left_out"] == []
+    # The same cache run again in a third folder (other settings, say): the report keeps the
+    # later run and says which one it left out, on the terminal and in the JSON.
+    third = tmp_path / "c"
+    assert cli.main([*argv2, "--out", str(third)]) == 0
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert cli.main(["report", str(second), str(third), "--out", str(again)]) == 0
+    note = capsys.readouterr().out.replace("\n", "")
+    left_out = json.loads((again / "results.json").read_text())["left_out"]
+    assert len(left_out) == 1  # one record per engine run (both prompt lengths)
+    assert all(f"kept the run from {third}" in line for line in left_out)
+    assert all(f"left out the one from {second}" in line for line in left_out)
+    assert "note: throughput/" in note
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2

@@ -560,7 +560,9 @@ def _report(args: argparse.Namespace, console: Any) -> int:
     for d in dirs:
         if not d.is_dir():
             raise FileNotFoundError(f"no bench output folder {d}")
-    results, sources = collect_results(dirs)
+    results, sources, dropped = collect_results(dirs)
+    for line in dropped:
+        console.print(f"note: {line}", markup=False)
     if not results:
         raise ValueError(f"no results.json or run records under {', '.join(map(str, dirs))}")
     out_dir = Path(args.out) if args.out else dirs[0]
@@ -569,6 +571,7 @@ def _report(args: argparse.Namespace, console: Any) -> int:
     payload = {
         "merged_from": [str(d) for d in dirs],
         "sources": sources,
+        "left_out": dropped,
         "environment": report.environment_info(),
     }
     json_path = _save(out_dir, payload, results)

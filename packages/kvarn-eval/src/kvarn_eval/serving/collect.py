@@ -64,18 +64,37 @@ def load_records(folder: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _merge(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per (suite, name): a later one replaces an earlier one unless it is worse."""
+def _merge(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """One record per (suite, name): a later one replaces an earlier one unless it is worse.
+
+    Returns:
+        The kept records, and one line per record left out (which, from where, kept what),
+        so that two runs of the same cache under different settings never collapse silently.
+    """
     merged: dict[tuple[str, str], dict[str, Any]] = {}
+    dropped: list[str] = []
     for record in records:
         key = (record["suite"], record["name"])
         old = merged.get(key)
         if old is None or not (old.get("status") == "ok" and record.get("status") != "ok"):
             merged[key] = record
-    return list(merged.values())
+            if old is not None:
+                dropped.append(
+                    f"{key[0]}/{key[1]}: kept the run from {record.get('source')} "
+                    f"({record.get('status')}), left out the one from {old.get('source')} "
+                    f"({old.get('status')})"
+                )
+        else:
+            dropped.append(
+                f"{key[0]}/{key[1]}: kept the run from {old.get('source')} (ok), left out the "
+                f"one from {record.get('source')} ({record.get('status')})"
+            )
+    return list(merged.values()), dropped
 
 
-def collect_results(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], list[str]]:
+def collect_results(
+    folders: Sequence[Path],
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """Results of every suite found in ``folders``, GPU run records merged.
 
     Args:
@@ -83,7 +102,8 @@ def collect_results(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], list
 
     Returns:
         The results (other suites first, as stored; then capacity, throughput, vllm_greedy
-        rebuilt from the merged records) and the files they came from.
+        rebuilt from the merged records), the files they came from, and a line per run
+        record left out because another folder had the same suite and run name.
     """
     kept: list[dict[str, Any]] = []
     settings: dict[str, dict[str, Any]] = {}
@@ -102,7 +122,7 @@ def collect_results(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], list
         if found:
             sources.append(str(folder / "runs"))
         records += found
-    records = _merge(records)
+    records, dropped = _merge(records)
     by_suite = {s: [r for r in records if r["suite"] == s] for s in _REBUILT}
     results = list(kept)
     capacity = list(by_suite["capacity"])
@@ -116,4 +136,4 @@ def collect_results(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], list
         results.append(throughput_result(by_suite["throughput"], settings.get("throughput", {})))
     if by_suite["vllm_greedy"]:
         results.append(greedy_result(by_suite["vllm_greedy"], settings.get("vllm_greedy", {})))
-    return results, sources
+    return results, sources, dropped
