@@ -196,6 +196,21 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     written = [b for b in range(num_blocks) if kv_caches[names[0]][b].any()]
     assert written == [3, 4, 13, 14]  # the continuation completed each group's second tile
 
+    # A second continuation of row 2 (80 tokens after 170): its first query is at 170, so the
+    # sliding-window layer (96) sees nothing before position 75 and the dense path starts its
+    # keys at tile 1 (position 64), without the sink; the full layer takes everything.
+    for t, offset in zip(tables, (0, 10)):
+        t[2, 2:4] = torch.tensor([8, 9], dtype=torch.int32) + offset
+    for li, (q, out, _meta) in enumerate(step([2], [170], [80])):
+        window = 96 if li == 1 else None
+        k, v = history[(li, 2)]
+        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
+        ref = torch.from_numpy(
+            reference_attention(q.float().numpy(), seq, D**-0.5, sliding_window=window)
+        )
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < 0.02, (li, "second continuation", err)
+
     # Preemption and recompute: the 170-token request (row 2) is preempted and resumed in the
     # same row from nothing (vLLM recomputes it; 80 tokens here) with other blocks. Its stale
     # staging, sink rows and old blocks must not leak into what the resumed request attends.

@@ -245,7 +245,8 @@ def _make_impl_class() -> type:
             whose contexts fit the workspace together; each row's cache is dequantized into
             it in the model dtype (tile 0 from the sink rows where the row keeps it exact,
             open tiles from staging), in the rotated frame, and attended by FlashAttention's
-            varlen kernel with the rotated queries. A row whose context alone exceeds the
+            varlen kernel with the rotated queries. A sliding-window layer takes only the
+            tiles some query of the row can see. A row whose context alone exceeds the
             workspace goes through the multi-query kernel. The host knows every length (no
             speculative decoding), so the batching is a loop over rows on the host."""
             h = g.host
@@ -255,37 +256,48 @@ def _make_impl_class() -> type:
             ws = self.workspace
             qs = [int(x) for x in g.query_start_loc_host]
             ring, base = self.config.ring_tokens, self.config.sink_rows
-            for lo, hi in dense_runs(h["seq_lens"], ws.shape[1]):
+            window = self.sliding_window
+            # Per row, the first position some query sees, rounded down to a tile: keys
+            # [first, seq_len) go to the workspace (FlashAttention aligns queries to the end).
+            firsts = []
+            for i, seq_len in enumerate(int(x) for x in h["seq_lens"]):
+                start = seq_len - (qs[i + 1] - qs[i])
+                firsts.append(0 if window is None else max(0, start - window + 1) // gsize * gsize)
+            lens = [int(x) - f for x, f in zip(h["seq_lens"], firsts, strict=True)]
+            for lo, hi in dense_runs(lens, ws.shape[1]):
                 q_lo, q_hi = qs[lo], qs[hi]
-                if int(h["seq_lens"][lo]) > ws.shape[1]:  # one row, too long to dequantize
+                if lens[lo] > ws.shape[1]:  # one row, too long to dequantize
                     self._context_mqa(g, q[q_lo:q_hi], kv_cache, staging, lo, hi, res[q_lo:q_hi])
                     continue
                 off = 0
                 for i in range(lo, hi):
                     seq_len, quant = int(h["seq_lens"][i]), int(h["quantized_lens"][i])
-                    slot = int(h["staging_slots"][i])
-                    if quant:
-                        blocks = g.block_table[i, : quant // gsize].contiguous()
+                    slot, first = int(h["staging_slots"][i]), firsts[i]
+                    if quant > first:
+                        blocks = g.block_table[i, first // gsize : quant // gsize].contiguous()
+                        n_q = quant - first
                         kernels.dequantize(
                             kv_cache,
                             blocks,
                             self.preset,
                             self.head_size,
                             dtype=q.dtype,
-                            out=(ws[0, off : off + quant], ws[1, off : off + quant]),
+                            out=(ws[0, off : off + n_q], ws[1, off : off + n_q]),
                         )
-                        if int(h["sink_lens"][i]) and base:
+                        if first == 0 and int(h["sink_lens"][i]) and base:
                             ws[:, off : off + gsize] = staging[slot, :, :gsize]
-                    pos = torch.arange(quant, seq_len, device=q.device)
+                    staged = max(quant, first)  # positions [staged, seq_len) from staging
+                    pos = torch.arange(staged, seq_len, device=q.device)
                     rows = kernels.staging_rows(pos, ring, base)
-                    ws[:, off + quant : off + seq_len] = staging[slot].index_select(1, rows)
-                    off += seq_len
-                kv_lens = torch.as_tensor([int(x) for x in h["seq_lens"][lo:hi]], dtype=torch.int32)
+                    ws[:, off + staged - first : off + seq_len - first] = staging[
+                        slot
+                    ].index_select(1, rows)
+                    off += seq_len - first
+                kv_lens = torch.as_tensor(lens[lo:hi], dtype=torch.int32)
                 cu_k = torch.zeros(hi - lo + 1, dtype=torch.int32)
                 torch.cumsum(kv_lens, 0, out=cu_k[1:])
                 q_rot = kernels.rotate(q[q_lo:q_hi])
                 o_rot = torch.empty_like(q_rot)
-                window = self.sliding_window
                 flash = _flash_prefill(self.head_size)
                 if flash is not None:
                     flash_fn, fa_version = flash
