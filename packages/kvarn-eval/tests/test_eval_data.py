@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -178,16 +179,24 @@ def test_mmlu_items_round_robin_and_format() -> None:
         ],
     }
     items = mmlu_items(rows)
+    order = sorted(rows)
+    random.Random(data.MMLU_SEED).shuffle(order)  # the documented fixed subject order
     assert [(it.subject, it.doc_id) for it in items] == [
-        ("anatomy", 0),
-        ("virology", 0),
+        (order[0], 0),
+        (order[1], 0),
         ("anatomy", 1),
         ("anatomy", 2),
     ]
-    first = items[0]
-    assert first.query == "Question: A0?\nAnswer:"
-    assert first.choices == (" x", " y", " z", " w") and first.gold == 3
-    assert items[1].choices[items[1].gold] == " c"
+    anatomy = next(it for it in items if it.subject == "anatomy")
+    assert anatomy.query == "Question: A0?\nAnswer:"
+    assert anatomy.choices == (" x", " y", " z", " w") and anatomy.gold == 3
+    virology = next(it for it in items if it.subject == "virology")
+    assert virology.choices[virology.gold] == " c"
+    # the first n items cover n subjects, whatever the subject names
+    many = mmlu_items({f"s{i:02d}": [_mmlu_row("Q", list("abcd"), 0)] * 3 for i in range(20)})
+    first = [it.subject for it in many[:20]]
+    assert len(set(first)) == 20 and first != sorted(first)  # shuffled, not alphabetical
+    assert mmlu_items(rows) == items  # deterministic
     with pytest.raises(ValueError, match="answer 4 outside 4 choices"):
         mmlu_items({"anatomy": [_mmlu_row("Q", ["a", "b", "c", "d"], 4)]})
 
@@ -215,11 +224,15 @@ def test_load_mmlu_from_arrow_files(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     )
     assert mmlu_subjects(tmp_path) == ["anatomy", "virology"]
     items = load_task("mmlu", root=tmp_path)
-    assert [(it.query, it.gold, it.subject) for it in items] == [
+    assert sorted((it.query, it.gold, it.subject) for it in items[:2]) == [
         ("Question: A0?\nAnswer:", 3, "anatomy"),
         ("Question: V0?\nAnswer:", 2, "virology"),
-        ("Question: A1?\nAnswer:", 0, "anatomy"),
     ]
+    assert (items[2].query, items[2].gold, items[2].subject) == (
+        "Question: A1?\nAnswer:",
+        0,
+        "anatomy",
+    )
     only = load_task("mmlu", root=tmp_path, subjects=["virology"])
     assert [it.choices for it in only] == [(" a", " b", " c", " d")]
     with pytest.raises(

