@@ -378,15 +378,22 @@ def _phase(
     return all(r.get("ok") for r in runs.values())
 
 
-def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
-    """Real weights; no speculation vs n-gram, for bf16 and the kvarn presets (item 2/4)."""
-    base = {
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """The ``LLM(...)`` settings every phase shares (eager, 128 sequences, 2048-token
+    context, seed 0), with the phase's ``overrides``."""
+    return {
         "enforce_eager": True,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_model_len": 2048,
         "seed": 0,
         "max_num_seqs": 128,
+        **overrides,
     }
+
+
+def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
+    """Real weights; no speculation vs n-gram, for bf16 and the kvarn presets (item 2/4)."""
+    base = engine_kwargs(args)
     prompts = make_repetitive_prompts(args.num_prompts)
     model = smoke_model(args)
     return _phase(args, out, "agreement", model, ("ngram",), None, base, prompts, args.max_tokens)
@@ -396,14 +403,7 @@ def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
     """Dummy weights; no speculation vs a dummy one-layer EAGLE draft (kvarn serves EAGLE)."""
     model = smoke_model(args)
     draft = eagle_draft_dir(model, out / "eagle-draft")
-    base = {
-        "enforce_eager": True,
-        "load_format": "dummy",
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_model_len": 2048,
-        "seed": 0,
-        "max_num_seqs": 128,
-    }
+    base = engine_kwargs(args, load_format="dummy")
     prompts = make_repetitive_prompts(args.num_prompts)
     return _phase(args, out, "dummy", model, ("eagle",), draft, base, prompts, args.max_tokens)
 
@@ -412,17 +412,15 @@ def phase_stress(args: argparse.Namespace, out: Path) -> bool:
     """Dummy target + dummy EAGLE draft, CUDA graphs, prefix caching, thousands of steps."""
     model = smoke_model(args)
     draft = eagle_draft_dir(model, out / "eagle-draft")
-    base = {
-        "enforce_eager": False,
-        "enable_prefix_caching": True,
-        "load_format": "dummy",
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_model_len": 2048,
-        "seed": 0,
-        # Few concurrent sequences and long outputs: many steps, requests finishing and
-        # starting in reused request rows, prefix hits on the shared prompt starts.
-        "max_num_seqs": 16,
-    }
+    # Few concurrent sequences and long outputs: many steps, requests finishing and starting
+    # in reused request rows, prefix hits on the shared prompt starts.
+    base = engine_kwargs(
+        args,
+        enforce_eager=False,
+        enable_prefix_caching=True,
+        load_format="dummy",
+        max_num_seqs=16,
+    )
     prompts = make_repetitive_prompts(args.stress_prompts)
     # Steps >= stress_prompts / max_num_seqs * stress_tokens / (1 + accepted per step).
     return _phase(
@@ -444,13 +442,7 @@ def phase_repeat(args: argparse.Namespace, out: Path) -> bool:
     """Real weights, CUDA graphs; no speculation vs the repeat-last-token EAGLE draft."""
     model = smoke_model(args)
     draft = repeat_draft_dir(model, out / "repeat-draft")
-    base = {
-        "enforce_eager": False,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_model_len": 2048,
-        "seed": 0,
-        "max_num_seqs": 128,
-    }
+    base = engine_kwargs(args, enforce_eager=False)
     prompts = make_echo_prompts(args.num_prompts)
     return _phase(args, out, "repeat", model, ("eagle",), draft, base, prompts, args.max_tokens)
 

@@ -63,6 +63,21 @@ def test_engine_kwargs_exist_in_vllm(spec_script):
         assert name in fields, name
 
 
+def test_engine_kwargs_per_phase(spec_script):
+    args = spec_script.parse_args(["--gpu-memory-utilization", "0.2"])
+    base = spec_script.engine_kwargs(args)
+    assert base == {
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.2,
+        "max_model_len": 2048,
+        "seed": 0,
+        "max_num_seqs": 128,
+    }
+    stress = spec_script.engine_kwargs(args, enforce_eager=False, max_num_seqs=16)
+    assert stress["enforce_eager"] is False and stress["max_num_seqs"] == 16
+    assert stress["seed"] == 0
+
+
 def test_spec_counters(spec_script):
     metrics = [
         SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10),

@@ -278,6 +278,17 @@ def _text_chunks(tokenizer: Any, text: str, num_chunks: int, chunk_len: int) -> 
     return chunks if bos is None else [[bos, *chunk] for chunk in chunks]
 
 
+def _cache_options(opts: BenchOptions) -> dict[str, Any]:
+    """The reference and pseudo-decode settings every accuracy suite passes to its evaluator."""
+    return {
+        "reference": opts.reference,
+        "block_size": opts.block_size,
+        "exact_first_block": opts.exact_first_block,
+        "sink_tokens": opts.sink_tokens,
+        "sink_requantize": opts.sink_requantize,
+    }
+
+
 def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> dict[str, Any]:
     from kvarn_eval.accuracy.perplexity import evaluate_perplexity
 
@@ -291,11 +302,7 @@ def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> di
         chunks,
         methods,
         head_dim=lm.head_dim,
-        reference=opts.reference,
-        block_size=opts.block_size,
-        exact_first_block=opts.exact_first_block,
-        sink_tokens=opts.sink_tokens,
-        sink_requantize=opts.sink_requantize,
+        **_cache_options(opts),
         suite=suite,
         source=source,
         advance=advance,
@@ -331,11 +338,7 @@ def _greedy(ctx: BenchContext) -> dict[str, Any]:
         methods,
         head_dim=lm.head_dim,
         new_tokens=opts.greedy_tokens,
-        reference=opts.reference,
-        block_size=opts.block_size,
-        exact_first_block=opts.exact_first_block,
-        sink_tokens=opts.sink_tokens,
-        sink_requantize=opts.sink_requantize,
+        **_cache_options(opts),
         source=source,
         advance=advance,
     )
@@ -399,11 +402,7 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
             methods,
             head_dim=lm.head_dim,
             pad_id=int(pad_id),
-            reference=opts.reference,
-            block_size=opts.block_size,
-            exact_first_block=opts.exact_first_block,
-            sink_tokens=opts.sink_tokens,
-            sink_requantize=opts.sink_requantize,
+            **_cache_options(opts),
             advance=advance,
         )
         result.skipped = skipped

@@ -476,7 +476,7 @@ def _dense_workspace(num_kv_heads: int, head_size: int, vllm_config: Any, device
 
     model = vllm_config.model_config
     dtype = model.dtype if model is not None else torch.get_default_dtype()
-    per_token = 2 * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * num_kv_heads * head_size * dtype.itemsize
     source = model if model is not None else vllm_config.scheduler_config
     max_len = int(getattr(source, "max_model_len", 0) or 0)
     tokens = DENSE_CONTEXT_WORKSPACE_BYTES // per_token // 128 * 128
