@@ -42,8 +42,10 @@ import logging
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -349,6 +351,33 @@ def run_llm(
     return result
 
 
+def run_child(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own process group: ``(exit code or None on timeout, output)``.
+
+    On a timeout the whole group is stopped (TERM, then KILL after 20 s): vLLM's engine core is a
+    grandchild, and one left running keeps its GPU memory from the runs after it.
+    """
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=grace)
+                    time.sleep(1.0)  # let the rest of the group go too
+                except subprocess.TimeoutExpired:
+                    continue
+        out.seek(0)
+        return code, out.read()
+
+
 def run_isolated(
     name: str,
     kv_cache_dtype: str,
@@ -385,14 +414,8 @@ def run_isolated(
         str(result_path),
     ]
     start = time.time()
-    try:
-        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        full = proc.stdout + proc.stderr
-        tail = full[-4000:]
-    except subprocess.TimeoutExpired as exc:
-        full = str(exc.stdout or "")
-        tail = f"timed out after {timeout}s\n{full[-2000:]}"
-        proc = None
+    code, full = run_child(cmd, timeout)
+    tail = full[-4000:] if code is not None else f"timed out after {timeout}s\n{full[-2000:]}"
     (workdir / f"{slug}.log").write_text(tail)
     if result_path.exists():
         data = json.loads(result_path.read_text())
@@ -406,8 +429,7 @@ def run_isolated(
             name=name,
             kv_cache_dtype=kv_cache_dtype,
             settings=llm_kwargs,
-            error=f"child process gave no result (exit "
-            f"{None if proc is None else proc.returncode}):\n{tail}",
+            error=f"child process gave no result (exit {code}):\n{tail}",
         )
         result.seconds = round(time.time() - start, 1)
     status = "ok" if result.ok else "FAILED"

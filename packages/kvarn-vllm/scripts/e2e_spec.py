@@ -42,7 +42,6 @@ import argparse
 import json
 import math
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -54,6 +53,7 @@ from e2e_smoke import (
     _free,
     compare_outputs,
     environment,
+    run_child,
     smoke_model,
 )
 
@@ -273,13 +273,8 @@ def run_isolated_engine(spec: dict[str, Any], workdir: Path, timeout: float) -> 
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--internal-run", str(spec_path)]
     cmd += ["--internal-result", str(result_path)]
-    try:
-        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        tail = f"timed out after {timeout}s\n{str(exc.stdout or '')[-2000:]}"
-        code = None
+    code, full = run_child(cmd, timeout)
+    tail = full[-4000:] if code is not None else f"timed out after {timeout}s\n{full[-2000:]}"
     (workdir / f"{slug}.log").write_text(tail)
     if result_path.exists():
         result = json.loads(result_path.read_text())

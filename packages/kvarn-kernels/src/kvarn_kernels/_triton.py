@@ -158,16 +158,34 @@ def unpack_rows(ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl
 
 @triton.jit
 def pack_rows(codes, ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BITS: tl.constexpr):
-    """Store int32 codes ``[ROWS, LEN]`` packed as kvarn_math.packing does."""
-    NG: tl.constexpr = LEN // 8
-    grouped = tl.reshape(codes.to(tl.int64), [ROWS, NG, 8])
-    shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
-    word = tl.sum(grouped << shifts[None, None, :], axis=2)  # disjoint bits: sum == or
+    """Store int32 codes ``[ROWS, LEN]`` packed as kvarn_math.packing does.
+
+    The regrouping reshape goes through shared memory, so it works on the narrowest integers
+    that hold the result: whole bytes in int16 when codes do not straddle bytes (1, 2, 4 or 8
+    bits; a 128 x 256 tile then needs 64 KiB rather than the 256 KiB an int64 regroup takes,
+    more than an SM has), else 8-code words (3 bytes in int32 for 3 bits).
+    """
     rows = tl.arange(0, ROWS)[:, None]
-    groups = tl.arange(0, NG)[None, :]
-    for i in tl.static_range(BITS):
-        byte = ((word >> (8 * i)) & 255).to(tl.uint8)
-        tl.store(ptr + rows * row_stride + groups * BITS + i, byte)
+    if 8 % BITS == 0:
+        PER: tl.constexpr = 8 // BITS  # codes per byte
+        NB: tl.constexpr = LEN // PER
+        grouped = tl.reshape(codes.to(tl.int16), [ROWS, NB, PER])
+        shifts = (tl.arange(0, PER) * BITS).to(tl.int16)
+        byte = tl.sum(grouped << shifts[None, None, :], axis=2)  # disjoint bits: sum == or
+        tl.store(ptr + rows * row_stride + tl.arange(0, NB)[None, :], byte.to(tl.uint8))
+    else:
+        NG: tl.constexpr = LEN // 8
+        if BITS <= 4:
+            grouped = tl.reshape(codes, [ROWS, NG, 8])
+            shifts = tl.arange(0, 8) * BITS
+        else:
+            grouped = tl.reshape(codes.to(tl.int64), [ROWS, NG, 8])
+            shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
+        word = tl.sum(grouped << shifts[None, None, :], axis=2)
+        groups = tl.arange(0, NG)[None, :]
+        for i in tl.static_range(BITS):
+            byte = ((word >> (8 * i)) & 255).to(tl.uint8)
+            tl.store(ptr + rows * row_stride + groups * BITS + i, byte)
 
 
 @triton.jit
