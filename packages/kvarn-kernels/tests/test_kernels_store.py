@@ -283,6 +283,20 @@ class TestGuards:
         with pytest.raises(ValueError, match="head_dim must be one of"):
             kk.quantize_tiles(torch.zeros(64, 48), torch.zeros(64, 48), "kvarn_k4v2_g64")
 
+    def test_tiles_too_large_for_the_store_raise(self) -> None:
+        """128 x 512 tiles need more shared memory than an SM has (sm90_compile.py): a clear
+        error naming the remedy, before anything is written; 64 x 512 is accepted."""
+        big = torch.zeros(128, 512)
+        with pytest.raises(ValueError, match=r"65536 elements per tile.*G <= 64"):
+            kk.quantize_tiles(big, big, "kvarn_k4v2_g128")
+        cache = torch.zeros(2, 1, tile_layout("kvarn_k4v2_g128", 512).tile_bytes, dtype=torch.uint8)
+        staging = torch.zeros(kk.staging_shape(1, 1, 512, "kvarn_k4v2_g128"))
+        plan = kk.plan_store([0], [3], None, [0], [[0]], "kvarn_k4v2_g128")
+        k = torch.ones(3, 1, 512)
+        with pytest.raises(ValueError, match="at most 32768"):
+            kk.store_kv(k, k, cache, staging, plan, "kvarn_k4v2_g128")
+        assert not staging.any()
+
 
 def test_clip_ratios_are_refused() -> None:
     """kvarn-math's experimental clipping search is not implemented: non-default values raise."""

@@ -377,14 +377,19 @@ def default_launch(
     prefetch), 2 at head_dim 64 (552 against 124). head_dim 256 (not swept) halves SUB and keeps
     8 warps, to stay in registers (with 4 it spills). Multi-query blocks (up to 64 rows) keep
     the earlier 8 warps. The 4-bit-key path loads each step as it goes (no register prefetch:
-    faster in that sweep, and no spills); the generic path prefetches one step.
+    faster in that sweep, and no spills); the generic path prefetches one step. A second sweep
+    (2026-11-30, docs/results/h200-2026-11-30d) timed software-pipelined configs: 2 stages win
+    at head_dim 128 only.
     """
     if INTERPRET:
         return {"SUB": 32, "num_warps": 4, "num_stages": 1}
     sub = min(group_size, 128 if head_dim <= 128 else 64)
     if decode:
         warps = 2 if head_dim <= 64 else 4 if head_dim <= 128 else 8
-        return {"SUB": sub, "num_warps": warps, "num_stages": 1}
+        # Two stages (the next step's codes in flight through cp.async) at head_dim 128 only:
+        # +5% there (842 against 799 GB/s at batch 64, 725 against 686 at batch 16), -12% at 64.
+        stages = 2 if 64 < head_dim <= 128 else 1
+        return {"SUB": sub, "num_warps": warps, "num_stages": stages}
     return {"SUB": min(sub, 64), "num_warps": 8, "num_stages": 1}
 
 

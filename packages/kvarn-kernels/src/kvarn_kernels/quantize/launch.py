@@ -34,6 +34,22 @@ def _num_warps(layout: TileLayout) -> int:
     return 4 if elems <= 4096 else 8 if elems <= 8192 else 16
 
 
+# One program holds a whole tile (keys or values) in fp32; past 32768 elements its regrouping for
+# the packed store needs more shared memory than an sm_90 SM has (a 128 x 512 tile: 256 KiB).
+_MAX_TILE_ELEMENTS = 32768
+
+
+def _check_tile_size(layout: TileLayout) -> None:
+    elems = layout.group_size * layout.head_dim
+    if elems > _MAX_TILE_ELEMENTS:
+        smaller = _MAX_TILE_ELEMENTS // layout.head_dim
+        raise ValueError(
+            f"{layout.preset.name} at head_dim {layout.head_dim} has {elems} elements per tile; "
+            f"the store kernel takes at most {_MAX_TILE_ELEMENTS} (G x head_dim): use a preset "
+            f"with G <= {smaller} at this head_dim"
+        )
+
+
 def _check_clip_ratios(clip_ratios: tuple[float, ...]) -> None:
     # kvarn-math's experimental per-row clipping search is not part of any preset; the kernels
     # implement the format's definition (plain min/max RTN) only.
@@ -135,6 +151,7 @@ def store_kv(
     _, num_kv_heads, head_dim = key.shape
     check_tensor("value", value, dtype=key.dtype, shape=tuple(key.shape), last_dim_contiguous=True)
     p, layout = check_preset(preset, head_dim)
+    _check_tile_size(layout)
     if plan.group_size != p.group_size:
         raise ValueError(
             f"plan was made for G={plan.group_size}, preset {p.name} has G={p.group_size}"
@@ -191,6 +208,7 @@ def _dense(
     check_same_device(**{kname: k, vname: v})
     g, d = k.shape[-2:]
     p, layout = check_preset(preset, d)
+    _check_tile_size(layout)
     if g != p.group_size:
         raise ValueError(
             f"{p.name} tiles hold {p.group_size} tokens, got {g} (shape {list(k.shape)})"

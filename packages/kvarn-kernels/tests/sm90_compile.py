@@ -1,0 +1,226 @@
+"""Compile the kernels for sm_90 (H100/H200) on a machine without a GPU, and report resources.
+
+Triton compiles ahead of time for a named target with the ptxas its wheel ships, so what a kernel
+needs of an SM (shared memory, registers, spills) is known on the CPU. A store kernel that needed
+more shared memory than an SM has once passed every CPU test and failed only inside vLLM's warmup
+on the GPU; ``test_kernels_sm90.py`` runs this script (Triton's interpreter must be off, so in a
+subprocess) and checks every launch the kernels make at the supported head sizes.
+
+    TRITON_INTERPRET=0 python tests/sm90_compile.py store attention  # one JSON line per kernel
+
+The constants mirror the launchers: ``default_launch`` for attention, the quantize launcher's
+warp count, ``tile_layout`` offsets. Pointers and strides are declared 16-divisible, as real
+cache and activation tensors are, since vectorized layouts change what goes through shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import triton  # type: ignore[import-untyped]
+from kvarn_kernels._triton import INTERPRET
+from kvarn_math import PRESETS, get_preset, tile_layout
+from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+from triton.compiler import ASTSource  # type: ignore[import-untyped]
+
+TARGET = GPUTarget("cuda", 90, 32)
+HEAD_DIMS = (64, 128, 256)
+FLOAT_ARGS = ("rsqrt_d", "qk_scale")
+
+
+def _offsets(preset: str, d: int) -> dict[str, int]:
+    o = tile_layout(preset, d).offsets
+    names = {
+        "OFF_KC": "k_codes",
+        "OFF_KS": "k_scale",
+        "OFF_KZ": "k_zero",
+        "OFF_KT": "k_token_scale",
+        "OFF_VC": "v_codes",
+        "OFF_VCS": "v_channel_scale",
+        "OFF_VS": "v_scale",
+        "OFF_VZ": "v_zero",
+    }
+    return {k: o[v] for k, v in names.items()}
+
+
+def _ptxas_usage(ptx: str) -> dict[str, int]:
+    """Registers and spill bytes as ptxas reports them (``ptxas -v``) for sm_90a."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(
+            [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return {
+        "registers": int(regs.group(1)) if regs else -1,
+        "spill_store_bytes": int(spills.group(1)) if spills else 0,
+    }
+
+
+def compile_kernel(
+    fn: Any,
+    pointers: dict[str, str],
+    consts: dict[str, Any],
+    options: dict[str, int],
+    label: str,
+) -> dict[str, Any]:
+    """Compile ``fn`` for sm_90; pointers not named in ``pointers`` are ``*i32``."""
+    params = list(fn.arg_names)
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int], list[list[Any]]] = {}
+    for i, name in enumerate(params):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    start = time.time()
+    row: dict[str, Any] = {"kernel": label, **options}
+    try:
+        k = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+            target=TARGET,
+            options=options,
+        )
+        row["shared"] = int(k.metadata.shared)
+        row.update(_ptxas_usage(k.asm["ptx"]))
+    except Exception as exc:  # a kernel that does not compile is a result too
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    row["seconds"] = round(time.time() - start, 1)
+    return row
+
+
+def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
+    from kvarn_kernels.quantize.launch import _num_warps
+
+    rows = []
+    ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "stage_ptr": "*bf16"}
+    ptrs |= {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16"}
+    for name in PRESETS:
+        p = get_preset(name)
+        for d in head_dims:
+            consts = dict(
+                G=p.group_size,
+                D=d,
+                SG=p.group_size,
+                SINK_ROWS=p.group_size,
+                KEY_BITS=p.key_bits,
+                VALUE_BITS=p.value_bits,
+                ITERS=8,
+                FRESH_ROTATED=False,
+                PRECISE=True,
+                **_offsets(name, d),
+            )
+            opts = {"num_warps": _num_warps(tile_layout(name, d))}  # as launched: default stages
+            rows.append(
+                compile_kernel(quantize_tiles_kernel, ptrs, consts, opts, f"store {name} D{d}")
+            )
+    for d in head_dims:
+        consts = {"D": d, "BLOCK_T": 16}
+        rows.append(
+            compile_kernel(
+                stage_tokens_kernel, ptrs, consts, {"num_warps": 4}, f"stage_tokens D{d}"
+            )
+        )
+    return rows
+
+
+def dequantize_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    from kvarn_kernels.dequantize.kernel import dequantize_kernel
+
+    rows = []
+    ptrs = {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16"}
+    ptrs |= {"k_out_ptr": "*bf16", "v_out_ptr": "*bf16"}
+    for name in ("kvarn_k4v2_g128", "kvarn_k3v2_g128"):
+        p = get_preset(name)
+        for d in head_dims:
+            consts = dict(
+                G=p.group_size,
+                D=d,
+                KEY_BITS=p.key_bits,
+                VALUE_BITS=p.value_bits,
+                UNROTATE=True,
+                **_offsets(name, d),
+            )
+            # As dequantize's launcher: 4 warps up to 8192 elements per tile, else 8.
+            opts = {"num_warps": 4 if p.group_size * d <= 8192 else 8}
+            rows.append(
+                compile_kernel(dequantize_kernel, ptrs, consts, opts, f"dequantize {name} D{d}")
+            )
+    return rows
+
+
+def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    from kvarn_kernels.attention.kernel import attention_partial_kernel, default_launch
+
+    rows = []
+    ptrs = {"q_ptr": "*bf16", "stage_ptr": "*bf16", "cache_u8_ptr": "*u8"}
+    ptrs |= {"cache_f16_ptr": "*fp16", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    # (preset, decode): the 4-bit-key path and the generic one, decode and multi-query blocks
+    # of 16 query tokens at GQA group 4 (as the launcher sizes them).
+    cases = [("kvarn_k4v2_g128", True), ("kvarn_k3v2_g128", True), ("kvarn_k4v4_g64", True)]
+    cases += [("kvarn_k4v2_g128", False), ("kvarn_k3v2_g128", False)]
+    for name, decode in cases:
+        p = get_preset(name)
+        for d in head_dims:
+            launch = default_launch(decode, d, p.group_size)
+            group, block_h = 4, 4
+            block_q = 1 if decode else 16
+            consts = dict(
+                G=p.group_size,
+                D=d,
+                SG=p.group_size,
+                SINK_ROWS=p.group_size,
+                KEY_BITS=p.key_bits,
+                VALUE_BITS=p.value_bits,
+                GROUP=group,
+                BLOCK_H=block_h,
+                BLOCK_Q=block_q,
+                BLOCK_M=max(16, block_q * block_h),
+                DECODE=decode,
+                FP32=False,
+                SUB=launch["SUB"],
+                PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
+                **_offsets(name, d),
+            )
+            opts = {k: v for k, v in launch.items() if k != "SUB"}
+            label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
+            rows.append(compile_kernel(attention_partial_kernel, ptrs, consts, opts, label))
+    return rows
+
+
+FAMILIES = {"store": store_rows, "dequantize": dequantize_rows, "attention": attention_rows}
+
+
+def main(argv: list[str]) -> int:
+    if INTERPRET:
+        print("sm90_compile.py needs TRITON_INTERPRET unset or 0", file=sys.stderr)
+        return 2
+    for family in argv or list(FAMILIES):
+        for row in FAMILIES[family]():
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,48 @@
+"""Every kernel launch at the supported head sizes compiles for sm_90 within an SM's resources.
+
+Runs on the CPU: Triton compiles for a named target with its own ptxas (``sm90_compile.py``, in a
+subprocess because Triton's interpreter has to be off). Catches what the interpreter cannot: a
+kernel that needs more shared memory than the GPU has fails only at launch, on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+# sm_90's largest shared memory per block (227 KiB, the "Hardware limit" Triton reports).
+SM90_MAX_SHARED = 232448
+# Registers: 255 is the hardware cap per thread; what matters here is that ptxas accepted it.
+
+
+def _compile(family: str) -> list[dict]:
+    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        pytest.skip(f"this Triton wheel ships no ptxas ({ptxas})")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sm90_compile.py"), family],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, proc.stderr[-3000:]
+    return rows
+
+
+@pytest.mark.parametrize("family", ["store", "dequantize", "attention"])
+def test_kernels_fit_an_sm90(family: str) -> None:
+    rows = _compile(family)
+    bad = [r for r in rows if "error" in r or r["shared"] > SM90_MAX_SHARED]
+    assert not bad, "\n".join(json.dumps(r) for r in bad)
+    # Every supported head size was compiled (64, 128 and 256).
+    assert {r["kernel"].rsplit(" D", 1)[1] for r in rows} == {"64", "128", "256"}
