@@ -171,7 +171,11 @@ def dequantize_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, An
 
 
 def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
-    from kvarn_kernels.attention.kernel import attention_partial_kernel, default_launch
+    from kvarn_kernels.attention.kernel import (
+        attention_combine_kernel,
+        attention_partial_kernel,
+        default_launch,
+    )
 
     rows = []
     ptrs = {"q_ptr": "*bf16", "stage_ptr": "*bf16", "cache_u8_ptr": "*u8"}
@@ -206,10 +210,55 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
             rows.append(compile_kernel(attention_partial_kernel, ptrs, consts, opts, label))
+            if d == max(head_dims) and name == "kvarn_k4v2_g128":
+                # Other query dtypes at the largest head size: fp16, and fp32 (exact dots).
+                for dt in ("fp16", "fp32"):
+                    dptrs = {**ptrs, "q_ptr": f"*{dt}", "stage_ptr": f"*{dt}"}
+                    dconsts = {**consts, "FP32": dt == "fp32"}
+                    rows.append(
+                        compile_kernel(
+                            attention_partial_kernel,
+                            dptrs,
+                            dconsts,
+                            opts,
+                            label.replace(f" D{d}", f" {dt} D{d}"),
+                        )
+                    )
+    for d in head_dims:
+        for decode in (True, False):
+            consts = {"D": d, "GROUP": 4, "BLOCK_H": 4, "BLOCK_S": 64, "DECODE": decode}
+            cptrs = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"}
+            rows.append(
+                compile_kernel(
+                    attention_combine_kernel,
+                    cptrs,
+                    consts,
+                    {"num_warps": 4},
+                    f"combine {'decode' if decode else 'multi-query'} D{d}",
+                )
+            )
     return rows
 
 
-FAMILIES = {"store": store_rows, "dequantize": dequantize_rows, "attention": attention_rows}
+def rotation_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    from kvarn_kernels.rotation.kernel import rotate_rows_kernel
+
+    rows = []
+    ptrs = {"x_ptr": "*bf16", "out_ptr": "*bf16", "signs_ptr": "*fp32"}
+    for d in (*head_dims, 512):
+        consts = {"D": d, "BLOCK_R": 16, "SIGNS_FIRST": True, "SIGNS_LAST": False}
+        rows.append(
+            compile_kernel(rotate_rows_kernel, ptrs, consts, {"num_warps": 4}, f"rotate D{d}")
+        )
+    return rows
+
+
+FAMILIES = {
+    "store": store_rows,
+    "dequantize": dequantize_rows,
+    "attention": attention_rows,
+    "rotation": rotation_rows,
+}
 
 
 def main(argv: list[str]) -> int:

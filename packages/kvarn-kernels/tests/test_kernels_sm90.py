@@ -39,10 +39,10 @@ def _compile(family: str) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("family", ["store", "dequantize", "attention"])
+@pytest.mark.parametrize("family", ["store", "dequantize", "attention", "rotation"])
 def test_kernels_fit_an_sm90(family: str) -> None:
     rows = _compile(family)
     bad = [r for r in rows if "error" in r or r["shared"] > SM90_MAX_SHARED]
     assert not bad, "\n".join(json.dumps(r) for r in bad)
-    # Every supported head size was compiled (64, 128 and 256).
-    assert {r["kernel"].rsplit(" D", 1)[1] for r in rows} == {"64", "128", "256"}
+    # Every supported head size was compiled (64, 128 and 256; rotation also 512).
+    assert {"64", "128", "256"} <= {r["kernel"].rsplit(" D", 1)[1] for r in rows}

@@ -759,6 +759,7 @@ def attention_combine_kernel(
     DECODE: tl.constexpr,
 ):
     """Merge the splits of one (query token, KV head), un-rotate, write ``out`` rows."""
+    COMBINE_CHUNK: tl.constexpr = 8
     tok = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
     live = True
@@ -780,10 +781,22 @@ def attention_combine_kernel(
         # 1 where nothing was attended (a padding row with seq_len 0): the output is then 0.
         denom = tl.where(hmask & (denom > 0), denom, 1.0)
         d = tl.arange(0, D)
-        acc = tl.load(
-            acc_ptr + part[:, :, None] * D + d[None, None, :], mask=mask[:, :, None], other=0.0
-        )
-        o = tl.sum(w[:, :, None] * acc, axis=1) / denom[:, None]
+        # The partial outputs in chunks of splits: all BLOCK_S of them at once would hold
+        # BLOCK_H x BLOCK_S x D fp32 values (512 per thread at head_dim 256: spills).
+        o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        c = tl.arange(0, COMBINE_CHUNK)
+        for s0 in range(0, num_splits, COMBINE_CHUNK):
+            cmask = hmask[:, None] & (s0 + c < num_splits)[None, :]
+            cpart = (tok * num_q_heads + head)[:, None] * num_splits + s0 + c[None, :]
+            cm = tl.load(ml_ptr + cpart * 2, mask=cmask, other=float("-inf"))
+            cw = tl.exp2(cm - m_max[:, None])
+            acc = tl.load(
+                acc_ptr + cpart[:, :, None] * D + d[None, None, :],
+                mask=cmask[:, :, None],
+                other=0.0,
+            )
+            o += tl.sum(cw[:, :, None] * acc, axis=1)
+        o = o / denom[:, None]
         o = fwht_rows(o, BLOCK_H, D) * rsqrt_d
         dst = out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, round_to(o, out_ptr.dtype.element_ty), mask=hmask[:, None])
