@@ -652,3 +652,30 @@ def test_bench_and_report_end_to_end(
     assert all(f"left out the one from {second}" in line for line in left_out)
     assert "note: throughput/" in note
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_root_cause_of_an_engine_start_up_failure() -> None:
+    """vLLM's front end says only "Engine core initialization failed. See root cause above.";
+    the record names the engine core's own exception (lines as an H200 log had them)."""
+    from kvarn_eval.serving.runner import root_cause
+
+    log = "\n".join(
+        [
+            "(EngineCore pid=4832) INFO 11-30 10:27:00 [impl.py:513] kvarn: exact first-chunk "
+            "prefill via FlashAttention 3",
+            "(EngineCore pid=4832) ERROR 11-30 10:27:08 [core.py:1330]     raise err",
+            "(EngineCore pid=4832) ERROR 11-30 10:27:08 [core.py:1330] "
+            "triton.runtime.errors.OutOfResources: out of resource: shared memory, "
+            "Required: 262144, Hardware limit: 232448.",
+            "(EngineCore pid=4832) Process EngineCore:",
+            "RuntimeError: Engine core initialization failed. See root cause above. "
+            "Failed core proc(s): {}",
+            "[kvarn-eval worker] greedy/kvarn: FAILED: RuntimeError: Engine core "
+            "initialization failed. See root cause above.",
+        ]
+    )
+    assert root_cause(log) == (
+        "triton.runtime.errors.OutOfResources: out of resource: shared memory, "
+        "Required: 262144, Hardware limit: 232448."
+    )
+    assert root_cause("RuntimeError: Engine core initialization failed.\nValueError: x") == ""

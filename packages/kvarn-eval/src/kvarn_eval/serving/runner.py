@@ -170,13 +170,32 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+# vLLM's prefixes on an engine-core process's log lines: "(EngineCore pid=N) " and, on logged
+# tracebacks, "ERROR MM-DD HH:MM:SS [core.py:1330] ".
+_ENGINE_PREFIX = re.compile(r"^\((?:EngineCore|Worker)[^)]*\)\s*(?:ERROR \S+ \S+ \[[^\]]*\]\s*)?")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|OutOfResources)\b")
+# The front end's wrapper for any engine start-up failure; the cause is earlier in the log.
+_WRAPPER = "Engine core initialization failed"
+
+
 def _error_summary(text: str, limit: int = 400) -> str:
     """The most telling line of a failure: the last exception line, else the last line."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     for line in reversed(lines):
-        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line):
+        if _EXCEPTION_LINE.match(line):
             return line[:limit]
     return lines[-1][:limit] if lines else ""
+
+
+def root_cause(text: str, limit: int = 400) -> str:
+    """The engine core's own exception line in a worker log ("" if none), for failures that
+    vLLM's front end reports only as "Engine core initialization failed. See root cause above."
+    """
+    for raw in reversed(text.strip().splitlines()):
+        line = _ENGINE_PREFIX.sub("", raw.strip())
+        if line != raw.strip() and _EXCEPTION_LINE.match(line) and _WRAPPER not in line:
+            return line[:limit]
+    return ""
 
 
 def skipped_record(job: EngineJob, reason: str) -> dict[str, Any]:
@@ -284,6 +303,10 @@ def run_job(
             record["error"] = f"killed after {timeout:.0f} s (kept what finished)"
         elif not record.get("error"):
             record["error"] = _error_summary(log_text) or f"exit status {proc.returncode}"
+        if _WRAPPER in str(record.get("error", "")):
+            cause = root_cause(log_text)
+            if cause:
+                record["error"] = f"engine start-up: {cause}"
         record["log_tail"] = log_text[-4000:]
     result_path.write_text(json.dumps(record, indent=1, default=str))
     if echo is not None:
