@@ -349,6 +349,8 @@ def _sweep(preset: str, dtype: torch.dtype, device: torch.device, quick: bool) -
 
     sizes = [("llama3-8b", 32, 8, 128, 16, 16384), ("llama3-8b", 32, 8, 128, 64, 16384)]
     sizes += [("hd64", 32, 8, 64, 64, 16384)]
+    # head_dim 256 (Gemma-3-12B: 16 query / 8 KV heads): its default (SUB 64, 8 warps) untimed so far.
+    sizes += [("hd256", 16, 8, 256, 64, 16384)]
     rows: list[dict[str, Any]] = []
     saved = launch.default_launch
     try:
