@@ -357,7 +357,7 @@ def run_child(cmd: list[str], timeout: float) -> tuple[int | None, str]:
     On a timeout the whole group is stopped (TERM, then KILL after 20 s): vLLM's engine core is a
     grandchild, and one left running keeps its GPU memory from the runs after it.
     """
-    with tempfile.TemporaryFile("w+") as out:
+    with tempfile.TemporaryFile("w+", errors="replace") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=timeout)

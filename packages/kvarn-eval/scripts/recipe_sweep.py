@@ -1,0 +1,149 @@
+"""Quantizer variants KVARN.md proposes to test, against the plain preset (perplexity, CPU).
+
+KVARN.md lists ideas "worth testing (each costs bytes or time; keep the ones that pay)". Two of
+them change only how a tile is quantized, not its bytes, and are measured here under
+pseudo-decode (WikiText-2, 8 x 1024 tokens, blocks of 128, first block exact, reference bf16;
+SmolLM2, or Gemma-3 with ``--model gemma3-270m --tokens 512``), each paired chunk by chunk
+against the plain preset:
+
+* ``clip`` / ``clip_v``: "clipping chosen to minimise error rather than min/max range".
+  kvarn-math's experimental ``clip_ratios`` also tries each row's RTN range shrunk about its
+  midpoint by each ratio and keeps the candidate with the least squared error; on keys and
+  values, or on values only (the 2-bit half of k4v2).
+* ``signsN``: "random-sign Hadamard", ``diag(s) H`` with ``s = kvarn_math.random_signs(D, N)``
+  instead of ``H`` (applied as a sign flip of the channels before the preset's own rotation and
+  after its inverse; the flips are orthogonal, so attention is unchanged by them).
+
+    python packages/kvarn-eval/scripts/recipe_sweep.py [--model M] [--variants clip,signs0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK = 128
+REPO = Path(__file__).resolve().parents[3]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m or gemma3-270m")
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--ratios", default="0.95,0.9,0.85,0.8,0.75,0.7", help="for clip*")
+    parser.add_argument("--variants", default="clip,clip_v,signs0,signs1,signs2")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "cpu-2026-11-30")
+    args = parser.parse_args()
+    ratios = tuple(float(r) for r in args.ratios.split(","))
+
+    from kvarn_eval.accuracy import evaluate_perplexity, install, select_methods
+    from kvarn_eval.accuracy.summary import mean_and_se
+    from kvarn_eval.data import find_wikitext
+    from kvarn_eval.models import load_model
+    from kvarn_eval.suites import _text_chunks
+    from kvarn_math.baselines import KVarN, Method
+    from kvarn_math.hadamard import random_signs
+
+    plain = KVarN.of(args.preset)
+    clipped = KVarN.of(args.preset, clip_ratios=ratios)
+
+    @dataclass(frozen=True)
+    class ValuesClipped(Method):
+        """Keys as the plain preset, values with the clip search (records are per half)."""
+
+        name: str = f"{args.preset}+clip_v"
+
+        def bytes_per_token_per_head(self, head_dim: int) -> float:
+            return plain.bytes_per_token_per_head(head_dim)
+
+        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
+            return plain.roundtrip(k, v)[0], clipped.roundtrip(k, v)[1]
+
+    @dataclass(frozen=True)
+    class RandomSigns(Method):
+        """The plain preset behind a seeded channel sign flip: diag(s) H instead of H."""
+
+        name: str = f"{args.preset}+signs0"
+        seed: int = 0
+
+        def bytes_per_token_per_head(self, head_dim: int) -> float:
+            return plain.bytes_per_token_per_head(head_dim)
+
+        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
+            s = random_signs(k.shape[-1], self.seed).astype("float32")
+            k_hat, v_hat = plain.roundtrip(k * s, v * s)
+            return k_hat * s, v_hat * s
+
+    variants: list[Method] = []
+    for name in filter(None, (v.strip() for v in args.variants.split(","))):
+        if name == "clip":
+            variants.append(clipped)
+        elif name == "clip_v":
+            variants.append(ValuesClipped())
+        elif name.startswith("signs") and name[5:].isdigit():
+            variants.append(RandomSigns(name=f"{args.preset}+{name}", seed=int(name[5:])))
+        else:
+            parser.error(f"unknown variant {name!r}: expected clip, clip_v or signsN")
+
+    started = time.time()
+    lm = load_model(args.model)
+    install(lm.model)
+    text, source = find_wikitext()
+    chunks = _text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
+    methods = [*select_methods("bf16", BLOCK), plain, *variants]
+    result = evaluate_perplexity(
+        lm.model,
+        chunks,
+        methods,
+        head_dim=lm.head_dim,
+        block_size=BLOCK,
+        sink_tokens=BLOCK,
+        suite="wikitext",
+        source=source,
+    )
+    rows: dict[str, dict] = {}
+    for row in result.rows:
+        if row.method == "bf16":
+            continue
+        rows[row.method] = {
+            "delta_pct": row.delta_pct,
+            "delta_se_pct": row.delta_se_pct,
+            "kl": row.kl,
+            "top1": row.top1,
+            "chunk_nll": row.chunk_nll,
+        }
+        print(f"{row.method}: {row.delta_pct:+.2f}% ± {row.delta_se_pct:.2f}, KL {row.kl:.5f}")
+    base = rows[plain.name]["chunk_nll"]
+    for name, row in rows.items():
+        if name != plain.name:
+            m, se = mean_and_se([a - b for a, b in zip(row["chunk_nll"], base, strict=True)])
+            row["vs_plain_pct"] = 100 * (math.exp(m) - 1)
+            row["vs_plain_se_pct"] = 100 * math.exp(m) * se
+            print(
+                f"{name} vs {plain.name}: {row['vs_plain_pct']:+.2f}% ± {row['vs_plain_se_pct']:.2f}"
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"recipe_sweep_{args.model}.json"
+    payload = {
+        "command": "python packages/kvarn-eval/scripts/recipe_sweep.py "
+        f"--model {args.model} --preset {args.preset} --ratios {args.ratios} "
+        f"--variants {args.variants} --chunks {args.chunks} --tokens {args.tokens}",
+        "source": source,
+        "ratios": ratios,
+        "variants": args.variants,
+        "rows": rows,
+        "seconds": time.time() - started,
+    }
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path} ({payload['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
