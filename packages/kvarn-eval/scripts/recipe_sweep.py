@@ -13,6 +13,9 @@ against the plain preset:
 * ``signsN``: "random-sign Hadamard", ``diag(s) H`` with ``s = kvarn_math.random_signs(D, N)``
   instead of ``H`` (applied as a sign flip of the channels before the preset's own rotation and
   after its inverse; the flips are orthogonal, so attention is unchanged by them).
+* ``kXvY``: other key / value bits at the same tile; ``k3v3`` stores exactly k4v2's bytes, so
+  it could replace k4v2 in any layer without changing the page size ("more bits for the few
+  layers or heads that are most sensitive, at the same average").
 
     python packages/kvarn-eval/scripts/recipe_sweep.py [--model M] [--variants clip,signs0]
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,7 @@ def main() -> int:
     parser.add_argument("--variants", default="clip,clip_v,signs0,signs1,signs2")
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--tag", default="recipe_sweep", help="output file: TAG_MODEL.json")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "cpu-2026-11-30")
     args = parser.parse_args()
     ratios = tuple(float(r) for r in args.ratios.split(","))
@@ -49,6 +54,7 @@ def main() -> int:
     from kvarn_eval.suites import _text_chunks
     from kvarn_math.baselines import KVarN, Method
     from kvarn_math.hadamard import random_signs
+    from kvarn_math.layout import Preset
 
     plain = KVarN.of(args.preset)
     clipped = KVarN.of(args.preset, clip_ratios=ratios)
@@ -80,16 +86,38 @@ def main() -> int:
             k_hat, v_hat = plain.roundtrip(k * s, v * s)
             return k_hat * s, v_hat * s
 
+    @dataclass(frozen=True)
+    class OtherBits(KVarN):
+        """KVarN with other key / value bit widths at the preset's tile (``kXvY``), e.g. k3v3,
+        which has exactly k4v2's bytes (3 + 3 = 4 + 2 bits, the same scales)."""
+
+        key_bits: int = 4
+        value_bits: int = 2
+
+        @property
+        def preset(self) -> Preset:
+            return Preset.from_bits(self.key_bits, self.value_bits, self.group_size)
+
     variants: list[Method] = []
     for name in filter(None, (v.strip() for v in args.variants.split(","))):
         if name == "clip":
             variants.append(clipped)
         elif name == "clip_v":
             variants.append(ValuesClipped())
+        elif re.fullmatch(r"k[1-8]v[1-8]", name):
+            kb, vb = int(name[1]), int(name[3])
+            variants.append(
+                OtherBits(
+                    name=f"{args.preset}+{name}",
+                    group_size=plain.group_size,
+                    key_bits=kb,
+                    value_bits=vb,
+                )
+            )
         elif name.startswith("signs") and name[5:].isdigit():
             variants.append(RandomSigns(name=f"{args.preset}+{name}", seed=int(name[5:])))
         else:
-            parser.error(f"unknown variant {name!r}: expected clip, clip_v or signsN")
+            parser.error(f"unknown variant {name!r}: expected clip, clip_v, signsN or kXvY")
 
     started = time.time()
     lm = load_model(args.model)
@@ -129,11 +157,12 @@ def main() -> int:
                 f"{name} vs {plain.name}: {row['vs_plain_pct']:+.2f}% ± {row['vs_plain_se_pct']:.2f}"
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"recipe_sweep_{args.model}.json"
+    path = args.out / f"{args.tag}_{args.model}.json"
     payload = {
         "command": "python packages/kvarn-eval/scripts/recipe_sweep.py "
         f"--model {args.model} --preset {args.preset} --ratios {args.ratios} "
-        f"--variants {args.variants} --chunks {args.chunks} --tokens {args.tokens}",
+        f"--variants {args.variants} --chunks {args.chunks} --tokens {args.tokens} "
+        f"--tag {args.tag}",
         "source": source,
         "ratios": ratios,
         "variants": args.variants,
