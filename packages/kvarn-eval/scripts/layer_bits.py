@@ -11,6 +11,8 @@ without tuning on the text it is judged on:
    everywhere and the mix, each paired against plain k4v2.
 
     python packages/kvarn-eval/scripts/layer_bits.py [--model gemma3-270m --tokens 512]
+    # the chosen mix again, on 16 chunks of text after the calibration chunks:
+    python packages/kvarn-eval/scripts/layer_bits.py --layers 0,2,3 --skip 12 --chunks 16
 """
 
 from __future__ import annotations
@@ -33,8 +35,22 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=8, help="validation chunks (the first)")
     parser.add_argument("--calib-chunks", type=int, default=4, help="calibration chunks (after)")
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument(
+        "--layers",
+        default=None,
+        help="skip calibration: these k3v3 layers (comma-separated), judged on --chunks chunks "
+        "taken after --skip chunks (a replication on other text)",
+    )
+    parser.add_argument("--skip", type=int, default=0, help="with --layers: chunks to skip first")
+    parser.add_argument(
+        "--tag",
+        default=None,
+        help="output file TAG_MODEL.json (layer_bits, or layer_bits_replication with --layers)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "cpu-2026-11-30")
     args = parser.parse_args()
+    if args.tag is None:
+        args.tag = "layer_bits" if args.layers is None else "layer_bits_replication"
 
     from kvarn_eval.accuracy import evaluate_perplexity, install, select_methods
     from kvarn_eval.accuracy.summary import mean_and_se
@@ -77,8 +93,11 @@ def main() -> int:
             lambda _m, _a, i=i: _LAYER.__setitem__("index", i)
         )
     text, source = find_wikitext()
-    every = _text_chunks(lm.tokenizer, text, args.chunks + args.calib_chunks, args.tokens)
-    valid, calib = every[: args.chunks], every[args.chunks :]
+    if args.layers is None:
+        every = _text_chunks(lm.tokenizer, text, args.chunks + args.calib_chunks, args.tokens)
+        valid, calib = every[: args.chunks], every[args.chunks :]
+    else:
+        valid = _text_chunks(lm.tokenizer, text, args.skip + args.chunks, args.tokens)[args.skip :]
     bf16 = select_methods("bf16", BLOCK)
 
     def run(chunks, methods):  # type: ignore[no-untyped-def]
@@ -100,14 +119,19 @@ def main() -> int:
         return 100 * (math.exp(m) - 1), 100 * math.exp(m) * se
 
     # 1. calibration: one layer at a time
-    singles = [PerLayer(name=f"k3v3@{i}", k3v3_layers=frozenset({i})) for i in range(len(layers))]
-    calib_rows = run(calib, [PerLayer(name="k4v2", k3v3_layers=frozenset()), *singles])
-    per_layer = {}
-    for i, method in enumerate(singles):
-        d, se = vs(calib_rows, method.name, "k4v2")
-        per_layer[i] = {"vs_k4v2_pct": d, "se_pct": se}
-        print(f"layer {i:2d}: k3v3 there {d:+.3f}% ± {se:.3f} (calibration)")
-    chosen = frozenset(i for i, r in per_layer.items() if r["vs_k4v2_pct"] < 0)
+    per_layer: dict[int, dict[str, float]] = {}
+    if args.layers is None:
+        singles = [
+            PerLayer(name=f"k3v3@{i}", k3v3_layers=frozenset({i})) for i in range(len(layers))
+        ]
+        calib_rows = run(calib, [PerLayer(name="k4v2", k3v3_layers=frozenset()), *singles])
+        for i, method in enumerate(singles):
+            d, se = vs(calib_rows, method.name, "k4v2")
+            per_layer[i] = {"vs_k4v2_pct": d, "se_pct": se}
+            print(f"layer {i:2d}: k3v3 there {d:+.3f}% ± {se:.3f} (calibration)")
+        chosen = frozenset(i for i, r in per_layer.items() if r["vs_k4v2_pct"] < 0)
+    else:
+        chosen = frozenset(int(x) for x in args.layers.split(",") if x.strip())
     print(f"k3v3 layers: {sorted(chosen)} ({len(chosen)} of {len(layers)})")
 
     # 2. validation on the benchmark's chunks
@@ -128,11 +152,12 @@ def main() -> int:
             line += f"; vs k4v2 {d:+.2f} ± {se:.2f}"
         print(line)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"layer_bits_{args.model}.json"
+    path = args.out / f"{args.tag}_{args.model}.json"
     payload = {
         "command": "python packages/kvarn-eval/scripts/layer_bits.py "
         f"--model {args.model} --chunks {args.chunks} --calib-chunks {args.calib_chunks} "
-        f"--tokens {args.tokens}",
+        f"--tokens {args.tokens} --tag {args.tag}"
+        + ("" if args.layers is None else f" --layers {args.layers} --skip {args.skip}"),
         "source": source,
         "calibration": per_layer,
         "k3v3_layers": sorted(chosen),
