@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton  # type: ignore[import-untyped]
 
 HERE = Path(__file__).parent
 # sm_90's largest shared memory per block (227 KiB, the "Hardware limit" Triton reports).
 SM90_MAX_SHARED = 232448
-# Registers: 255 is the hardware cap per thread; what matters here is that ptxas accepted it.
 
 
 def _compile(family: str) -> list[dict]:
-    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip(f"this Triton wheel ships no ptxas ({ptxas})")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
