@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,7 @@ def main() -> int:
         args.tag = "layer_bits" if args.layers is None else "layer_bits_replication"
 
     from kvarn_eval.accuracy import evaluate_perplexity, install, select_methods
-    from kvarn_eval.accuracy.summary import mean_and_se
+    from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
     from kvarn_eval.suites import _text_chunks
@@ -114,9 +113,7 @@ def main() -> int:
         return {r.method: r for r in result.rows if r.method != "bf16"}
 
     def vs(rows, name, base):  # type: ignore[no-untyped-def]
-        diffs = [a - b for a, b in zip(rows[name].chunk_nll, rows[base].chunk_nll, strict=True)]
-        m, se = mean_and_se(diffs)
-        return 100 * (math.exp(m) - 1), 100 * math.exp(m) * se
+        return paired_change(rows[name].chunk_nll, rows[base].chunk_nll)
 
     # 1. calibration: one layer at a time
     per_layer: dict[int, dict[str, float]] = {}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ def main() -> int:
     ratios = tuple(float(r) for r in args.ratios.split(","))
 
     from kvarn_eval.accuracy import evaluate_perplexity, install, select_methods
-    from kvarn_eval.accuracy.summary import mean_and_se
+    from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
     from kvarn_eval.suites import _text_chunks
@@ -150,9 +149,7 @@ def main() -> int:
     base = rows[plain.name]["chunk_nll"]
     for name, row in rows.items():
         if name != plain.name:
-            m, se = mean_and_se([a - b for a, b in zip(row["chunk_nll"], base, strict=True)])
-            row["vs_plain_pct"] = 100 * (math.exp(m) - 1)
-            row["vs_plain_se_pct"] = 100 * math.exp(m) * se
+            row["vs_plain_pct"], row["vs_plain_se_pct"] = paired_change(row["chunk_nll"], base)
             print(
                 f"{name} vs {plain.name}: {row['vs_plain_pct']:+.2f}% ± {row['vs_plain_se_pct']:.2f}"
             )

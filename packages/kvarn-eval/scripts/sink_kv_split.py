@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvarn_eval.accuracy import evaluate_perplexity, install, select_methods
-    from kvarn_eval.accuracy.summary import mean_and_se
+    from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
     from kvarn_eval.suites import _text_chunks
@@ -80,12 +79,8 @@ def main() -> int:
     for key, row in rows.items():
         name, preset = key.split("/")
         if name != "full":
-            m, se = mean_and_se(
-                [a - b for a, b in zip(row["chunk_nll"], rows[f"full/{preset}"]["chunk_nll"])]
-            )
-            row["vs_full_pct"], row["vs_full_se_pct"] = (
-                100 * (math.exp(m) - 1),
-                100 * math.exp(m) * se,
+            row["vs_full_pct"], row["vs_full_se_pct"] = paired_change(
+                row["chunk_nll"], rows[f"full/{preset}"]["chunk_nll"]
             )
             print(f"{key} vs full: {row['vs_full_pct']:+.2f}% ± {row['vs_full_se_pct']:.2f}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ the JSON after every configuration.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -44,15 +43,6 @@ def variant_name(sink: int, requantize: bool) -> str:
     if sink in (0, BLOCK):
         return "a=b"
     return "b" if requantize else "a"
-
-
-def paired_change(nll: list[float], base: list[float]) -> tuple[float, float]:
-    """Perplexity change of ``nll`` against ``base`` (per-chunk NLL), percent, and its se."""
-    from kvarn_eval.accuracy.summary import mean_and_se
-
-    mean, se = mean_and_se([a - b for a, b in zip(nll, base, strict=True)])
-    ratio = math.exp(mean)
-    return 100.0 * (ratio - 1.0), 100.0 * ratio * se
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -106,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvarn_eval import report
     from kvarn_eval.accuracy import evaluate_perplexity, install, select_methods
+    from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
     from kvarn_eval.suites import _text_chunks

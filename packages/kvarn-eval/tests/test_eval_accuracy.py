@@ -22,6 +22,7 @@ from kvarn_eval.accuracy import (
     supported_for,
 )
 from kvarn_eval.accuracy.perplexity import compare_logits
+from kvarn_eval.accuracy.summary import paired_change
 from kvarn_eval.data import TaskItem
 from kvarn_math.baselines import KIVI, Exact
 from kvarn_math.metrics import kl_divergence
@@ -59,6 +60,15 @@ def test_mean_and_se() -> None:
     assert mean == 3.0
     assert se == pytest.approx(np.std([1, 2, 3, 6], ddof=1) / 2)
     assert math.isnan(mean_and_se([1.0])[1])
+
+
+def test_paired_change() -> None:
+    """Per-chunk NLL differences 0.1, 0.2, 0.3: exp(0.2) - 1 in percent, its se propagated."""
+    pct, se = paired_change([1.1, 2.2, 3.3], [1.0, 2.0, 3.0])
+    assert pct == pytest.approx(100 * (math.exp(0.2) - 1))
+    assert se == pytest.approx(100 * math.exp(0.2) * 0.1 / math.sqrt(3))
+    with pytest.raises(ValueError):
+        paired_change([1.0, 2.0], [1.0])
 
 
 def test_perplexity_reference_and_quantized_rows(model: torch.nn.Module) -> None:

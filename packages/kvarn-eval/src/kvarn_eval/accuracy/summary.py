@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["MethodRows", "agreement", "binomial_se", "mean_and_se"]
+__all__ = ["MethodRows", "agreement", "binomial_se", "mean_and_se", "paired_change"]
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
@@ -25,6 +25,19 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
         return math.nan, math.nan
     se = float(arr.std(ddof=1) / math.sqrt(arr.size)) if arr.size > 1 else math.nan
     return float(arr.mean()), se
+
+
+def paired_change(nll: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
+    """Perplexity change of per-chunk NLLs ``nll`` against ``base`` on the same chunks, in
+    percent, and its standard error (paired chunk by chunk, first-order error propagation).
+
+    Args:
+        nll: mean NLL per chunk of the method.
+        base: mean NLL per chunk of the baseline, same chunks and order.
+    """
+    mean, se = mean_and_se([a - b for a, b in zip(nll, base, strict=True)])
+    ratio = math.exp(mean)
+    return 100.0 * (ratio - 1.0), 100.0 * ratio * se
 
 
 def binomial_se(p: float, n: int) -> float:
