@@ -35,7 +35,9 @@ HEAD_DIMS = (64, 128, 256)
 FLOAT_ARGS = ("rsqrt_d", "qk_scale")
 
 
-def _offsets(preset: str, d: int) -> dict[str, int]:
+def _tile_consts(preset: str, d: int) -> dict[str, int]:
+    """The constants every kernel that reads or writes a record takes: G, D, bits, offsets."""
+    p = get_preset(preset)
     o = tile_layout(preset, d).offsets
     names = {
         "OFF_KC": "k_codes",
@@ -47,7 +49,13 @@ def _offsets(preset: str, d: int) -> dict[str, int]:
         "OFF_VS": "v_scale",
         "OFF_VZ": "v_zero",
     }
-    return {k: o[v] for k, v in names.items()}
+    return {
+        "G": p.group_size,
+        "D": d,
+        "KEY_BITS": p.key_bits,
+        "VALUE_BITS": p.value_bits,
+        **{k: o[v] for k, v in names.items()},
+    }
 
 
 def _ptxas_usage(ptx: str) -> dict[str, int]:
@@ -117,19 +125,15 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "stage_ptr": "*bf16"}
     ptrs |= {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16"}
     for name in PRESETS:
-        p = get_preset(name)
+        g = get_preset(name).group_size
         for d in head_dims:
             consts = dict(
-                G=p.group_size,
-                D=d,
-                SG=p.group_size,
-                SINK_ROWS=p.group_size,
-                KEY_BITS=p.key_bits,
-                VALUE_BITS=p.value_bits,
+                _tile_consts(name, d),
+                SG=g,
+                SINK_ROWS=g,
                 ITERS=8,
                 FRESH_ROTATED=False,
                 PRECISE=True,
-                **_offsets(name, d),
             )
             opts = {"num_warps": _num_warps(tile_layout(name, d))}  # as launched: default stages
             rows.append(
@@ -147,23 +151,15 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
 
 def dequantize_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     from kvarn_kernels.dequantize.kernel import dequantize_kernel
+    from kvarn_kernels.dequantize.launch import _num_warps
 
     rows = []
     ptrs = {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16"}
     ptrs |= {"k_out_ptr": "*bf16", "v_out_ptr": "*bf16"}
     for name in ("kvarn_k4v2_g128", "kvarn_k3v2_g128"):
-        p = get_preset(name)
         for d in head_dims:
-            consts = dict(
-                G=p.group_size,
-                D=d,
-                KEY_BITS=p.key_bits,
-                VALUE_BITS=p.value_bits,
-                UNROTATE=True,
-                **_offsets(name, d),
-            )
-            # As dequantize's launcher: 4 warps up to 8192 elements per tile, else 8.
-            opts = {"num_warps": 4 if p.group_size * d <= 8192 else 8}
+            consts = dict(_tile_consts(name, d), UNROTATE=True)
+            opts = {"num_warps": _num_warps(tile_layout(name, d))}
             rows.append(
                 compile_kernel(dequantize_kernel, ptrs, consts, opts, f"dequantize {name} D{d}")
             )
@@ -176,6 +172,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
         attention_partial_kernel,
         default_launch,
     )
+    from kvarn_kernels.attention.launch import _MAX_SPLITS, _next_pow2
 
     rows = []
     ptrs = {"q_ptr": "*bf16", "stage_ptr": "*bf16", "cache_u8_ptr": "*u8"}
@@ -191,12 +188,9 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
             group, block_h = 4, 4
             block_q = 1 if decode else 16
             consts = dict(
-                G=p.group_size,
-                D=d,
+                _tile_consts(name, d),
                 SG=p.group_size,
                 SINK_ROWS=p.group_size,
-                KEY_BITS=p.key_bits,
-                VALUE_BITS=p.value_bits,
                 GROUP=group,
                 BLOCK_H=block_h,
                 BLOCK_Q=block_q,
@@ -205,7 +199,6 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 FP32=False,
                 SUB=launch["SUB"],
                 PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
-                **_offsets(name, d),
             )
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
@@ -226,7 +219,8 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                     )
     for d in head_dims:
         for decode in (True, False):
-            consts = {"D": d, "GROUP": 4, "BLOCK_H": 4, "BLOCK_S": 64, "DECODE": decode}
+            consts = {"D": d, "GROUP": 4, "BLOCK_H": 4, "DECODE": decode}
+            consts["BLOCK_S"] = _next_pow2(_MAX_SPLITS)  # as the launcher compiles it
             cptrs = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"}
             rows.append(
                 compile_kernel(

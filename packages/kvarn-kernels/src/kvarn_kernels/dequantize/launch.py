@@ -20,6 +20,11 @@ from kvarn_kernels.dequantize.kernel import dequantize_kernel
 __all__ = ["decode_tiles", "dequantize", "dequantize_tiles"]
 
 
+def _num_warps(layout: TileLayout) -> int:
+    """Warps per program (one tile of one KV head): 4 up to 8192 elements per tile, else 8."""
+    return 4 if layout.group_size * layout.head_dim <= 8192 else 8
+
+
 def _launch(
     kv_cache: torch.Tensor,
     block_ids: torch.Tensor,
@@ -63,7 +68,7 @@ def _launch(
         OFF_VS=off["v_scale"],
         OFF_VZ=off["v_zero"],
         UNROTATE=not rotated,
-        num_warps=4 if g * d <= 8192 else 8,
+        num_warps=_num_warps(layout),
     )
     return k, v
 
