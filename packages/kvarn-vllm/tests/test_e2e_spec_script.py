@@ -126,6 +126,17 @@ def test_parse_args(spec_script):
         spec_script.parse_args(["--dtypes", "kvarn_bogus"])
 
 
+def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
+    monkeypatch.setattr(spec_script, "repeat_draft_dir", lambda model, out: tmp_path / "d")
+    monkeypatch.setattr(spec_script, "_phase", lambda *a: seen.append(a[6]) or True)
+    for argv, eager in (([], False), (["--eager"], True)):
+        args = spec_script.parse_args(["--phase", "repeat", "--num-prompts", "4", *argv])
+        assert spec_script.phase_repeat(args, tmp_path)
+        assert seen[-1]["enforce_eager"] is eager
+
+
 def test_echo_prompts_alternate(spec_script):
     prompts = spec_script.make_echo_prompts(10)
     assert len(set(prompts)) == 10
