@@ -18,9 +18,11 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 * ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode,
   piecewise under speculation), prefix caching on, thousands of engine steps; checks every
   sampled token's logprob is finite and nothing crashed.
-* ``repeat`` (real SmolLM2 weights, CUDA graphs, or eager with ``--eager``): an EAGLE draft built from the target's own
-  weights that proposes the last token again (:func:`repeat_draft_dir`), over prompts of which
-  half make the model repeat a word (drafts accepted) and half vary (drafts rejected): greedy
+* ``repeat`` (real SmolLM2 weights, CUDA graphs, or eager with ``--eager``): an EAGLE draft
+  built from the target's own weights that proposes the last token again
+  (:func:`repeat_draft_dir`), over prompts of which half make the model repeat a word (drafts
+  accepted) and half vary (drafts rejected), each behind about 580 tokens of its own notes
+  (``--pad-words``) so that decoding reads quantized tiles: greedy
   agreement spec vs no spec, acceptance and tokens/s, bf16 beside both kvarn presets. This
   stands in for n-gram, which kvarn cannot run on vLLM 0.26, with real acceptances and
   rejections in the same batches.
@@ -120,6 +122,22 @@ def make_echo_prompts(n: int) -> list[str]:
                 + " ".join([word] * (3 + i % 4))
             )
     return prompts
+
+
+def pad_prompts(prompts: list[str], words: int) -> list[str]:
+    """Each prompt behind ``words`` words of its own notes (numbered, so no two prompts share
+    a prefix-cache block): long enough that generation attends quantized tiles, not only the
+    exact first tile (128 tokens) and the open one in staging."""
+    if words < 0:
+        raise ValueError(f"words must be >= 0, got {words}")
+    if words == 0:
+        return list(prompts)
+    vocab = _OBJECTS + _SUBJECTS + _ECHO_WORDS
+    out = []
+    for i, prompt in enumerate(prompts):
+        notes = " ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(words))
+        out.append(f"Notes {i}: {notes}.\n\n{prompt}")
+    return out
 
 
 def spec_counters(metrics: list[Any]) -> dict[str, float]:
@@ -439,7 +457,7 @@ def phase_repeat(args: argparse.Namespace, out: Path) -> bool:
     model = smoke_model(args)
     draft = repeat_draft_dir(model, out / "repeat-draft")
     base = engine_kwargs(args, enforce_eager=args.eager)
-    prompts = make_echo_prompts(args.num_prompts)
+    prompts = pad_prompts(make_echo_prompts(args.num_prompts), args.pad_words)
     return _phase(args, out, "repeat", model, ("eagle",), draft, base, prompts, args.max_tokens)
 
 
@@ -465,6 +483,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stress-tokens", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--run-timeout", type=float, default=150.0, help="seconds per engine")
+    p.add_argument(
+        "--pad-words",
+        type=int,
+        default=240,
+        help="repeat phase: words of per-prompt notes before each prompt (240: about 580 "
+        "SmolLM2 tokens, so generation reads quantized tiles; 0: the bare prompts, which fit "
+        "in the exact first tile)",
+    )
     p.add_argument(
         "--eager",
         action="store_true",

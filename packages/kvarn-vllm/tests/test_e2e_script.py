@@ -381,3 +381,34 @@ def test_awq_shape_config_is_what_vllm_parses(e2e, tmp_path):
 
 def test_quant_phase_is_selectable(e2e):
     assert e2e.parse_args(["--out", "x", "--phase", "quant"]).phase == "quant"
+
+
+def test_modes_batch1_runs_a_prefix_of_the_prompts(e2e, monkeypatch, tmp_path):
+    """batch1 runs the first 25 prompts (one request at a time is slow) and is compared with
+    the reference's first 25 outputs."""
+    seen = {}
+
+    def fake_run(name, kv, kwargs, prompts, max_tokens):
+        seen[name] = (len(prompts), kwargs)
+        outs = [[i, 1, 2] for i in range(len(prompts))]
+        kvarn = kv != "auto"  # a kvarn run logs its staging and holds more tokens
+        return e2e.RunResult(
+            name,
+            kv,
+            dict(kwargs),
+            ok=True,
+            outputs=outs,
+            staging_gib_logged=1.0 if kvarn else None,
+            kv_cache_tokens_config=4000 if kvarn else 1000,
+        )
+
+    monkeypatch.setattr(e2e, "smoke_model", lambda args: tmp_path)
+    monkeypatch.setattr(e2e, "_runner", lambda args, out: fake_run)
+    args = e2e.parse_args(["--phase", "modes", "--mode-variants", "batch1", "--out", str(tmp_path)])
+    assert e2e.phase_smoke(args, tmp_path)
+    assert seen["auto/eager"][0] == args.num_prompts
+    assert seen["auto/batch1"][0] == 25 and seen["auto/batch1"][1]["max_num_seqs"] == 1
+    assert "_num_prompts" not in seen["auto/batch1"][1]
+    pairs = json.loads((tmp_path / "modes.json").read_text())["mode_pairs"]
+    assert pairs["auto: eager vs batch1"]["num_prompts"] == 25
+    assert pairs["auto: eager vs batch1"]["exact_match"] == 1.0

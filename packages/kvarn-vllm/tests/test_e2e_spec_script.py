@@ -137,6 +137,18 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
         assert seen[-1]["enforce_eager"] is eager
 
 
+def test_pad_prompts_keep_prompts_distinct_and_long(spec_script):
+    prompts = spec_script.make_echo_prompts(6)
+    padded = spec_script.pad_prompts(prompts, 240)
+    assert [p.split("\n\n", 1)[1] for p in padded] == prompts
+    assert all(len(p.split()) > 240 for p in padded)
+    notes = [p.split("\n\n", 1)[0] for p in padded]
+    assert len({n[:40] for n in notes}) == 6  # no shared first block
+    assert spec_script.pad_prompts(prompts, 0) == prompts
+    with pytest.raises(ValueError):
+        spec_script.pad_prompts(prompts, -1)
+
+
 def test_echo_prompts_alternate(spec_script):
     prompts = spec_script.make_echo_prompts(10)
     assert len(set(prompts)) == 10
