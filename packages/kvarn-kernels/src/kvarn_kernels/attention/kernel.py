@@ -406,12 +406,16 @@ def _configs() -> list[triton.Config]:
         cfg({"SUB": 64}, num_warps=4, num_stages=1, maxnreg=128),
         cfg({"SUB": 32}, num_warps=4, num_stages=1),
         # Software pipelining (cp.async into shared memory: step c + 1's bytes in flight while
-        # step c computes, without the registers a manual prefetch costs). Not yet timed.
+        # step c computes, without the registers a manual prefetch costs): timed 2026-11-30.
         cfg({"SUB": 128}, num_warps=4, num_stages=2),
         cfg({"SUB": 128}, num_warps=4, num_stages=3),
         cfg({"SUB": 64}, num_warps=4, num_stages=3),
         cfg({"SUB": 128}, num_warps=2, num_stages=2),
         cfg({"SUB": 64}, num_warps=2, num_stages=3),
+        # Register caps for 3 CTAs per SM instead of 2 (Nsight Compute, 2026-11-30: the default
+        # runs at 2 warps per scheduler, latency-bound). Not yet timed.
+        cfg({"SUB": 128}, num_warps=4, num_stages=2, maxnreg=168),
+        cfg({"SUB": 64}, num_warps=4, num_stages=2, maxnreg=168),
     ]
 
 
