@@ -46,7 +46,36 @@ def decode_cases(draw: st.DrawFn) -> dict[str, object]:
         "seed": draw(st.integers(0, 2**31)),
         # Exact first tile in the sink rows of staging, per sequence (None: no sink rows).
         "sinks": draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=3, max_size=3))),
+        # Each sink read from another slot's sink rows (sink_slots), as a request sharing its
+        # first tile through the prefix cache reads the copy its owner wrote.
+        "move_sinks": draw(st.booleans()),
     }
+
+
+def _move_sinks(batch, g: int) -> torch.Tensor:
+    """Move the sink rows of the sequences that keep a sink to another slot (cyclically among
+    them, or to a spare slot for a single one; their own rows become NaN) and return the
+    ``sink_slots`` that point at them. Rows [0, G) of the others hold their open first tile
+    and stay."""
+    slots = batch.staging_slots.tolist()
+    # Sequences whose whole first tile is in the sink rows (a shorter one's open tile 0 is
+    # there too, and is always read from its own slot).
+    holders = [
+        b
+        for b in range(len(slots))
+        if int(batch.sink_lens[b]) and int(batch.quantized_lens[b]) >= g
+    ]
+    spare = sorted(set(range(batch.staging.shape[0])) - set(slots))
+    targets = [spare[0]] if len(holders) == 1 else [slots[h] for h in holders[1:] + holders[:1]]
+    moved = batch.staging.clone()
+    for b in holders:
+        moved[slots[b], :, :g] = float("nan")
+    sink_slots = list(slots)
+    for b, target in zip(holders, targets):
+        moved[target, :, :g] = batch.staging[slots[b], :, :g]
+        sink_slots[b] = target
+    batch.staging = moved
+    return torch.tensor(sink_slots, dtype=torch.int32)
 
 
 def _sequences(lens: list[int], h: int, d: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -65,6 +94,9 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
     hq = h * case["group"]
     seqs = _sequences(case["lens"], h, d, case["seed"])
     batch = build_paged(seqs, preset, dtype, "cpu", seed=case["seed"], sinks=case.get("sinks"))
+    sink_slots = None
+    if batch.sink_lens is not None and case.get("move_sinks"):
+        sink_slots = _move_sinks(batch, get_preset(preset).group_size)
     q = make_kv((len(seqs), hq, d), "gaussian", case["seed"] + 99)
     scale = 1.0 / np.sqrt(d)
     out = torch.full((len(seqs), hq, d), float("nan"), dtype=dtype)
@@ -82,6 +114,7 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
         out=out,
         num_splits=case["splits"],
         sink_lens=batch.sink_lens,
+        sink_slots=sink_slots,
     )
     assert got.data_ptr() == out.data_ptr()
     q_in = torch.from_numpy(q).to(dtype).float().numpy()
@@ -128,6 +161,20 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
         "window": None,
         "seed": 2,
         "sinks": [True, True, True],
+    }
+)
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "group": 4,
+        "lens": [130, 200, 64],
+        "splits": 2,
+        "window": None,
+        "seed": 3,
+        "sinks": [True, False, True],
+        "move_sinks": True,
     }
 )
 def test_decode_matches_reference_fp32(case: dict[str, object]) -> None:
@@ -363,6 +410,20 @@ class TestGuards:
             kk.decode_attention(**self._args(), num_splits=0)
         with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 64\]"):
             kk.decode_attention(**self._args(), num_splits=65)
+
+    def test_sink_slots_need_sink_lens_and_int32(self) -> None:
+        slots = torch.zeros(1, dtype=torch.int32)
+        with pytest.raises(ValueError, match="sink_slots needs sink_lens"):
+            kk.decode_attention(**self._args(), sink_slots=slots)
+        args = self._args()
+        g = 64
+        args["staging"] = torch.zeros(3, 2, 2 * g, 1, 64)
+        with pytest.raises(ValueError, match="sink_slots must have dtype"):
+            kk.decode_attention(
+                **args,
+                sink_lens=torch.full((1,), g, dtype=torch.int32),
+                sink_slots=slots.long(),
+            )
 
 
 def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -157,9 +157,14 @@ def test_builder_matches_plan_store(builder, reqs, seed):
     assert sorted(seen_rows) == expected
 
 
+def _sink_lens(rec, num_cached, g):
+    return md.sink_rows_for(rec, rec.slots, np.asarray(num_cached), g, 8)[0].tolist()
+
+
 def test_sink_lens_follow_how_each_request_started():
     """A request keeps its exact first tile iff it computed tile 0 itself; a prefix-cache hit
-    on tile 0 (first step starting at >= G cached tokens) reads the quantized record."""
+    on tile 0 (first step starting at >= G cached tokens) with no known first-tile blocks
+    reads the quantized record."""
     g = 64
     md._SINK_STATE.clear()
     rec = md.StepRecord(
@@ -168,15 +173,53 @@ def test_sink_lens_follow_how_each_request_started():
         slots=np.array([4, 1, 2], np.int32),
         new_rows=np.array([True, True, False]),
     )
-    got = md.sink_lens_for(rec, rec.slots, np.array([0, 2 * g, 0]), g, 8)
-    assert got.tolist() == [g, 0, 0]  # new from scratch, new after a prefix hit, unknown row
+    # new from scratch, new after a prefix hit, unknown row
+    assert _sink_lens(rec, [0, 2 * g, 0], g) == [g, 0, 0]
     # Later steps keep each row's decision, however many tokens are cached by then.
     rec2 = md.StepRecord(serial=102, num_reqs=2, slots=np.array([1, 4], np.int32))
-    assert md.sink_lens_for(rec2, rec2.slots, np.array([300, 500]), g, 8).tolist() == [0, g]
+    assert _sink_lens(rec2, [300, 500], g) == [0, g]
     # A new request in row 4 after a prefix hit loses the sink; the same record twice (a second
     # builder of the step) does not decide again.
     rec3 = md.StepRecord(
         serial=103, num_reqs=1, slots=np.array([4], np.int32), new_rows=np.array([True])
     )
-    assert md.sink_lens_for(rec3, rec3.slots, np.array([g]), g, 8).tolist() == [0]
-    assert md.sink_lens_for(rec3, rec3.slots, np.array([0]), g, 8).tolist() == [0]
+    assert _sink_lens(rec3, [g], g) == [0]
+    assert _sink_lens(rec3, [0], g) == [0]
+
+
+def test_prefix_hits_read_the_exact_first_tile_of_its_owner():
+    """A request that hit the prefix cache on tile 0 reads the sink rows of the slot whose
+    request computed that tile (same first-tile block ids), while those rows hold it."""
+    g = 64
+    md._SINK_STATE.clear()
+    serial = iter(range(200, 300))
+
+    def step(slots, new, cached, blocks=None):
+        rec = md.StepRecord(
+            serial=next(serial),
+            num_reqs=len(slots),
+            slots=np.array(slots, np.int32),
+            new_rows=np.array(new),
+            first_blocks=blocks,
+        )
+        lens, src = md.sink_rows_for(rec, rec.slots, np.array(cached), g, 8)
+        return lens.tolist(), src.tolist()
+
+    # Owner (slot 4) and a hitter (slot 1) added in the same step: the hitter reads slot 4.
+    got = step([1, 4], [True, True], [2 * g, 0], {4: (10, 30), 1: (10, 30)})
+    assert got == ([g, g], [4, 4])
+    # Another hitter later; one whose first tile is held nowhere reads its record.
+    blocks = {2: (10, 30), 5: (11, 31)}
+    got = step([4, 1, 2, 5], [False, False, True, True], [0, 0, 3 * g, g], blocks)
+    assert got == ([g, g, g, 0], [4, 4, 4, 5])
+    # Slot 4 gets a new request computing its own tile 0: the readers of its old rows fall
+    # back to the record, and the old first tile is held nowhere any more.
+    got = step([1, 2, 4], [False, False, True], [0, 0, 0], {4: (12, 32)})
+    assert got == ([0, 0, g], [1, 2, 4])
+    assert step([6], [True], [g], {6: (10, 30)}) == ([0], [6])
+    # The same blocks computed again elsewhere (freed, refilled): the older copy is stale.
+    step([3], [True], [0], {3: (40, 50)})
+    step([7], [True], [0], {7: (40, 50)})
+    assert step([0], [True], [g], {0: (40, 50)}) == ([g], [7])
+    # A hit with unknown first blocks reads its record.
+    assert step([5], [True], [g], None) == ([0], [5])

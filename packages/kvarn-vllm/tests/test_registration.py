@@ -92,3 +92,40 @@ def test_import_and_register_leave_cuda_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK")
+
+
+def test_first_tile_blocks_from_scheduler_block_ids():
+    """The key a prefix-cache hit on tile 0 is matched by: tile 0's block per KV cache group;
+    none when a group has no block or vLLM's null block (id 0) stands in for it."""
+    assert compat.first_tile_blocks(([5, 9], [15, 19])) == (5, 15)
+    assert compat.first_tile_blocks(([7],)) == (7,)
+    assert compat.first_tile_blocks(([5, 9], [0, 19])) is None
+    assert compat.first_tile_blocks(([5], [])) is None
+    assert compat.first_tile_blocks(()) is None
+    assert compat.first_tile_blocks(None) is None
+
+
+def test_add_requests_hook_reports_rows_and_first_blocks(monkeypatch):
+    """The hook reports each added request's row and tile-0 blocks after vLLM's own
+    add_requests ran (here a stand-in: the real one needs a whole model runner)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu import model_runner
+
+    calls = []
+    monkeypatch.setattr(
+        model_runner.GPUModelRunner, "add_requests", lambda self, so: calls.append(so)
+    )
+    seen = []
+    assert compat.wrap_v2_runner_add_requests(lambda rows, blocks: seen.append((rows, blocks)))
+    runner = SimpleNamespace(req_states=SimpleNamespace(req_id_to_index={"a": 3, "b": 1}))
+    out = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="a", block_ids=([4, 8], [14, 18])),
+            SimpleNamespace(req_id="b", block_ids=([0], [11])),
+            SimpleNamespace(req_id="gone", block_ids=([5], [15])),
+        ]
+    )
+    model_runner.GPUModelRunner.add_requests(runner, out)
+    assert calls == [out]
+    assert seen == [([3, 1], [(4, 14), None])]

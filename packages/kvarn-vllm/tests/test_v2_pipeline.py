@@ -113,10 +113,12 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
             t[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32) + offset
     history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def step(rows, cached, new):
+    def step(rows, cached, new, first_blocks=None):
         qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
         seq = (np.array(cached) + np.array(new)).astype(np.int32)
-        if not any(cached):  # new requests in their rows: they keep their first tile exact
+        if first_blocks is not None:  # requests added to their rows, with their tile-0 blocks
+            md.STEP.report_added(rows, first_blocks)
+        elif not any(cached):  # new requests in their rows: they keep their first tile exact
             md.STEP.report_added(rows)
         md.STEP.report_real(
             SimpleNamespace(num_reqs=len(rows), idx_mapping_np=np.array(rows, dtype=np.int32))
@@ -218,7 +220,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         t[2, :2] = torch.tensor([6, 7], dtype=torch.int32) + offset
     for li in range(2):
         history.pop((li, 2))
-    step([2], [0], [80])
+    step([2], [0], [80], first_blocks=[(6, 16)])
     for li, (q, out, _meta) in enumerate(step([2], [80], [1])):
         window = 96 if li == 1 else None
         k, v = history[(li, 2)]
@@ -228,6 +230,30 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         )
         err = float((out[:1].float() - ref).norm() / ref.norm())
         assert err < 0.02, (li, "resumed", err)
+
+    # A new request in row 1 that hit the prefix cache on row 2's first tile (blocks 6 / 16):
+    # it computes only its 10 tokens after it, and reads that tile exact from row 2's sink rows
+    # (as row 2 does), not from the quantized record.
+    for t, offset in zip(tables, (0, 10)):
+        t[1, :2] = torch.tensor([6, 11], dtype=torch.int32) + offset
+    for li in range(2):
+        k2, v2 = history[(li, 2)]
+        history[(li, 1)] = (k2[:G], v2[:G])
+    outs = step([1], [G], [10], first_blocks=[(6, 16)])
+    for li, (q, out, meta) in enumerate(outs):
+        window = 96 if li == 1 else None
+        assert meta.context is not None and int(meta.context.sink_slots[0]) == 2
+        k, v = history[(li, 1)]
+        errs = []
+        for exact in (True, False):
+            seq = quantize_sequence(
+                k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=exact
+            )
+            ref = torch.from_numpy(
+                reference_attention(q.float().numpy(), seq, D**-0.5, sliding_window=window)
+            )
+            errs.append(float((out.float() - ref).norm() / ref.norm()))
+        assert errs[0] < 0.02 and errs[0] < errs[1] / 2, (li, "prefix hit", errs)
 
 
 def test_dense_runs_pack_rows_into_the_workspace(monkeypatch):

@@ -285,8 +285,20 @@ def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepF
     return True
 
 
-def wrap_v2_runner_add_requests(on_added: Callable[[Any], None]) -> bool:
-    """Report the request-state rows the V2 runner (re)assigns in ``add_requests``.
+def first_tile_blocks(block_ids: Any) -> tuple[int, ...] | None:
+    """The block ids of a request's first tile, one per KV cache group, from the scheduler's
+    ``NewRequestData.block_ids``; None if a group has no block yet or its first block is
+    vLLM's null block (id 0, e.g. a sliding-window group past its window)."""
+    try:
+        firsts = tuple(int(group[0]) for group in block_ids)
+    except (TypeError, IndexError, ValueError):
+        return None
+    return None if not firsts or 0 in firsts else firsts
+
+
+def wrap_v2_runner_add_requests(on_added: Callable[..., None]) -> bool:
+    """Report the request-state rows the V2 runner (re)assigns in ``add_requests``, with the
+    block ids of each request's first tile (:func:`first_tile_blocks`).
 
     New and resumed (after preemption) requests both come through
     ``GPUModelRunner.add_requests(scheduler_output)`` in vLLM 0.26's V2 runner; a
@@ -303,8 +315,10 @@ def wrap_v2_runner_add_requests(on_added: Callable[[Any], None]) -> bool:
     def add_requests(self, scheduler_output):
         result = original(self, scheduler_output)
         index = self.req_states.req_id_to_index
+        added = [r for r in scheduler_output.scheduled_new_reqs if r.req_id in index]
         on_added(
-            [index[r.req_id] for r in scheduler_output.scheduled_new_reqs if r.req_id in index]
+            [index[r.req_id] for r in added],
+            [first_tile_blocks(getattr(r, "block_ids", None)) for r in added],
         )
         return result
 

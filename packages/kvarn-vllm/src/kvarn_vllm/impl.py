@@ -210,6 +210,7 @@ def _make_impl_class() -> type:
                     sliding_window=window,
                     out=output[: md.num_reqs] if whole else None,
                     sink_lens=g.sink_lens,
+                    sink_slots=g.sink_slots,
                 )
                 if not whole:
                     output.index_copy_(0, g.token_index, res)
@@ -235,6 +236,7 @@ def _make_impl_class() -> type:
                     max_query_len=g.max_query_len,
                     out=output[:n] if g.token_index is None else None,
                     sink_lens=g.sink_lens,
+                    sink_slots=g.sink_slots,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
@@ -285,7 +287,8 @@ def _make_impl_class() -> type:
                             out=(ws[0, off : off + n_q], ws[1, off : off + n_q]),
                         )
                         if first == 0 and int(h["sink_lens"][i]) and base:
-                            ws[:, off : off + gsize] = staging[slot, :, :gsize]
+                            sink_slot = int(h["sink_slots"][i])
+                            ws[:, off : off + gsize] = staging[sink_slot, :, :gsize]
                     staged = max(quant, first)  # positions [staged, seq_len) from staging
                     pos = torch.arange(staged, seq_len, device=q.device)
                     rows = kernels.staging_rows(pos, ring, base)
@@ -350,6 +353,7 @@ def _make_impl_class() -> type:
                 max_query_len=g.max_query_len,
                 out=out,
                 sink_lens=None if g.sink_lens is None else g.sink_lens[lo:hi],
+                sink_slots=None if g.sink_slots is None else g.sink_slots[lo:hi],
             )
 
         def _fresh(self, g, query, key, value, output, n):

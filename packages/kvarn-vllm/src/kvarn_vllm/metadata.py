@@ -66,6 +66,9 @@ class StepRecord:
             last tokens; 0 without speculation), or None.
         new_rows: ``[num_reqs]`` bool, the row's request was (re)added to its request-state
             row this step (new, or resumed after preemption), or None.
+        first_blocks: for rows (re)added this step, the block ids of their first tile (one
+            per KV cache group) from the scheduler's request data, or None when unknown: the
+            identity of tile 0's content, which prefix caching shares between requests.
     """
 
     serial: int
@@ -73,6 +76,7 @@ class StepRecord:
     slots: np.ndarray | None
     num_drafts: np.ndarray | None = None
     new_rows: np.ndarray | None = None
+    first_blocks: dict[int, tuple[int, ...] | None] | None = None
 
 
 class _StepChannel:
@@ -81,13 +85,16 @@ class _StepChannel:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._record = StepRecord(serial=0, num_reqs=0, slots=None)
-        self._added: set[int] = set()
+        self._added: dict[int, tuple[int, ...] | None] = {}
         self._draft_depth = threading.local()
 
-    def report_added(self, rows: Any) -> None:
-        """Request-state rows (re)assigned to a request in this step (before report_real)."""
+    def report_added(self, rows: Any, first_blocks: Any = None) -> None:
+        """Request-state rows (re)assigned to a request in this step (before report_real),
+        with the block ids of each one's first tile (per KV cache group) where known."""
         with self._lock:
-            self._added.update(int(r) for r in rows)
+            for i, r in enumerate(rows):
+                key = None if first_blocks is None else first_blocks[i]
+                self._added[int(r)] = None if key is None else tuple(int(b) for b in key)
 
     def report_real(self, input_batch: Any) -> None:
         num_reqs = int(input_batch.num_reqs)
@@ -98,9 +105,10 @@ class _StepChannel:
             num_drafts[:] = np.asarray(drafts, dtype=np.int32)[:num_reqs]
         with self._lock:
             new_rows = np.isin(slots, np.fromiter(self._added, dtype=np.int32))
+            first_blocks = dict(self._added)
             self._added.clear()
             self._record = StepRecord(
-                self._record.serial + 1, num_reqs, slots, num_drafts, new_rows
+                self._record.serial + 1, num_reqs, slots, num_drafts, new_rows, first_blocks
             )
 
     def draft_steps(self) -> Any:
@@ -151,34 +159,79 @@ def _spec_state(device: Any, num_rows: int) -> dict[str, Any]:
     return state
 
 
-# Per-process host state of the exact first tile: whether the request in each request-state
-# row wrote its own tile 0 to the sink rows of its staging slot (it did unless its first
-# step started past tile 0, i.e. it hit the prefix cache there). Shared by every builder.
+# Per-process host state of the exact first tile, shared by every builder of the process,
+# per request-state row (= staging slot):
+#   "owner": the first-tile key (block ids of tile 0, per KV cache group) whose exact copy the
+#            slot's sink rows hold, or None. Set when a request that computes its own tile 0
+#            is added to the slot; those rows are overwritten only by the next such request.
+#   "src":   the slot whose sink rows the slot's current request reads its tile 0 from, or -1
+#            (it reads the quantized record). A request that computed tile 0 reads its own; one
+#            that hit the prefix cache there reads the rows of the slot that holds the same
+#            key, while they hold it.
 _SINK_STATE: dict[str, Any] = {}
 
 
-def sink_lens_for(
-    record: StepRecord, slots: np.ndarray, num_cached: np.ndarray, group_size: int, rows: int
-) -> np.ndarray:
-    """``[len(slots)]`` int32 ``sink_lens`` of a step: ``G`` where the row's request keeps its
-    exact first tile in its staging slot, else 0 (its tile 0 is read quantized).
-
-    A request (re)added to a row this step keeps a sink iff it computes its first tile
-    itself (``num_cached < G``); the decision lasts for the request's life in that row.
-    """
-    state = _SINK_STATE.get("valid")
-    if state is None or state.shape[0] < rows:
-        state = np.zeros(rows, dtype=bool)
-        _SINK_STATE["valid"] = state
+def _sink_tables(rows: int) -> tuple[list[Any], dict[Any, int], np.ndarray]:
+    owner = _SINK_STATE.get("owner")
+    if owner is None or len(owner) < rows:
+        owner = [None] * rows
+        _SINK_STATE["owner"] = owner
+        _SINK_STATE["claims"] = {}  # key -> the one slot whose sink rows hold it
+        _SINK_STATE["src"] = np.full(rows, -1, dtype=np.int32)
         _SINK_STATE["serial"] = -1
+    return owner, _SINK_STATE["claims"], _SINK_STATE["src"]
+
+
+def sink_rows_for(
+    record: StepRecord, slots: np.ndarray, num_cached: np.ndarray, group_size: int, rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(sink_lens, sink_slots)`` of a step, each ``[len(slots)]`` int32.
+
+    ``sink_lens[b]`` is ``G`` where row b's request reads its first tile exact from the sink
+    rows of staging slot ``sink_slots[b]``, else 0 (it reads tile 0's quantized record).
+
+    A request (re)added to a row this step with ``num_cached < G`` computes its first tile
+    and writes it to its own sink rows. One added with ``num_cached >= G`` hit the prefix
+    cache on tile 0: it reads the sink rows of a slot whose rows hold the same first tile
+    (the same block ids), written by the request that computed it, for as long as they hold
+    it; when another request overwrites them, it falls back to the quantized record. Without
+    ``record.first_blocks`` (unknown block ids) a hit reads the quantized record.
+    """
+    owner, claims, src = _sink_tables(rows)
     real = min(record.num_reqs, slots.shape[0])
     if _SINK_STATE["serial"] != record.serial and record.new_rows is not None:
         new = np.asarray(record.new_rows[:real], dtype=bool)
-        state[slots[:real][new]] = num_cached[:real][new] < group_size
+        keys = record.first_blocks or {}
+        added = [(int(slots[b]), int(num_cached[b])) for b in range(real) if new[b]]
+        # Requests that compute tile 0 first: a hit in the same step reads what they write
+        # (each layer stores before it attends).
+        for slot, cached in sorted(added, key=lambda a: a[1] >= group_size):
+            key = keys.get(slot)
+            if cached < group_size:
+                # This slot's sink rows get the new request's tile 0: readers of the old
+                # content fall back to the quantized record, and its old key is no longer
+                # held anywhere.
+                src[(src == slot) & (np.arange(src.shape[0]) != slot)] = -1
+                if owner[slot] is not None and claims.get(owner[slot]) == slot:
+                    del claims[owner[slot]]
+                if key is not None:
+                    # The same block ids computed again: their content was replaced, so an
+                    # older copy elsewhere is stale.
+                    stale = claims.get(key)
+                    if stale is not None:
+                        owner[stale] = None
+                    claims[key] = slot
+                owner[slot] = key
+                src[slot] = slot
+            else:
+                src[slot] = -1 if key is None else claims.get(key, -1)
         _SINK_STATE["serial"] = record.serial
-    out = np.zeros(slots.shape[0], dtype=np.int32)
-    out[:real] = np.where(state[slots[:real]], group_size, 0)
-    return out
+    lens = np.zeros(slots.shape[0], dtype=np.int32)
+    sink_slots = np.asarray(slots, dtype=np.int32).copy()
+    got = src[slots[:real]]
+    lens[:real] = np.where(got >= 0, group_size, 0)
+    sink_slots[:real] = np.where(got >= 0, got, slots[:real])
+    return lens, sink_slots
 
 
 @functools.lru_cache(maxsize=4)
@@ -252,9 +305,11 @@ class RowGroup:
         query_start_loc_host: ``[n + 1]`` int32 NumPy copy of ``query_start_loc``.
         sink_lens: ``[n]`` int32 (``G`` where the exact first tile is in staging), or None
             when the cache keeps no sink.
-        host: NumPy copies of ``seq_lens``, ``quantized_lens``, ``sink_lens`` and
-            ``staging_slots`` where the host knows them exactly (no speculative decoding),
-            else None.
+        sink_slots: ``[n]`` int32, the staging slot whose sink rows each row reads (its own,
+            or the one holding a first tile it shares through the prefix cache), or None.
+        host: NumPy copies of ``seq_lens``, ``quantized_lens``, ``sink_lens``,
+            ``sink_slots`` and ``staging_slots`` where the host knows them exactly (no
+            speculative decoding), else None.
     """
 
     rows: Any
@@ -269,6 +324,7 @@ class RowGroup:
     num_tokens: int
     query_start_loc_host: Any = None
     sink_lens: Any = None
+    sink_slots: Any = None
     host: dict[str, Any] | None = None
 
 
@@ -364,6 +420,7 @@ def _make_builder_class() -> type:
                 ("quantized_lens", r),
                 ("slots", r),
                 ("sink_lens", r),
+                ("sink_slots", r),
                 ("qsl", r + 1),
                 ("drafts", r),
                 ("new_rows", r),
@@ -469,8 +526,9 @@ def _make_builder_class() -> type:
                     flat = np.asarray(values, dtype=np.int32).reshape(-1)
                     host[s : s + flat.size] = flat
             sink_lens = np.zeros(num_reqs, dtype=np.int32)
+            sink_slots = np.asarray(slots, dtype=np.int32)
             if self.config.sink and record is not None:
-                sink_lens = sink_lens_for(
+                sink_lens, sink_slots = sink_rows_for(
                     record, slots, num_cached, self.preset.group_size, self.max_num_reqs
                 )
             for name, values in (
@@ -478,6 +536,7 @@ def _make_builder_class() -> type:
                 ("quantized_lens", quantized),
                 ("slots", slots),
                 ("sink_lens", sink_lens),
+                ("sink_slots", sink_slots),
                 ("qsl", qsl),
             ):
                 s, _ = self._layout[name]
@@ -530,6 +589,7 @@ def _make_builder_class() -> type:
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
             dev_slots = self._view(buf, "slots", num_reqs)
             dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
+            dev_sink_slots = self._view(buf, "sink_slots", num_reqs) if self.config.sink else None
             dev_plan = None
             if on_device:
                 dev_plan = self._device_plan(cam, record, num_reqs, int(qsl[-1]), buf)
@@ -562,6 +622,7 @@ def _make_builder_class() -> type:
                         num_tokens=n_tokens,
                         query_start_loc_host=sub_qsl,
                         sink_lens=dev_sink,
+                        sink_slots=dev_sink_slots,
                     )
                     continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
@@ -578,6 +639,7 @@ def _make_builder_class() -> type:
                     num_tokens=n_tokens,
                     query_start_loc_host=sub_qsl,
                     sink_lens=None if dev_sink is None else dev_sink[dev_rows],
+                    sink_slots=None if dev_sink_slots is None else dev_sink_slots[dev_rows],
                 )
             if not on_device:
                 for kind, (rows, *_rest) in group_hosts.items():
@@ -587,6 +649,7 @@ def _make_builder_class() -> type:
                             "seq_lens": seq_lens[rows],
                             "quantized_lens": quantized[rows],
                             "sink_lens": sink_lens[rows],
+                            "sink_slots": sink_slots[rows],
                             "staging_slots": slots[rows],
                         }
             return KvarnMetadata(
@@ -673,14 +736,17 @@ def _make_builder_class() -> type:
                 if self.config.sink:
                     # Rows were (re)added in the target step of this record, which already
                     # decided their sink; num_cached does not matter here.
-                    s, _ = self._layout["sink_lens"]
-                    host[s : s + real] = sink_lens_for(
+                    lens, sink_slots = sink_rows_for(
                         record,
                         np.asarray(record.slots[:real], dtype=np.int32),
                         np.zeros(real, dtype=np.int32),
                         self.preset.group_size,
                         self.max_num_reqs,
                     )
+                    s, _ = self._layout["sink_lens"]
+                    host[s : s + real] = lens
+                    s, _ = self._layout["sink_slots"]
+                    host[s : s + real] = sink_slots
             s, _ = self._layout["qsl"]
             host[s : s + num_reqs + 1] = qsl
             used = self._layout["qsl"][0] + num_reqs + 1
@@ -732,6 +798,7 @@ def _make_builder_class() -> type:
                 num_tokens=num_reqs,
                 query_start_loc_host=qsl,
                 sink_lens=self._view(buf, "sink_lens", num_reqs) if self.config.sink else None,
+                sink_slots=self._view(buf, "sink_slots", num_reqs) if self.config.sink else None,
             )
             return KvarnMetadata(
                 num_reqs=num_reqs,

@@ -234,7 +234,9 @@ LEDGER: tuple[Patch, ...] = (
         how="Wrap prepare_attn / prepare_dummy_attn to hand the step's "
         "InputBatch.idx_mapping_np (request-state rows, fixed for a request's life) and "
         "num_draft_tokens_per_req to kvarn's builder before vLLM builds metadata; wrap "
-        "add_requests to report the rows (re)assigned this step.",
+        "add_requests to report the rows (re)assigned this step and the block ids of each "
+        "added request's first tile (so a prefix-cache hit on tile 0 can read the exact "
+        "copy its owner keeps in staging).",
         remove_when="vLLM >= 0.33: CommonAttentionMetadata.req_idx (the draft count and the "
         "new-request signal would still be needed for speculative decoding).",
         scope="worker",

@@ -448,6 +448,7 @@ def attention_partial_kernel(
     qlens_ptr,
     slots_ptr,
     sink_lens_ptr,
+    sink_slots_ptr,
     acc_ptr,
     ml_ptr,
     num_q_heads,
@@ -690,6 +691,12 @@ def attention_partial_kernel(
                 v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
 
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
+        # The sink rows may be another slot's: a request that hit the prefix cache on tile 0
+        # reads the exact tile 0 its owner wrote (kvarn-vllm decides which, per step).
+        sink_stage = stage
+        if SINK_ROWS > 0:
+            sink_slot = tl.load(sink_slots_ptr + seq).to(tl.int64)
+            sink_stage = stage_ptr + sink_slot * stride_ss + hkv.to(tl.int64) * stride_sh
         for c in range(c0, tl.minimum(c1, n_sink)):
             m_i, l_i, acc = _dense_step(
                 q,
@@ -699,7 +706,7 @@ def attention_partial_kernel(
                 m_i,
                 l_i,
                 acc,
-                stage,
+                sink_stage,
                 stride_skv,
                 stride_sp,
                 seq_len,

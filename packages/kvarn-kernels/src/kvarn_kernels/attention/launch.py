@@ -104,6 +104,7 @@ def _check_common(
     preset: str | Preset,
     num_seqs: int,
     sink_lens: torch.Tensor | None,
+    sink_slots: torch.Tensor | None = None,
 ) -> tuple[TileLayout, int]:
     check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     _, num_q_heads, head_dim = query.shape
@@ -152,6 +153,13 @@ def _check_common(
                 f"with sink_lens, staging dim 2 must hold the G={layout.group_size} sink rows "
                 f"plus S*G ring rows, got {staging.shape[2]}"
             )
+    if sink_slots is not None:
+        if sink_lens is None:
+            raise ValueError("sink_slots needs sink_lens (which sequences read a sink)")
+        check_tensor(
+            "sink_slots", sink_slots, dtype=torch.int32, shape=(num_seqs,), contiguous=True
+        )
+        check_same_device(query=query, sink_slots=sink_slots)
     return layout, num_kv_heads
 
 
@@ -172,6 +180,7 @@ def _run(
     out: torch.Tensor | None,
     num_splits: int | None,
     sink_lens: torch.Tensor | None,
+    sink_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
@@ -244,6 +253,7 @@ def _run(
         quantized_lens,
         staging_slots,
         seq_lens if sink_lens is None else sink_lens,  # unread without a sink
+        staging_slots if sink_slots is None else sink_slots,  # unread without a sink
         acc,
         ml,
         num_q_heads,
@@ -310,6 +320,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     sink_lens: torch.Tensor | None = None,
+    sink_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its quantized tiles and staging.
 
@@ -332,6 +343,10 @@ def decode_attention(
             tile (the attention sink) and rows ``G + (p - G) % (S*G)`` the positions
             ``p >= G``; a sequence with ``sink_lens[b] == G`` attends its first tile from the
             sink rows instead of its quantized record.
+        sink_slots: optional int32 ``[B]`` (needs ``sink_lens``): the slot whose sink rows
+            sequence ``b`` reads (default: its own ``staging_slots[b]``). A sequence that
+            shares its first tile with another through the prefix cache can read the exact
+            copy the other one wrote.
 
     Returns:
         ``[B, Hq, D]`` in the original frame, query's dtype.
@@ -348,6 +363,7 @@ def decode_attention(
         preset,
         query.shape[0],
         sink_lens,
+        sink_slots,
     )
     return _run(
         query,
@@ -366,6 +382,7 @@ def decode_attention(
         out,
         num_splits,
         sink_lens,
+        sink_slots,
     )
 
 
@@ -385,6 +402,7 @@ def multi_query_attention(
     max_query_len: int | None = None,
     num_splits: int | None = None,
     sink_lens: torch.Tensor | None = None,
+    sink_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -392,7 +410,7 @@ def multi_query_attention(
     ``query`` ``[num_q_tokens, Hq, D]`` and are its last ``n_b`` positions; their own K/V must
     already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
-    are left untouched.  ``sink_lens``: as :func:`decode_attention`.
+    are left untouched.  ``sink_lens``, ``sink_slots``: as :func:`decode_attention`.
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
@@ -412,6 +430,7 @@ def multi_query_attention(
         preset,
         num_seqs,
         sink_lens,
+        sink_slots,
     )
     check_same_device(query=query, query_start_loc=query_start_loc)
     if max_query_len is None:
@@ -437,4 +456,5 @@ def multi_query_attention(
         out,
         num_splits,
         sink_lens,
+        sink_slots,
     )
