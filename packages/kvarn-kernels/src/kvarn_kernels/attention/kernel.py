@@ -690,6 +690,9 @@ def attention_partial_kernel(
                 k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
                 v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
 
+        # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
+        # is not held in registers through the quantized loop.
+        q = qs * q_amax[:, None]
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
         # The sink rows may be another slot's: a request that hit the prefix cache on tile 0
         # reads the exact tile 0 its owner wrote (kvarn-vllm decides which, per step).
