@@ -291,6 +291,7 @@ def _attend_step_phased(
     qpos,
     window,
     c,
+    masked,
     m_i,
     l_i,
     acc0,
@@ -318,7 +319,9 @@ def _attend_step_phased(
 ):
     """One step for 4-bit keys without any register reshuffle: the low and high nibbles of the
     key bytes are the even and odd tokens (softmax does not care about order), each value bit
-    offset is a channel phase with its own accumulator (interleaved once, after the loop)."""
+    offset is a channel phase with its own accumulator (interleaved once, after the loop).
+    ``masked``: some key of the step is hidden from some row (causal or window); else the
+    per-element masks are skipped."""
     NBK: tl.constexpr = SUB // 2
     mm = tl.arange(0, NBK)
     qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
@@ -332,9 +335,10 @@ def _attend_step_phased(
         s1 = tl.dot(qn.to(tl.float16), kc1)
     s0 = (s0 + bias[:, None]) * (q_amax[:, None] * k_tok0.to(tl.float32)[None, :])
     s1 = (s1 + bias[:, None]) * (q_amax[:, None] * k_tok1.to(tl.float32)[None, :])
-    pos0 = c * SUB + 2 * mm
-    s0 = tl.where(_visible(pos0, qpos, window), s0, float("-inf"))
-    s1 = tl.where(_visible(pos0 + 1, qpos, window), s1, float("-inf"))
+    if masked:
+        pos0 = c * SUB + 2 * mm
+        s0 = tl.where(_visible(pos0, qpos, window), s0, float("-inf"))
+        s1 = tl.where(_visible(pos0 + 1, qpos, window), s1, float("-inf"))
     m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
     alpha = tl.exp2(m_i - m_new)
     p0 = tl.exp2(s0 - m_new[:, None])
@@ -524,7 +528,9 @@ def attention_partial_kernel(
         PARTS: tl.constexpr = G // SUB
         n_quant = qlen // SUB
         last_q = tl.minimum(nq, qblk * BLOCK_Q + BLOCK_Q) - 1
-        hi = (seq_len - nq + last_q) // SUB + 1
+        q_lo = seq_len - nq + qblk * BLOCK_Q  # positions of the block's first and last queries
+        q_hi = seq_len - nq + last_q
+        hi = q_hi // SUB + 1
         lo = tl.maximum(seq_len - nq + qblk * BLOCK_Q - window + 1, 0) // SUB
         lo = tl.where(window > 0, lo, 0)
         per = tl.cdiv(hi - lo, num_splits)
@@ -579,12 +585,17 @@ def attention_partial_kernel(
                         OFF_VZ,
                     )
                 )
+                # Every key of a step before the block's first query, and inside the window
+                # of its last one, is visible to every row: no per-element masks (decode steps
+                # over quantized tiles are all such steps unless a window cuts them).
+                masked = (c * SUB + SUB - 1 > q_lo) | ((window > 0) & (c * SUB <= q_hi - window))
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
                     qs,
                     q_amax,
                     qpos,
                     window,
                     c,
+                    masked,
                     m_i,
                     l_i,
                     acc0,
