@@ -564,6 +564,8 @@ def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     assert rows["kvarn_k4v2_g128"]["mean_lcp"] == 5 and rows["kvarn_k4v2_g128"]["exact_match"] == 0
     assert rows["kvarn_k4v2_g128"]["bits_per_element"] == pytest.approx(57 * 8 / 128)
     assert {p["label"] for p in result["points"]} == set(rows) - {"bf16@TRITON_ATTN"}
+    named = greedy_result(records, {"model": "/cache/models/gemma-3-270m"})
+    assert named["axes"]["title"] == "vllm_greedy, gemma-3-270m"
     # The reference run lost: the noise run (same cache, other batch size) stands in, labelled.
     stand_in = greedy_result(records[1:], {})
     assert "stands in" in stand_in["tables"][0]["title"]

@@ -543,7 +543,8 @@ def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -
         "axes": {
             "xlabel": "bits per element (scales included, log scale)",
             "ylabel": "greedy token agreement with the reference (%)",
-            "title": "vllm_greedy",
+            # The panel names the model: greedy agreement means little without it.
+            "title": f"vllm_greedy, {Path(str(settings.get('model') or '?')).name}",
         },
     }
 
