@@ -115,6 +115,17 @@ def test_environment_info() -> None:
     assert "git_sha" in info
 
 
+def test_git_sha_names_an_exported_tree(tmp_path: Path, monkeypatch) -> None:
+    """Outside any checkout there is no sha, unless $KVARN_GIT_SHA names the commit (a tree
+    exported with git archive, as the GPU runs use)."""
+    monkeypatch.delenv(report.GIT_SHA_ENV, raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert report.git_sha(tmp_path) is None
+    monkeypatch.setenv(report.GIT_SHA_ENV, "0bbfa8e\n")
+    assert report.git_sha(tmp_path) == "0bbfa8e"
+    assert report.environment_info()["git_sha"] == "0bbfa8e"
+
+
 def test_plot(tmp_path: Path) -> None:
     path = report.plot_results([PPL, TASK], tmp_path / "accuracy.png", "title")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -40,3 +40,8 @@ def test_sweep_table_shows_stages_and_error() -> None:
     text = bench.markdown(report)
     assert "| llama3-8b | 64 | 16384 | 128 | 4 | 3 | - | 250.0 | 900 | 1.8e-03 |" in text
     assert "| hd64 | 64 | 16384 | 64 | 2 | 2 | - | OutOfResources: shared memory | |" in text
+
+
+def test_git_sha_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("KVARN_GIT_SHA", "f8c4936")
+    assert bench._git_sha() == "f8c4936"

@@ -78,6 +78,7 @@ try:
         longest_common_prefix,
         make_prompts,
     )
+    from kvarn_eval.report import git_sha
     from kvarn_eval.serving.metrics import random_token_prompts
     from kvarn_eval.serving.shapes import get_shape
 except ImportError as exc:  # pragma: no cover - a clear message instead of a bare traceback
@@ -474,19 +475,7 @@ def environment() -> dict[str, Any]:
             info["gpu"] = torch.cuda.get_device_name(0)
     except Exception:
         pass
-    try:
-        info["git_sha"] = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parent,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except Exception:
-        info["git_sha"] = None
+    info["git_sha"] = git_sha(Path(__file__).resolve().parent)
     return info
 
 

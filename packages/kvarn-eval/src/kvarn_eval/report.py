@@ -45,8 +45,17 @@ FAMILY_COLORS = {
 _VERSIONED = ("kvarn-math", "kvarn-eval", "numpy", "torch", "transformers", "vllm", "triton")
 
 
+GIT_SHA_ENV = "KVARN_GIT_SHA"
+
+
 def git_sha(start: Path | None = None) -> str | None:
-    """``HEAD`` of the git checkout holding ``start`` (default: this file), ``-dirty`` marked."""
+    """``HEAD`` of the git checkout holding ``start`` (default: this file), ``-dirty`` marked.
+
+    ``$KVARN_GIT_SHA`` wins when set: code run from an exported tree (``git archive``, no
+    ``.git``) can name its commit instead of reporting whatever checkout surrounds it.
+    """
+    if os.environ.get(GIT_SHA_ENV):
+        return os.environ[GIT_SHA_ENV].strip()
     where = start or Path(__file__).resolve().parent
     try:
         sha = subprocess.run(

@@ -94,6 +94,10 @@ def measure_hbm_bandwidth(device: torch.device, quick: bool) -> float:
 
 
 def _git_sha() -> str | None:
+    """``HEAD`` of the checkout holding this file; ``$KVARN_GIT_SHA`` wins when set (code run
+    from an exported tree, as kvarn-eval's ``report.git_sha``)."""
+    if os.environ.get("KVARN_GIT_SHA"):
+        return os.environ["KVARN_GIT_SHA"].strip()
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
