@@ -518,3 +518,88 @@ def test_launch_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
         launch_override()
     monkeypatch.delenv("KVARN_KERNELS_ATTN_LAUNCH")
     assert launch_override() == {}
+
+
+def test_split_plan_fixed_positions() -> None:
+    from kvarn_kernels.attention.launch import split_plan
+
+    assert split_plan(16, 128, 128) == (1, 16)  # one tile per split
+    assert split_plan(16, 64, 128) == (2, 8)
+    assert split_plan(1024, 128, 128) == (16, 64)  # at most 64 splits
+    assert split_plan(1, 32, 128) == (4, 1)
+    with pytest.raises(ValueError, match="sub dividing G"):
+        split_plan(8, 48, 128)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+
+
+def batch_invariance_case(
+    device: str, d: int, h: int, group: int, lens: list[int], sinks: bool
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Under KVARN_KERNELS_BATCH_INVARIANT=1: the last n positions of sequence 0 as one
+    multi-query (verify) block, each position as a decode row alone, and each beside
+    sequence 1 (another batch). Returns ``(mqa rows, alone rows, in-batch rows)``."""
+    preset, n, dtype = "kvarn_k4v2_g64" if d == 64 else "kvarn_k4v2_g128", 3, torch.float16
+    seqs = _sequences(lens, h, d, 5)
+    sink = [True, True] if sinks else None
+    batch = build_paged(seqs, preset, dtype, device, uncommitted=[n, 0], seed=5, sinks=sink)
+    q = torch.from_numpy(make_kv((n, h * group, d), "gaussian", 11)).to(dtype).to(device)
+    first = {
+        "block_table": batch.block_table[:1],
+        "quantized_lens": batch.quantized_lens[:1],
+        "staging_slots": batch.staging_slots[:1],
+        "sink_lens": None if batch.sink_lens is None else batch.sink_lens[:1],
+    }
+    common = {
+        "kv_cache": batch.kv_cache,
+        "staging": batch.staging,
+        "preset": preset,
+        "scale": 0.125,
+    }
+    i32 = {"dtype": torch.int32, "device": device}
+    mqa = kk.multi_query_attention(
+        q,
+        torch.tensor([0, n], **i32),
+        seq_lens=batch.seq_lens[:1],
+        max_query_len=n,
+        **first,
+        **common,
+    )
+    alone, both = [], []
+    for j in range(n):
+        seq_len = lens[0] - n + 1 + j
+        alone.append(
+            kk.decode_attention(
+                q[j : j + 1], seq_lens=torch.tensor([seq_len], **i32), **first, **common
+            )
+        )
+        both.append(
+            kk.decode_attention(
+                torch.cat([q[j : j + 1], q[:1]]),
+                block_table=batch.block_table,
+                seq_lens=torch.tensor([seq_len, lens[1]], **i32),
+                quantized_lens=batch.quantized_lens,
+                staging_slots=batch.staging_slots,
+                sink_lens=batch.sink_lens,
+                **common,
+            )[:1]
+        )
+    return mqa, alone, both
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch, sinks: bool) -> None:
+    """KVARN_KERNELS_BATCH_INVARIANT=1: splits at fixed positions, so a decode row's bits do
+    not depend on the rest of the batch; a verify row matches the decode row of its position
+    (bit for bit on the GPU, test_kernels_gpu.py; here within fp16 rounding: the
+    interpreter's matrix products may sum a row differently by its place in the block)."""
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+    mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks)
+    for j, (a, b) in enumerate(zip(alone, both, strict=True)):
+        assert _bits_equal(a, b), j
+        assert_close_rms(a.float().numpy(), mqa[j : j + 1].float().numpy(), 2e-3, what=f"row {j}")
+    args = TestGuards()._args()
+    with pytest.raises(ValueError, match="num_splits must be None"):
+        kk.decode_attention(**args, num_splits=2)

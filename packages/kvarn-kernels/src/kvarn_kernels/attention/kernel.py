@@ -457,6 +457,7 @@ def attention_partial_kernel(
     ml_ptr,
     num_q_heads,
     num_splits,
+    split_steps,
     qk_scale,
     window,
     rsqrt_d,
@@ -484,6 +485,9 @@ def attention_partial_kernel(
     OFF_VZ: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, query block, split).
+
+    ``split_steps > 0``: split s covers the steps ``[s, s + 1) * split_steps`` (batch-invariant
+    mode), else the visible steps are cut into ``num_splits`` equal parts.
 
     Writes ``acc`` ``[num_q_tokens, Hq, num_splits, D]`` (unnormalized, rotated frame) and
     ``ml`` ``[num_q_tokens, Hq, num_splits, 2]`` (running max in log2 units, softmax denominator).
@@ -533,9 +537,15 @@ def attention_partial_kernel(
         hi = q_hi // SUB + 1
         lo = tl.maximum(seq_len - nq + qblk * BLOCK_Q - window + 1, 0) // SUB
         lo = tl.where(window > 0, lo, 0)
-        per = tl.cdiv(hi - lo, num_splits)
-        c0 = lo + split * per
-        c1 = tl.minimum(c0 + per, hi)
+        if split_steps > 0:
+            # Batch-invariant: split s covers steps [s * split_steps, (s + 1) * split_steps)
+            # of every sequence, whatever the batch or the query block.
+            c0 = tl.maximum(split * split_steps, lo)
+            c1 = tl.minimum((split + 1) * split_steps, hi)
+        else:
+            per = tl.cdiv(hi - lo, num_splits)
+            c0 = lo + split * per
+            c1 = tl.minimum(c0 + per, hi)
 
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -42,6 +42,33 @@ def autotune_enabled() -> bool:
     return os.environ.get("KVARN_KERNELS_AUTOTUNE", "0") == "1"
 
 
+def batch_invariant() -> bool:
+    """``KVARN_KERNELS_BATCH_INVARIANT=1``: each query row's output independent of the batch.
+
+    Split-K boundaries then sit at fixed positions (``split_plan``) instead of following the
+    batch size, and multi-query attention runs each query row with decode's launch (steps,
+    warps, a 16-row block): a token gets the same bits whether it is decoded alone, in any
+    batch, under CUDA graph padding or as a speculative verify row. The price: more splits
+    (partial results) at large batch, fewer programs for a short context at small batch.
+    """
+    return os.environ.get("KVARN_KERNELS_BATCH_INVARIANT", "0") == "1"
+
+
+def split_plan(max_steps: int, sub: int, group_size: int) -> tuple[int, int]:
+    """``(split_steps, num_splits)`` of the batch-invariant mode: splits of whole tiles
+    (``group_size // sub`` steps each, doubled until at most ``_MAX_SPLITS`` cover
+    ``max_steps``), at positions that depend on nothing but the table's width."""
+    if max_steps < 1 or sub < 1 or group_size % sub:
+        raise ValueError(
+            f"split_plan needs max_steps >= 1 and sub dividing G, got {max_steps}, {sub}, "
+            f"{group_size}"
+        )
+    steps = group_size // sub
+    while -(-max_steps // steps) > _MAX_SPLITS:
+        steps *= 2
+    return steps, -(-max_steps // steps)
+
+
 _LAUNCH_KEYS = ("SUB", "num_warps", "num_stages", "maxnreg")
 
 
@@ -201,14 +228,34 @@ def _run(
         return out
     sink_rows = 0 if sink_lens is None else g
     max_chunks = block_table.shape[1] + staging.shape[2] // g
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     group = num_q_heads // num_kv_heads
     block_h = _next_pow2(group)
     decode = query_start_loc is None
-    block_q = 1 if decode else max(1, min(_next_pow2(max_query_len), 64 // block_h))
+    invariant = batch_invariant()
+    if autotune_enabled() and not invariant:
+        kernel, launch = attention_partial_kernel_autotuned, {}
+    else:
+        # Batch-invariant: every row with decode's launch, whatever the query count.
+        kernel = attention_partial_kernel
+        launch = {**default_launch(decode or invariant, d, g), **launch_override()}
+    split_steps = 0
+    if invariant:
+        if num_splits is not None:
+            raise ValueError(
+                "num_splits must be None with KVARN_KERNELS_BATCH_INVARIANT=1 (the splits sit "
+                "at fixed positions)"
+            )
+        split_steps, num_splits = split_plan(max_chunks * g // launch["SUB"], launch["SUB"], g)
+    elif num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
+    if decode:
+        block_q = 1
+    elif invariant:
+        block_q = max(1, 16 // block_h)  # 16 rows, as a decode block
+    else:
+        block_q = max(1, min(_next_pow2(max_query_len), 64 // block_h))
     block_m = max(16, block_q * block_h)
     num_qblocks = 1 if decode else triton.cdiv(max(max_query_len, 1), block_q)
     fp32 = query.dtype == torch.float32
@@ -223,16 +270,6 @@ def _run(
     off = layout.offsets
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
-    if autotune_enabled():
-        kernel, launch = attention_partial_kernel_autotuned, {}
-    else:
-        kernel, launch = (
-            attention_partial_kernel,
-            {
-                **default_launch(decode, d, g),
-                **launch_override(),
-            },
-        )
     kernel[grid](
         query,
         query.stride(0),
@@ -258,6 +295,7 @@ def _run(
         ml,
         num_q_heads,
         num_splits,
+        split_steps,
         float(scale) * _LOG2E,
         0 if sliding_window is None else sliding_window,
         rsqrt_d,
