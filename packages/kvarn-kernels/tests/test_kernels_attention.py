@@ -536,7 +536,13 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def batch_invariance_case(
-    device: str, d: int, h: int, group: int, lens: list[int], sinks: bool
+    device: str,
+    d: int,
+    h: int,
+    group: int,
+    lens: list[int],
+    sinks: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Under KVARN_KERNELS_BATCH_INVARIANT=1: the last n positions of sequence 0 as one
     multi-query (verify) block, each position as a decode row alone, and each beside
@@ -557,6 +563,7 @@ def batch_invariance_case(
         "staging": batch.staging,
         "preset": preset,
         "scale": 0.125,
+        "sliding_window": window,
     }
     i32 = {"dtype": torch.int32, "device": device}
     mqa = kk.multi_query_attention(
@@ -589,14 +596,16 @@ def batch_invariance_case(
     return mqa, alone, both
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch, sinks: bool) -> None:
+@pytest.mark.parametrize(("sinks", "window"), [(False, None), (True, None), (True, 100)])
+def test_batch_invariant_mode(
+    monkeypatch: pytest.MonkeyPatch, sinks: bool, window: int | None
+) -> None:
     """KVARN_KERNELS_BATCH_INVARIANT=1: splits at fixed positions, so a decode row's bits do
     not depend on the rest of the batch; a verify row matches the decode row of its position
     (bit for bit on the GPU, test_kernels_gpu.py; here within fp16 rounding: the
     interpreter's matrix products may sum a row differently by its place in the block)."""
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
-    mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks)
+    mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, window)
     for j, (a, b) in enumerate(zip(alone, both, strict=True)):
         assert _bits_equal(a, b), j
         assert_close_rms(a.float().numpy(), mqa[j : j + 1].float().numpy(), 2e-3, what=f"row {j}")

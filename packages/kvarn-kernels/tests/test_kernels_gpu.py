@@ -277,17 +277,17 @@ def test_large_cache_offsets_use_int64() -> None:
     np.testing.assert_allclose(kd.cpu().numpy().transpose(1, 0, 2), kw, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize(("sinks", "window"), [(False, None), (True, None), (True, 700)])
 @pytest.mark.parametrize(("d", "h", "group"), [(128, 8, 4), (64, 3, 3)])
 def test_batch_invariant_mode_bit_for_bit(
-    monkeypatch: pytest.MonkeyPatch, d: int, h: int, group: int, sinks: bool
+    monkeypatch: pytest.MonkeyPatch, d: int, h: int, group: int, sinks: bool, window: int | None
 ) -> None:
     """KVARN_KERNELS_BATCH_INVARIANT=1 on the GPU: a verify row (multi-query block) has the
     bits of the decode row of its position, alone or in another batch."""
     from test_kernels_attention import batch_invariance_case
 
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
-    mqa, alone, both = batch_invariance_case(DEV, d, h, group, [2000, 700], sinks)
+    mqa, alone, both = batch_invariance_case(DEV, d, h, group, [2000, 700], sinks, window)
     for j, (a, b) in enumerate(zip(alone, both, strict=True)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), ("batch", j)
         assert torch.equal(a.view(torch.int16), mqa[j : j + 1].view(torch.int16)), ("verify", j)
