@@ -535,7 +535,7 @@ def attention_partial_kernel(
         q_lo = seq_len - nq + qblk * BLOCK_Q  # positions of the block's first and last queries
         q_hi = seq_len - nq + last_q
         hi = q_hi // SUB + 1
-        lo = tl.maximum(seq_len - nq + qblk * BLOCK_Q - window + 1, 0) // SUB
+        lo = tl.maximum(q_lo - window + 1, 0) // SUB
         lo = tl.where(window > 0, lo, 0)
         if split_steps > 0:
             # Batch-invariant: split s covers steps [s * split_steps, (s + 1) * split_steps)
