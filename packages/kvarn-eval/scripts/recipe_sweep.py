@@ -16,10 +16,8 @@ against the plain preset:
 * ``kXvY``: other key / value bits at the same tile; ``k3v3`` stores exactly k4v2's bytes, so
   it could replace k4v2 in any layer without changing the page size ("more bits for the few
   layers or heads that are most sensitive, at the same average").
-* ``log8``: the balancing factors (``k_token_scale`` per token, ``v_channel_scale`` per channel)
-  in one byte each instead of fp16: ``2^(n/16 - 1)``, steps of 4.4%, rounded before the rows
-  are quantized, so the codes adapt to the rounded factors. ``G + D`` bytes less per record (256
-  at G = D = 128: 108 -> 106 bytes per token and head), a format change if it costs nothing.
+The ``log8`` variant (one-byte balancing factors) measured neutral here and is the record format
+since; its numbers stay in ``docs/results/cpu-2026-11-30/recipe_sweep_log8_*.json``.
 
     python packages/kvarn-eval/scripts/recipe_sweep.py [--model M] [--variants clip,signs0]
 """
@@ -35,50 +33,6 @@ from pathlib import Path
 
 BLOCK = 128
 REPO = Path(__file__).resolve().parents[3]
-
-
-def log8(c):  # type: ignore[no-untyped-def]
-    """Positive factors rounded to ``2^(n/16 - 1)``, ``n`` in 0..255 (one byte)."""
-    import numpy as np
-
-    n = np.clip(np.rint(16.0 * np.log2(c)) + 16.0, 0.0, 255.0)
-    return np.exp2(n / 16.0 - 1.0).astype(np.float32)
-
-
-def balanced_rtn(x, bits: int):  # type: ignore[no-untyped-def]
-    """kvarn-math's tile encoding of ``x`` ``[..., R, C]`` (rows quantized, columns balanced),
-    with the column factors log8-rounded before the rows are quantized; returns the decoded
-    tile as the record would give it (row scale and zero as fp16)."""
-    import numpy as np
-    from kvarn_math.rtn import quantize_rows
-    from kvarn_math.varnorm import variance_normalize
-
-    b = variance_normalize(x)
-    cq = log8(b.col_scale)
-    q = quantize_rows(x / (b.row_scale[..., None] * cq[..., None, :]), bits)
-    fp16 = np.float16
-    scale = (q.step * b.row_scale).astype(fp16).astype(np.float32)
-    zero = (q.lo * b.row_scale).astype(fp16).astype(np.float32)
-    return (q.codes * scale[..., None] + zero[..., None]) * cq[..., None, :]
-
-
-def log8_roundtrip(k, v, preset, group: int):  # type: ignore[no-untyped-def]
-    """``(k_hat, v_hat)`` ``[T, H, D]`` of the preset with log8 balancing factors."""
-    import numpy as np
-    from kvarn_math.hadamard import rotate, unrotate
-
-    ka, va = np.asarray(k, np.float32), np.asarray(v, np.float32)
-    t, h, d = ka.shape
-
-    def tiles(x):  # type: ignore[no-untyped-def]
-        return rotate(x.reshape(t // group, group, h, d).transpose(0, 2, 1, 3), axis=-1)
-
-    def untiles(x):  # type: ignore[no-untyped-def]
-        return unrotate(x, axis=-1).transpose(0, 2, 1, 3).reshape(t, h, d).astype(np.float32)
-
-    k_dg = balanced_rtn(np.swapaxes(tiles(ka), -1, -2), preset.key_bits)  # rows: channels
-    v_gd = balanced_rtn(tiles(va), preset.value_bits)  # rows: tokens
-    return untiles(np.swapaxes(k_dg, -1, -2)), untiles(v_gd)
 
 
 def main() -> int:
@@ -145,19 +99,6 @@ def main() -> int:
         def preset(self) -> Preset:
             return Preset.from_bits(self.key_bits, self.value_bits, self.group_size)
 
-    @dataclass(frozen=True)
-    class Log8Balance(Method):
-        """The plain preset with one-byte log-coded balancing factors (``log8`` above)."""
-
-        name: str = f"{args.preset}+log8"
-
-        def bytes_per_token_per_head(self, head_dim: int) -> float:
-            g = plain.group_size
-            return plain.bytes_per_token_per_head(head_dim) - (g + head_dim) / g
-
-        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
-            return log8_roundtrip(k, v, plain.preset, plain.group_size)
-
     variants: list[Method] = []
     for name in filter(None, (v.strip() for v in args.variants.split(","))):
         if name == "clip":
@@ -176,10 +117,8 @@ def main() -> int:
             )
         elif name.startswith("signs") and name[5:].isdigit():
             variants.append(RandomSigns(name=f"{args.preset}+{name}", seed=int(name[5:])))
-        elif name == "log8":
-            variants.append(Log8Balance())
         else:
-            parser.error(f"unknown variant {name!r}: expected clip, clip_v, signsN, kXvY or log8")
+            parser.error(f"unknown variant {name!r}: expected clip, clip_v, signsN or kXvY")
 
     started = time.time()
     lm = load_model(args.model)

@@ -25,10 +25,17 @@ from kvarn_math.testing import code_agreement, kv_tiles, make_kv
 pytestmark = pytest.mark.interpreter
 
 # Integer codes must agree on >= 99.9% of entries (they are usually bit-exact: the kernel mirrors
-# kvarn-math's operation order; reductions may differ in the last ulp, which can flip the chosen
-# normalization iteration when two iterations score within an ulp).  The dequantized tiles must
-# then carry the same quantization error: relative difference of the error norms <= 1%.
+# kvarn-math's operation order).  Reductions may differ in the last ulp, which can flip the chosen
+# normalization iteration when two iterations score within an ulp (converged tiles score 2.000001
+# in many of them).  Iterations can differ in how the scale splits between rows and columns (all
+# column factors x s, all row scales / s) and by ~0.1% per factor; the log8 rounding then moves
+# some factors one step more than the rest, their columns re-round, and so do the rows whose min
+# or max they held.  So factors are compared after taking out the tile's common shift, codes
+# where the column factor and the row scale agree up to it, at most 25% of the factors may be
+# one step off, and the dequantized tiles must carry the same quantization error: relative
+# difference of the error norms <= 1%.
 MIN_CODE_AGREEMENT = 0.999
+MAX_FACTOR_FLIPS = 0.25
 MAX_ERROR_DRIFT = 0.01
 
 
@@ -40,8 +47,23 @@ def assert_records_match(
     got: np.ndarray, want: np.ndarray, k_rot: np.ndarray, v_rot: np.ndarray, preset: str, d: int
 ) -> None:
     fg, fw = read_fields(got, preset, d), read_fields(want, preset, d)
-    for name in ("k_codes", "v_codes"):
-        agree = code_agreement(getattr(fw, name), getattr(fg, name))
+    # codes [..., rows, columns]: K rows are channels (k_scale), columns tokens (k_token_scale);
+    # V rows are tokens (v_scale), columns channels (v_channel_scale)
+    for name, row, column in (
+        ("k_codes", "k_scale", "k_token_scale"),
+        ("v_codes", "v_scale", "v_channel_scale"),
+    ):
+        steps = 16 * np.log2(getattr(fg, column) / getattr(fw, column))
+        steps -= np.median(steps, axis=-1, keepdims=True)  # the tile's common shift
+        assert np.abs(steps).max() <= 1 + 1e-3, f"{column}: {np.abs(steps).max():.1f} steps off"
+        same = np.abs(steps) < 0.5
+        assert same.mean() >= 1 - MAX_FACTOR_FLIPS, f"{column}: {1 - same.mean():.4f} flipped"
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = getattr(fg, row).astype(np.float64) / getattr(fw, row)
+        rows = np.abs(ratio / np.nanmedian(ratio, axis=-1, keepdims=True) - 1) <= 2e-3
+        rows |= getattr(fg, row) == getattr(fw, row)  # zero scales of constant rows
+        mask = np.broadcast_to(rows[..., :, None] & same[..., None, :], getattr(fw, name).shape)
+        agree = code_agreement(getattr(fw, name)[mask], getattr(fg, name)[mask])
         assert agree >= MIN_CODE_AGREEMENT, f"{name}: only {agree:.5f} of codes agree"
     kg, vg = decode_tiles(got, preset, d)
     kw, vw = decode_tiles(want, preset, d)

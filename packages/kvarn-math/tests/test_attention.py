@@ -69,15 +69,18 @@ def test_sequence_storage_splits_and_dense_kv_reassembles(sample, keep_first, pr
 
 @pytest.mark.parametrize("preset,max_err", [("kvarn_k4v4_g128", 0.2), ("kvarn_k4v2_g128", 0.6)])
 def test_reference_attention_is_close_to_exact(preset: str, max_err: float) -> None:
-    k = make_kv((700, 2, 128), "outlier_channels", 1)
-    k /= k.std()
-    v = make_kv((700, 2, 128), "gaussian", 2)
-    q = make_kv((3, 8, 128), "gaussian", 3)
-    seq = quantize_sequence(k, v, preset)
-    exact = dense_attention(q, k, v)
-    got = reference_attention(q, seq)
-    err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
-    assert 0 < err < max_err
+    # the mean over four draws: one draw's error swings by +-40% (k4v4: 0.10-0.20 over seeds)
+    errs = []
+    for seed in range(1, 41, 10):
+        k = make_kv((700, 2, 128), "outlier_channels", seed)
+        k /= k.std()
+        v = make_kv((700, 2, 128), "gaussian", seed + 1)
+        q = make_kv((3, 8, 128), "gaussian", seed + 2)
+        seq = quantize_sequence(k, v, preset)
+        exact = dense_attention(q, k, v)
+        got = reference_attention(q, seq)
+        errs.append(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+    assert 0 < np.mean(errs) < max_err
     # an all-exact sequence (shorter than a tile) reproduces exact attention
     short = quantize_sequence(k[:100], v[:100], preset)
     np.testing.assert_allclose(

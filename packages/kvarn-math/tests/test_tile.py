@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvarn_math.hadamard import rotate
 from kvarn_math.layout import PRESETS, get_preset
+from kvarn_math.log8 import decode_log8, encode_log8, round_log8
 from kvarn_math.metrics import relative_error, sqnr_db
 from kvarn_math.packing import unpack
 from kvarn_math.rtn import quantize_rows
@@ -36,21 +37,25 @@ def test_roundtrip_quality(sample, preset) -> None:
 def test_error_within_half_a_step_in_the_normalized_frame(sample) -> None:
     k_rot = rotate(sample.k[0], axis=-1)
     b = variance_normalize(k_rot.T)
-    q = quantize_rows(b.tile, 4)
+    col = round_log8(b.col_scale)  # the token factors as the record stores them
+    balanced = k_rot.T / (b.row_scale[:, None] * col[None, :])
+    q = quantize_rows(balanced, 4)
     records = encode_tiles(k_rot, rotate(sample.v[0], axis=-1), "kvarn_k4v2_g128")
     fields = read_fields(records, "kvarn_k4v2_g128", 64)
     np.testing.assert_array_equal(fields.k_codes, q.codes)
+    np.testing.assert_array_equal(fields.k_token_scale, col)
     k_dec, _ = decode_tiles(records, "kvarn_k4v2_g128", 64)
-    normalized = k_dec.T / (b.row_scale[:, None] * b.col_scale[None, :])
+    normalized = k_dec.T / (b.row_scale[:, None] * col[None, :])
     # fp16 storage of the folded scales adds ~2^-11 relative error on top of half a step
-    bound = q.step[:, None] / 2 + 2e-3 * (np.abs(b.tile) + np.abs(q.lo[:, None])) + 1e-6
-    assert np.all(np.abs(normalized - b.tile) <= bound)
+    bound = q.step[:, None] / 2 + 2e-3 * (np.abs(balanced) + np.abs(q.lo[:, None])) + 1e-6
+    assert np.all(np.abs(normalized - balanced) <= bound)
 
 
 @given(kv_tiles(group_size=128, head_dim=64, batch=1), st.sampled_from([0.1, 0.5, 2.0, 3.0, 30.0]))
 def test_scaling_the_input_scales_the_output(sample, c: float) -> None:
-    # Float rounding of c * x can flip a code at a rounding tie or the choice of best
-    # iteration; the difference stays far below the quantization error itself.
+    # Float rounding of c * x can flip a code at a rounding tie, the choice of best iteration
+    # or a balancing factor across a log8 step: the records may then differ by a fraction of
+    # the quantization error, and the scaled result is as accurate as the original.
     k, v = sample.k, sample.v
     base = dequantize_tiles(quantize_tiles(k, v, "kvarn_k4v4_g128"), "kvarn_k4v4_g128", 64)
     scaled = dequantize_tiles(
@@ -58,7 +63,8 @@ def test_scaling_the_input_scales_the_output(sample, c: float) -> None:
     )
     for exact, a, b in zip((k, v), base, scaled):
         quant_error = relative_error(exact[0], a[0])
-        assert relative_error(c * a, b) <= 0.05 * quant_error
+        assert relative_error(c * a, b) <= 0.5 * quant_error
+        assert relative_error(c * exact[0], b[0]) <= 1.1 * quant_error
 
 
 def test_deterministic_and_batched_equals_single() -> None:
@@ -91,9 +97,11 @@ def test_adversarial_tiles_reconstruct_finite(preset: str, kind: str) -> None:
         np.testing.assert_array_equal(k_hat, k)
         np.testing.assert_array_equal(v_hat, v)
     elif kind == "constant":
-        # the folded fp16 zero point cancels against code * scale: a few % at 2 bits
-        np.testing.assert_allclose(k_hat, k, rtol=0.05)
-        np.testing.assert_allclose(v_hat, v, rtol=0.05)
+        # the folded fp16 zero point cancels against code * scale only to fp16 rounding; at
+        # 2 bits the residue on the 127 zero channels of the rotated row sums into one
+        # original channel: up to ~5% there (measured 2.6% before log8 factors, 5.2% after)
+        np.testing.assert_allclose(k_hat, k, rtol=0.08)
+        np.testing.assert_allclose(v_hat, v, rtol=0.08)
     elif p.key_bits >= 4:
         assert abs(k_hat[7, 3] - k[7, 3]) < 0.05 * abs(k[7, 3])
 
@@ -115,7 +123,7 @@ def test_shape_errors() -> None:
         quantize_tiles(k, k[:32], "kvarn_k4v2_g64")
     with pytest.raises(ValueError, match="head_dim must be one of"):
         quantize_tiles(np.zeros((64, 32)), np.zeros((64, 32)), "kvarn_k4v2_g64")
-    with pytest.raises(ValueError, match=r"records must be uint8 \[\.\.\., 3840\]"):
+    with pytest.raises(ValueError, match=r"records must be uint8 \[\.\.\., 3712\]"):
         decode_tiles(np.zeros((2, 100), np.uint8), "kvarn_k4v2_g64", 64)
 
 
@@ -125,3 +133,21 @@ def test_codes_unpack_consistently() -> None:
     f = read_fields(rec, "kvarn_k4v2_g64", 64)
     raw = rec[: 64 * 32].reshape(64, 32)
     np.testing.assert_array_equal(unpack(raw, 4, 64), f.k_codes)
+
+
+def test_log8_codes_round_trip_and_cover_the_normalization_range() -> None:
+    n = np.arange(256, dtype=np.uint8)
+    factors = decode_log8(n)
+    np.testing.assert_array_equal(encode_log8(factors), n)
+    assert factors[16] == 1.0 and factors[0] == 0.5
+    np.testing.assert_allclose(factors[1:] / factors[:-1], 2 ** (1 / 16), rtol=1e-6)
+    # variance normalization returns exp(-0.3) .. exp(10): inside the code range, not clipped
+    lo, hi = np.exp(np.float32(-0.3)), np.exp(np.float32(10.0))
+    assert factors[0] < lo and hi < factors[255]
+    x = np.float32(1.0) * np.exp(np.linspace(-0.3, 10.0, 1001, dtype=np.float32))
+    assert np.all(np.abs(np.log2(round_log8(x) / x)) <= 1 / 32 + 1e-6)  # half a step
+    assert encode_log8([1e-30, 1e30]).tolist() == [0, 255]  # saturates
+    with pytest.raises(ValueError, match="positive and finite"):
+        encode_log8([1.0, 0.0])
+    with pytest.raises(ValueError, match="uint8"):
+        decode_log8(np.array([1], np.int32))

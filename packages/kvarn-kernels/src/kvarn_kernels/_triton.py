@@ -19,9 +19,13 @@ __all__ = [
     "INTERPRET",
     "PRECISE_MATH",
     "dot_lowp",
+    "exp2_f32",
     "exp_f32",
     "fwht_rows",
     "load_packed",
+    "log2_f32",
+    "log8_encode",
+    "log8_factor",
     "log_f32",
     "pack_rows",
     "rint_f32",
@@ -95,6 +99,36 @@ def log_f32(x, PRECISE: tl.constexpr):
         return libdevice.log(x)
     else:
         return tl.log(x)
+
+
+@triton.jit
+def log2_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log2(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def exp2_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp2(x)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def log8_factor(codes):
+    """kvarn_math.log8.decode_log8 of uint8 codes: ``2^(n/16 - 1)`` fp32 (the exponent is
+    exact; the hardware ``exp2`` is within 2 ulp of NumPy's, enough for attention)."""
+    return tl.exp2(codes.to(tl.float32) * 0.0625 - 1.0)
+
+
+@triton.jit
+def log8_encode(factor, PRECISE: tl.constexpr):
+    """kvarn_math.log8.encode_log8 of positive fp32 factors, as int32 codes 0..255."""
+    n = rint_f32(16.0 * log2_f32(factor, PRECISE), PRECISE) + 16.0
+    return tl.minimum(tl.maximum(n, 0.0), 255.0).to(tl.int32)
 
 
 @triton.jit

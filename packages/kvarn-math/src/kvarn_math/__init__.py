@@ -2,8 +2,8 @@
 
 Modules, in the order of the algorithm: :mod:`~kvarn_math.hadamard` (rotation),
 :mod:`~kvarn_math.varnorm` (variance normalization), :mod:`~kvarn_math.rtn` (round to nearest),
-:mod:`~kvarn_math.packing` (bit packing), :mod:`~kvarn_math.layout` (presets and the record
-format), :mod:`~kvarn_math.tile` (quantize/dequantize tiles), :mod:`~kvarn_math.attention`
+:mod:`~kvarn_math.packing` (bit packing), :mod:`~kvarn_math.log8` (one-byte balancing
+factors), :mod:`~kvarn_math.layout` (presets and the record format), :mod:`~kvarn_math.tile` (quantize/dequantize tiles), :mod:`~kvarn_math.attention`
 (reference attention), :mod:`~kvarn_math.baselines` and :mod:`~kvarn_math.metrics`.
 """
 
@@ -26,6 +26,7 @@ from kvarn_math.layout import (
     get_preset,
     tile_layout,
 )
+from kvarn_math.log8 import decode_log8, encode_log8
 from kvarn_math.packing import pack, packed_size, unpack
 from kvarn_math.rtn import RowQuantized, dequantize_rows, quantize_rows
 from kvarn_math.tile import (
@@ -53,11 +54,13 @@ __all__ = [
     "TileFields",
     "TileLayout",
     "__version__",
+    "decode_log8",
     "decode_tiles",
     "dense_attention",
     "dense_kv",
     "dequantize_rows",
     "dequantize_tiles",
+    "encode_log8",
     "encode_tiles",
     "fwht",
     "get_preset",

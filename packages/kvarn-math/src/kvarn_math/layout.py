@@ -10,16 +10,19 @@ one contiguous run of ``tile_bytes`` bytes holding, in this order::
     k_codes          uint8    [D, G * kb / 8]       D * G * kb / 8   K tile [D, G], packed per channel
     k_scale          float16  [D]                   2 * D            per-channel RTN step x row scale
     k_zero           float16  [D]                   2 * D            per-channel RTN min  x row scale
-    k_token_scale    float16  [G]                   2 * G            per-token normalization scale
+    k_token_scale    uint8    [G]                   G                per-token normalization factor, log8
     v_codes          uint8    [G, D * vb / 8]       G * D * vb / 8   V tile [G, D], packed per token
-    v_channel_scale  float16  [D]                   2 * D            per-channel normalization scale
+    v_channel_scale  uint8    [D]                   D                per-channel normalization factor, log8
     v_scale          float16  [G]                   2 * G            per-token RTN step x row scale
     v_zero           float16  [G]                   2 * G            per-token RTN min  x row scale
 
 Reconstruction in the rotated frame (one multiply more than plain RTN)::
 
-    K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * k_token_scale[t]
-    V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * v_channel_scale[d]
+    K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * log8(k_token_scale[t])
+    V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * log8(v_channel_scale[d])
+
+``log8(n) = 2^(n/16 - 1)`` (:mod:`kvarn_math.log8`): the balancing factors take one byte each,
+rounded before the rows are quantized, so the codes absorb the rounding.
 
 Every field starts on a 16-byte boundary and nothing is padded: the record is exactly the
 sum of its fields (the published fork rounds per-token slots up to a power of two).
@@ -223,14 +226,14 @@ def _layout(preset: Preset, head_dim: int) -> TileLayout:
         ),
         ("k_scale", "float16", (d,), _FP16_BYTES * d),
         ("k_zero", "float16", (d,), _FP16_BYTES * d),
-        ("k_token_scale", "float16", (g,), _FP16_BYTES * g),
+        ("k_token_scale", "uint8", (g,), g),
         (
             "v_codes",
             "uint8",
             (g, packed_size(d, preset.value_bits)),
             g * packed_size(d, preset.value_bits),
         ),
-        ("v_channel_scale", "float16", (d,), _FP16_BYTES * d),
+        ("v_channel_scale", "uint8", (d,), d),
         ("v_scale", "float16", (g,), _FP16_BYTES * g),
         ("v_zero", "float16", (g,), _FP16_BYTES * g),
     ]

@@ -10,15 +10,16 @@ The two frames are explicit:
 Encoding one tile (``k``, ``v``: ``[G, D]`` rotated)::
 
     K = k.T                                   # [D, G]: rows are channels
-    b = variance_normalize(K)                 # K = B * r[:, None] * c[None, :]
-    q = quantize_rows(b.tile, key_bits)       # per channel over the tile's tokens
-    k_scale = fp16(q.step * r); k_zero = fp16(q.lo * r); k_token_scale = fp16(c)
+    b = variance_normalize(K)                 # K ~ B * r[:, None] * c[None, :]
+    n = encode_log8(c); cq = decode_log8(n)   # the column factors as the record holds them
+    q = quantize_rows(K / (r[:, None] * cq[None, :]), key_bits)  # per channel over tokens
+    k_scale = fp16(q.step * r); k_zero = fp16(q.lo * r); k_token_scale = n
 
-    b = variance_normalize(v)                 # V = B * r[:, None] * c[None, :]; rows are tokens
-    q = quantize_rows(b.tile, value_bits)     # per token over channels
-    v_scale = fp16(q.step * r); v_zero = fp16(q.lo * r); v_channel_scale = fp16(c)
+    (v the same way with rows = tokens: v_scale, v_zero per token, v_channel_scale = n)
 
-Scales are stored as float16, saturated to +-65504 so no record holds an infinity.
+The column factors are rounded to their one-byte log code *before* the rows are quantized,
+so the codes absorb that rounding.  Row scales are stored as float16, saturated to +-65504 so
+no record holds an infinity.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy.typing as npt
 
 from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import Preset, TileLayout, get_preset, tile_layout
+from kvarn_math.log8 import decode_log8, encode_log8
 from kvarn_math.packing import pack, unpack
 from kvarn_math.rtn import quantize_rows
 from kvarn_math.varnorm import DEFAULT_ITERATIONS, variance_normalize
@@ -93,6 +95,14 @@ def _check_tiles(
     return k_arr, v_arr, lay
 
 
+def _balance(x: F32, row_scale: F32, col_codes: npt.NDArray[np.uint8]) -> F32:
+    """``x / (row_scale[:, None] * log8(col_codes)[None, :])`` in float32: the tile the rows
+    are quantized from, balanced with the column factors as the record stores them."""
+    scale = row_scale[..., :, None] * decode_log8(col_codes)[..., None, :]
+    out: F32 = (x / scale).astype(np.float32)
+    return out
+
+
 def encode_tiles(
     k_rot: npt.ArrayLike,
     v_rot: npt.ArrayLike,
@@ -122,18 +132,21 @@ def encode_tiles(
     lead = k.shape[:-2]
     out = np.zeros((*lead, lay.tile_bytes), dtype=np.uint8)
 
-    kb = variance_normalize(np.swapaxes(k, -1, -2), iterations)  # [..., D, G]
-    kq = quantize_rows(kb.tile, p.key_bits, clip_ratios)
-    vb = variance_normalize(v, iterations)  # [..., G, D]
-    vq = quantize_rows(vb.tile, p.value_bits, clip_ratios)
+    k_dg = np.swapaxes(k, -1, -2)  # [..., D, G]: rows are channels
+    kb = variance_normalize(k_dg, iterations)
+    k_col = encode_log8(kb.col_scale)
+    kq = quantize_rows(_balance(k_dg, kb.row_scale, k_col), p.key_bits, clip_ratios)
+    vb = variance_normalize(v, iterations)  # [..., G, D]: rows are tokens
+    v_col = encode_log8(vb.col_scale)
+    vq = quantize_rows(_balance(v, vb.row_scale, v_col), p.value_bits, clip_ratios)
 
     values: dict[str, npt.NDArray[np.generic]] = {
         "k_codes": pack(kq.codes, p.key_bits),
         "k_scale": _fp16(kq.step * kb.row_scale),
         "k_zero": _fp16(kq.lo * kb.row_scale),
-        "k_token_scale": _fp16(kb.col_scale),
+        "k_token_scale": k_col,
         "v_codes": pack(vq.codes, p.value_bits),
-        "v_channel_scale": _fp16(vb.col_scale),
+        "v_channel_scale": v_col,
         "v_scale": _fp16(vq.step * vb.row_scale),
         "v_zero": _fp16(vq.lo * vb.row_scale),
     }
@@ -150,18 +163,18 @@ class TileFields:
     Attributes:
         k_codes: ``[..., D, G]`` uint8.
         k_scale, k_zero: ``[..., D]`` float16.
-        k_token_scale: ``[..., G]`` float16.
+        k_token_scale: ``[..., G]`` float32, decoded from the record's log8 byte.
         v_codes: ``[..., G, D]`` uint8.
-        v_channel_scale: ``[..., D]`` float16.
+        v_channel_scale: ``[..., D]`` float32, decoded from the record's log8 byte.
         v_scale, v_zero: ``[..., G]`` float16.
     """
 
     k_codes: npt.NDArray[np.uint8]
     k_scale: npt.NDArray[np.float16]
     k_zero: npt.NDArray[np.float16]
-    k_token_scale: npt.NDArray[np.float16]
+    k_token_scale: npt.NDArray[np.float32]
     v_codes: npt.NDArray[np.uint8]
-    v_channel_scale: npt.NDArray[np.float16]
+    v_channel_scale: npt.NDArray[np.float32]
     v_scale: npt.NDArray[np.float16]
     v_zero: npt.NDArray[np.float16]
 
@@ -187,13 +200,17 @@ def read_fields(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> 
         f = lay.field(name)
         return raw(name).view(np.float16).reshape(*lead, *f.shape)
 
+    def factor(name: str) -> npt.NDArray[np.float32]:
+        f = lay.field(name)
+        return decode_log8(raw(name).reshape(*lead, *f.shape))
+
     return TileFields(
         k_codes=unpack(raw("k_codes").reshape(*lead, *lay.field("k_codes").shape), p.key_bits, g),
         k_scale=half("k_scale"),
         k_zero=half("k_zero"),
-        k_token_scale=half("k_token_scale"),
+        k_token_scale=factor("k_token_scale"),
         v_codes=unpack(raw("v_codes").reshape(*lead, *lay.field("v_codes").shape), p.value_bits, d),
-        v_channel_scale=half("v_channel_scale"),
+        v_channel_scale=factor("v_channel_scale"),
         v_scale=half("v_scale"),
         v_zero=half("v_zero"),
     )
@@ -210,8 +227,8 @@ def decode_tiles(records: npt.ArrayLike, preset: str | Preset, head_dim: int) ->
     Returns:
         ``(k_rot, v_rot)``, each ``[..., G, D]`` float32::
 
-            K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * k_token_scale[t]
-            V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * v_channel_scale[d]
+            K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * log8(k_token_scale[t])
+            V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * log8(v_channel_scale[d])
     """
     f = read_fields(records, preset, head_dim)
     f32 = np.float32

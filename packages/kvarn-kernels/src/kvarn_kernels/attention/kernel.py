@@ -16,6 +16,8 @@ accumulation.  The query rows are divided once by their largest entry, so ``|q| 
 Likewise for values, with ``p <= 1``:
 ``o[m, d] += v_channel_scale[d] *
 (sum_t (p[m, t] v_scale[t]) vcode[t, d] + sum_t p[m, t] v_zero[t])``.
+The two balancing factors are one-byte log codes (``2^(n/16 - 1)``, kvarn_math.log8), decoded
+with one ``exp2`` each as they are loaded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvarn_kernels._triton import (
     dot_lowp,
     fwht_rows,
     load_packed,
+    log8_factor,
     round_to,
     staging_rows,
     unpack_crumbs,
@@ -137,7 +140,7 @@ def _load_step(
     )
     k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
     k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
-    k_tok = tl.load(f16 + OFF_KT // 2 + j, mask=ok, other=0.0)
+    k_tok = tl.load(u8 + OFF_KT + j, mask=ok, other=0)  # log8 codes
     # V codes [SUB, D]: rows part*SUB.. of the [G, D] per-token packed rows.
     v_raw = load_packed(
         u8 + OFF_VC + part * (SUB * (D * VALUE_BITS // 8)),
@@ -149,7 +152,7 @@ def _load_step(
     )
     v_scale = tl.load(f16 + OFF_VS // 2 + j, mask=ok, other=0.0)
     v_zero = tl.load(f16 + OFF_VZ // 2 + j, mask=ok, other=0.0)
-    v_chan = tl.load(f16 + OFF_VCS // 2 + d, mask=ok, other=0.0)
+    v_chan = tl.load(u8 + OFF_VCS + d, mask=ok, other=0)
     return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan
 
 
@@ -186,7 +189,7 @@ def _attend_step(
     else:
         raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
     bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
-    s = (raw + bias[:, None]) * (q_amax[:, None] * k_tok.to(tl.float32)[None, :])
+    s = (raw + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok)[None, :])
     s = tl.where(_visible(c * SUB + j, qpos, window), s, float("-inf"))
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
 
@@ -197,7 +200,7 @@ def _attend_step(
     else:
         pv = tl.dot(pn.to(tl.float16), v_codes.to(tl.float16))
     pz = tl.sum(p * v_zero.to(tl.float32)[None, :], axis=1)
-    acc += (pv + pz[:, None]) * v_chan.to(tl.float32)[None, :]
+    acc += (pv + pz[:, None]) * log8_factor(v_chan)[None, :]
     return m_i, l_i, acc
 
 
@@ -238,8 +241,8 @@ def _load_step_phased(
     k_scale = tl.load(f16 + OFF_KS // 2 + d)
     k_zero = tl.load(f16 + OFF_KZ // 2 + d)
     even = part * SUB + 2 * mm
-    k_tok0 = tl.load(f16 + OFF_KT // 2 + even)
-    k_tok1 = tl.load(f16 + OFF_KT // 2 + even + 1)
+    k_tok0 = tl.load(u8 + OFF_KT + even)  # log8 codes
+    k_tok1 = tl.load(u8 + OFF_KT + even + 1)
     v_off = OFF_VC + even[:, None] * NBV + nv[None, :]
     v_raw0 = tl.load(u8 + v_off)  # [NBK, NBV] uint8, rows 2m
     v_raw1 = tl.load(u8 + v_off + NBV)  # rows 2m + 1
@@ -247,11 +250,11 @@ def _load_step_phased(
     v_scale1 = tl.load(f16 + OFF_VS // 2 + even + 1)
     v_zero0 = tl.load(f16 + OFF_VZ // 2 + even)
     v_zero1 = tl.load(f16 + OFF_VZ // 2 + even + 1)
-    v_chan0 = tl.load(f16 + OFF_VCS // 2 + PV * nv)
-    v_chan1 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 1)
+    v_chan0 = tl.load(u8 + OFF_VCS + PV * nv)  # log8 codes
+    v_chan1 = tl.load(u8 + OFF_VCS + PV * nv + 1)
     if PV == 4:
-        v_chan2 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 2)
-        v_chan3 = tl.load(f16 + OFF_VCS // 2 + PV * nv + 3)
+        v_chan2 = tl.load(u8 + OFF_VCS + PV * nv + 2)
+        v_chan3 = tl.load(u8 + OFF_VCS + PV * nv + 3)
     else:
         v_chan2 = v_chan0
         v_chan3 = v_chan1
@@ -333,8 +336,8 @@ def _attend_step_phased(
     else:
         s0 = tl.dot(qn.to(tl.float16), kc0)
         s1 = tl.dot(qn.to(tl.float16), kc1)
-    s0 = (s0 + bias[:, None]) * (q_amax[:, None] * k_tok0.to(tl.float32)[None, :])
-    s1 = (s1 + bias[:, None]) * (q_amax[:, None] * k_tok1.to(tl.float32)[None, :])
+    s0 = (s0 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok0)[None, :])
+    s1 = (s1 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok1)[None, :])
     if masked:
         pos0 = c * SUB + 2 * mm
         s0 = tl.where(_visible(pos0, qpos, window), s0, float("-inf"))
@@ -357,15 +360,15 @@ def _attend_step_phased(
         t1 = _pv_dot(pn0, pn1, a1, b1, FP32)
         t2 = _pv_dot(pn0, pn1, a2, b2, FP32)
         t3 = _pv_dot(pn0, pn1, a3, b3, FP32)
-        acc2 = acc2 * alpha[:, None] + (t2 + pz[:, None]) * v_chan2.to(tl.float32)[None, :]
-        acc3 = acc3 * alpha[:, None] + (t3 + pz[:, None]) * v_chan3.to(tl.float32)[None, :]
+        acc2 = acc2 * alpha[:, None] + (t2 + pz[:, None]) * log8_factor(v_chan2)[None, :]
+        acc3 = acc3 * alpha[:, None] + (t3 + pz[:, None]) * log8_factor(v_chan3)[None, :]
     else:
         a0, a1 = unpack_nibbles(v_raw0)
         b0, b1 = unpack_nibbles(v_raw1)
         t0 = _pv_dot(pn0, pn1, a0, b0, FP32)
         t1 = _pv_dot(pn0, pn1, a1, b1, FP32)
-    acc0 = acc0 * alpha[:, None] + (t0 + pz[:, None]) * v_chan0.to(tl.float32)[None, :]
-    acc1 = acc1 * alpha[:, None] + (t1 + pz[:, None]) * v_chan1.to(tl.float32)[None, :]
+    acc0 = acc0 * alpha[:, None] + (t0 + pz[:, None]) * log8_factor(v_chan0)[None, :]
+    acc1 = acc1 * alpha[:, None] + (t1 + pz[:, None]) * log8_factor(v_chan1)[None, :]
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._triton import fwht_rows, round_to, unpack_rows
+from kvarn_kernels._triton import fwht_rows, log8_factor, round_to, unpack_rows
 
 __all__ = ["dequantize_kernel"]
 
@@ -38,8 +38,8 @@ def dequantize_kernel(
 ):
     """One program = one tile of one KV head -> ``G`` rows of ``k_out`` / ``v_out``.
 
-    ``K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * k_token_scale[t]``,
-    ``V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * v_channel_scale[d]``.
+    ``K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * log8(k_token_scale[t])``,
+    ``V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * log8(v_channel_scale[d])``.
     """
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -53,12 +53,12 @@ def dequantize_kernel(
     k_codes = unpack_rows(u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS).to(tl.float32)  # [D, G]
     k_scale = tl.load(f16 + OFF_KS // 2 + d).to(tl.float32)
     k_zero = tl.load(f16 + OFF_KZ // 2 + d).to(tl.float32)
-    k_tok = tl.load(f16 + OFF_KT // 2 + g).to(tl.float32)
+    k_tok = log8_factor(tl.load(u8 + OFF_KT + g))
     k = (k_codes * k_scale[:, None] + k_zero[:, None]) * k_tok[None, :]
     k = tl.trans(k)  # [G, D]
 
     v_codes = unpack_rows(u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS).to(tl.float32)
-    v_chan = tl.load(f16 + OFF_VCS // 2 + d).to(tl.float32)
+    v_chan = log8_factor(tl.load(u8 + OFF_VCS + d))
     v_scale = tl.load(f16 + OFF_VS // 2 + g).to(tl.float32)
     v_zero = tl.load(f16 + OFF_VZ // 2 + g).to(tl.float32)
     v = (v_codes * v_scale[:, None] + v_zero[:, None]) * v_chan[None, :]

@@ -6,8 +6,10 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import (
+    exp2_f32,
     exp_f32,
     fwht_rows,
+    log8_encode,
     log_f32,
     pack_rows,
     rint_f32,
@@ -61,7 +63,7 @@ def _variance_normalize(
 ):
     """kvarn_math.varnorm.variance_normalize of one tile ``[R, C]`` fp32.
 
-    Returns ``(balanced [R, C], row_scale [R], col_scale [C])``.
+    Returns ``(row_scale [R], col_scale [C])`` of the least imbalanced state.
     """
     ms = tl.div_rn(tl.sum(tl.sum(raw * raw, axis=1), axis=0), R * C * 1.0)
     rms = tl.sqrt_rn(ms)
@@ -83,8 +85,20 @@ def _variance_normalize(
         best = tl.where(better, score, best)
         best_r = tl.where(better, log_r, best_r)
         best_c = tl.where(better, log_c, best_c)
-    balanced = _apply(x, best_r, best_c, PRECISE)
-    return balanced, exp_f32(best_r, PRECISE) * rms, exp_f32(best_c, PRECISE)
+    return exp_f32(best_r, PRECISE) * rms, exp_f32(best_c, PRECISE)
+
+
+@triton.jit
+def _balance(raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE: tl.constexpr):
+    """The encoder's front half (kvarn_math.tile.encode_tiles): normalize, round the column
+    factors to their log8 codes, and divide the raw tile by ``row_scale x log8(code)``.
+
+    Returns ``(balanced [R, C], row_scale [R], column codes int32 [C])``.
+    """
+    row, col = _variance_normalize(raw, R, C, ITERS, PRECISE)
+    codes = log8_encode(col, PRECISE)
+    col_q = exp2_f32(codes.to(tl.float32) * 0.0625 - 1.0, PRECISE)
+    return tl.div_rn(raw, row[:, None] * col_q[None, :]), row, codes
 
 
 @triton.jit
@@ -210,22 +224,22 @@ def quantize_tiles_kernel(
                 key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp, head, slot, start,
                 num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
             )  # fmt: skip
-            kb, k_row, k_col = _variance_normalize(tl.trans(k), D, G, ITERS, PRECISE)
+            kb, k_row, k_col = _balance(tl.trans(k), D, G, ITERS, PRECISE)
             k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
             pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
             tl.store(f16 + OFF_KS // 2 + d, _fp16(k_step * k_row))
             tl.store(f16 + OFF_KZ // 2 + d, _fp16(k_lo * k_row))
-            tl.store(f16 + OFF_KT // 2 + g, _fp16(k_col))
+            tl.store(u8 + OFF_KT + g, k_col.to(tl.uint8))
         else:
             # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
             v = _load_tile(
                 value_ptr, stride_vt, stride_vh, stage_v, stride_ss, stride_sp, head, slot,
                 start, num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
             )  # fmt: skip
-            vb, v_row, v_col = _variance_normalize(v, G, D, ITERS, PRECISE)
+            vb, v_row, v_col = _balance(v, G, D, ITERS, PRECISE)
             v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)
             pack_rows(v_codes, u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)
-            tl.store(f16 + OFF_VCS // 2 + d, _fp16(v_col))
+            tl.store(u8 + OFF_VCS + d, v_col.to(tl.uint8))
             tl.store(f16 + OFF_VS // 2 + g, _fp16(v_step * v_row))
             tl.store(f16 + OFF_VZ // 2 + g, _fp16(v_lo * v_row))
 
