@@ -265,7 +265,8 @@ def test_parse_sse(e2e):
 
 def _fake_openai_server(max_model_len: int):
     """A stand-in for vLLM's server: /health, /v1/completions (stream or not), 400 when the
-    prompt is longer than the model allows."""
+    prompt is longer than the model allows, an empty completion for a prompt starting with
+    "stop" unless the request sets vLLM's ``ignore_eos``."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -290,6 +291,8 @@ def _fake_openai_server(max_model_len: int):
                 self._send(400, json.dumps({"error": {"message": "maximum context length"}}))
                 return
             words = ["tok"] * req["max_tokens"]
+            if req["prompt"].startswith("stop") and not req.get("ignore_eos"):
+                words = []  # the model's first token is EOS: an empty completion
             if req.get("stream"):
                 chunks = (
                     "".join(
@@ -311,7 +314,7 @@ def test_exercise_server_against_fake(e2e):
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
         report = e2e.exercise_server(
-            base, "m", ["a b c", "d e"] * 5, max_tokens=3, concurrency=4, max_model_len=64
+            base, "m", ["a b c", "stop e"] * 5, max_tokens=3, concurrency=4, max_model_len=64
         )
     finally:
         server.shutdown()

@@ -25,6 +25,38 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _near_reference(out, q, k, v, window, where, keep_first_tile=True):
+    """``out`` against kvarn-math's reference over the same tokens, and exact attention.
+
+    The kernels quantize the fp16-rounded rotated tokens with another rounding order than
+    NumPy's, which can put a balancing factor one log8 step (4.4%) from the reference's and
+    re-round its column: within 75% of the quantization error of the reference (measured up
+    to 64% with one query row), as far from exact attention as a quantized cache is (so the
+    records were read) and no farther, each up to fp16 rounding. Returns ``(error vs reference, quantization error)``.
+    """
+    from kvarn_math.attention import QuantizedSequence, quantize_sequence, reference_attention
+    from kvarn_math.layout import get_preset
+
+    kf, vf = k.float().numpy(), v.float().numpy()
+    seq = quantize_sequence(kf, vf, PRESET, keep_first_tile=keep_first_tile)
+    lay = tile_layout(PRESET, D)
+    exact_seq = QuantizedSequence(
+        get_preset(PRESET), D, np.zeros((0, HKV, lay.tile_bytes), np.uint8), kf, vf
+    )
+    qn = q.float().numpy()
+    ref = torch.from_numpy(reference_attention(qn, seq, D**-0.5, sliding_window=window))
+    exact = torch.from_numpy(reference_attention(qn, exact_seq, D**-0.5, sliding_window=window))
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    err, q_err = rel(out, ref), rel(ref, exact)
+    # 3e-3: fp16 rounding, all there is when no record is read (q_err 0)
+    assert err < 0.75 * q_err + 3e-3, (where, err, q_err)
+    assert 0.5 * q_err - 3e-3 < rel(out, exact) < 1.2 * q_err + 3e-3, (where, rel(out, exact))
+    return err, q_err
+
+
 @pytest.mark.parametrize("dense_context", ["off", "on", "tiny"])
 def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_context):
     """``dense_context``: continuation chunks through the multi-query kernel (off), the
@@ -154,24 +186,13 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
 
     step([2, 0], [0, 0], [100, 40])
     outs = step([2, 0], [100, 40], [1, 1])
-    from kvarn_math.attention import quantize_sequence, reference_attention
-
     for li, (q, out, meta) in enumerate(outs):
         window = 96 if li == 1 else None
         assert meta.decode is not None and meta.decode.token_index is None
         for i, r in enumerate([2, 0]):
             k, v = history[(li, r)]
             # Default serving keeps the first tile exact (the sink rows of staging).
-            seq = quantize_sequence(
-                k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True
-            )
-            ref = torch.from_numpy(
-                reference_attention(
-                    q[i : i + 1].float().numpy(), seq, D**-0.5, sliding_window=window
-                )
-            )
-            err = float((out[i : i + 1].float() - ref).norm() / ref.norm())
-            assert err < 0.02, (li, r, err)
+            _near_reference(out[i : i + 1], q[i : i + 1], k, v, window, (li, r))
     # A chunked-prefill continuation (69 tokens after 101 cached: a context row) beside a
     # decode row, through multi_query_attention or the dense path: dequantized tiles, the
     # exact first tile and staging, attended in torch here (no GPU).
@@ -185,12 +206,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
             assert workspace.shape[1] == ws_tokens
         assert kimpl._use_dense_context(meta.context, workspace) == (dense_context != "off")
         k, v = history[(li, 2)]
-        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
-        ref = torch.from_numpy(
-            reference_attention(q[:69].float().numpy(), seq, D**-0.5, sliding_window=window)
-        )
-        err = float((out[:69].float() - ref).norm() / ref.norm())
-        assert err < 0.02, (li, "context", err)
+        _near_reference(out[:69], q[:69], k, v, window, (li, "context"))
     # One tensor, two groups: group 0 quantized the 170-token request's two tiles into blocks 3
     # and 4, group 1 into 13 and 14 (the sink's record too, for prefix-cache hits); nothing else
     # was written (the 41-token request has no complete tile).
@@ -206,12 +222,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     for li, (q, out, _meta) in enumerate(step([2], [170], [80])):
         window = 96 if li == 1 else None
         k, v = history[(li, 2)]
-        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
-        ref = torch.from_numpy(
-            reference_attention(q.float().numpy(), seq, D**-0.5, sliding_window=window)
-        )
-        err = float((out.float() - ref).norm() / ref.norm())
-        assert err < 0.02, (li, "second continuation", err)
+        _near_reference(out, q, k, v, window, (li, "second continuation"))
 
     # Preemption and recompute: the 170-token request (row 2) is preempted and resumed in the
     # same row from nothing (vLLM recomputes it; 80 tokens here) with other blocks. Its stale
@@ -224,12 +235,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     for li, (q, out, _meta) in enumerate(step([2], [80], [1])):
         window = 96 if li == 1 else None
         k, v = history[(li, 2)]
-        seq = quantize_sequence(k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=True)
-        ref = torch.from_numpy(
-            reference_attention(q[:1].float().numpy(), seq, D**-0.5, sliding_window=window)
-        )
-        err = float((out[:1].float() - ref).norm() / ref.norm())
-        assert err < 0.02, (li, "resumed", err)
+        _near_reference(out[:1], q[:1], k, v, window, (li, "resumed"))
 
     # A new request in row 1 that hit the prefix cache on row 2's first tile (blocks 6 / 16):
     # it computes only its 10 tokens after it, and reads that tile exact from row 2's sink rows
@@ -244,6 +250,10 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         window = 96 if li == 1 else None
         assert meta.context is not None and int(meta.context.sink_slots[0]) == 2
         k, v = history[(li, 1)]
+        # Only tile 0 (exact here) and 10 staged tokens: nothing is read from a record, so the
+        # kernels match the exact-first-tile reference to fp16 rounding, far from the record's.
+        from kvarn_math.attention import quantize_sequence, reference_attention
+
         errs = []
         for exact in (True, False):
             seq = quantize_sequence(
