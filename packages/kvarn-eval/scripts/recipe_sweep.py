@@ -16,6 +16,9 @@ against the plain preset:
 * ``kXvY``: other key / value bits at the same tile; ``k3v3`` stores exactly k4v2's bytes, so
   it could replace k4v2 in any layer without changing the page size ("more bits for the few
   layers or heads that are most sensitive, at the same average").
+* ``refitN`` / ``refitN_v``: after RTN, refit each row's step and zero point to its codes by
+  least squares and re-round, ``N`` times (keys and values, or values only); the same bytes.
+
 The ``log8`` variant (one-byte balancing factors) measured neutral here and is the record format
 since; its numbers stay in ``docs/results/cpu-2026-11-30/recipe_sweep_log8_*.json``.
 
@@ -33,6 +36,41 @@ from pathlib import Path
 
 BLOCK = 128
 REPO = Path(__file__).resolve().parents[3]
+
+
+def refit(q, x, iters: int):  # type: ignore[no-untyped-def]
+    """``iters`` rounds of: refit each row's ``(step, lo)`` to its codes by least squares, then
+    re-round the row to the refitted grid (the squared error never grows); returns a
+    :class:`kvarn_math.rtn.RowQuantized`."""
+    import numpy as np
+    from kvarn_math.rtn import RowQuantized
+
+    x = np.asarray(x, dtype=np.float32)
+    levels = np.float32(2**q.bits - 1)
+    codes, step, lo = q.codes.astype(np.float32), q.step, q.lo
+    n = np.float32(x.shape[-1])
+    for _ in range(iters):
+        sq, sqq = codes.sum(-1), (codes * codes).sum(-1)
+        sx, sxq = x.sum(-1), (x * codes).sum(-1)
+        det = n * sqq - sq * sq
+        ok = det > 1e-6 * n * n
+        new_step = np.where(ok, (n * sxq - sq * sx) / np.where(ok, det, 1), step)
+        ok &= new_step > 0
+        step = np.where(ok, new_step, step).astype(np.float32)
+        lo = np.where(ok, (sx - step * sq) / n, lo).astype(np.float32)
+        safe = np.where(step > 0, step, np.float32(1))
+        codes = np.clip(np.rint((x - lo[..., None]) / safe[..., None]), 0, levels)
+        codes = np.where(step[..., None] > 0, codes, 0).astype(np.float32)
+        # refit once more to the final codes (the grid the record stores)
+        sq, sqq = codes.sum(-1), (codes * codes).sum(-1)
+        sxq = (x * codes).sum(-1)
+        det = n * sqq - sq * sq
+        ok = (det > 1e-6 * n * n) & (step > 0)
+        new_step = np.where(ok, (n * sxq - sq * sx) / np.where(ok, det, 1), step)
+        ok &= new_step > 0
+        step = np.where(ok, new_step, step).astype(np.float32)
+        lo = np.where(ok, (sx - step * sq) / n, lo).astype(np.float32)
+    return RowQuantized(codes=codes.astype(np.uint8), step=step, lo=lo, bits=q.bits)
 
 
 def main() -> int:
@@ -99,6 +137,35 @@ def main() -> int:
         def preset(self) -> Preset:
             return Preset.from_bits(self.key_bits, self.value_bits, self.group_size)
 
+    @dataclass(frozen=True)
+    class Refit(Method):
+        """The plain preset with each row's step and zero point refitted by least squares to
+        its codes, and the codes re-rounded to the refitted grid, ``iters`` times (``refitN``;
+        ``refitN_v``: values only). The same bytes; only the store's arithmetic changes."""
+
+        name: str = f"{args.preset}+refit1"
+        iters: int = 1
+        keys: bool = True
+
+        def bytes_per_token_per_head(self, head_dim: int) -> float:
+            return plain.bytes_per_token_per_head(head_dim)
+
+        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
+            import kvarn_math.tile as tile_mod
+
+            original = tile_mod.quantize_rows
+            iters = self.iters
+
+            def refit_rows(x, bits, clip_ratios=()):  # type: ignore[no-untyped-def]
+                return refit(original(x, bits, clip_ratios), x, iters)
+
+            tile_mod.quantize_rows = refit_rows
+            try:
+                k_r, v_r = plain.roundtrip(k, v)
+            finally:
+                tile_mod.quantize_rows = original
+            return (k_r if self.keys else plain.roundtrip(k, v)[0]), v_r
+
     variants: list[Method] = []
     for name in filter(None, (v.strip() for v in args.variants.split(","))):
         if name == "clip":
@@ -115,10 +182,18 @@ def main() -> int:
                     value_bits=vb,
                 )
             )
+        elif re.fullmatch(r"refit[1-9](_v)?", name):
+            variants.append(
+                Refit(
+                    name=f"{args.preset}+{name}", iters=int(name[5]), keys=not name.endswith("_v")
+                )
+            )
         elif name.startswith("signs") and name[5:].isdigit():
             variants.append(RandomSigns(name=f"{args.preset}+{name}", seed=int(name[5:])))
         else:
-            parser.error(f"unknown variant {name!r}: expected clip, clip_v, signsN or kXvY")
+            parser.error(
+                f"unknown variant {name!r}: expected clip, clip_v, signsN, kXvY or refitN[_v]"
+            )
 
     started = time.time()
     lm = load_model(args.model)
