@@ -117,6 +117,13 @@ def _fmt(value: float, digits: int = 2, signed: bool = False) -> str:
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
+def _fmt_bytes(value: float) -> str:
+    """Bytes per token and head: whole numbers as such, halves (55.5 at head_dim 64) kept."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:g}"
+
+
 def perplexity_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows for a perplexity result (as produced by ``to_dict``)."""
     header = [
@@ -135,7 +142,7 @@ def perplexity_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[st
             [
                 r["method"],
                 _fmt(r["bits_per_element"], 2),
-                _fmt(r["bytes_per_token_per_head"], 0),
+                _fmt_bytes(r["bytes_per_token_per_head"]),
                 _fmt(r["perplexity"], 3),
                 _fmt(r["delta_pct"], 2, signed=True),
                 _fmt(r["delta_se_pct"], 2),

@@ -2,9 +2,10 @@
 
 Modules, in the order of the algorithm: :mod:`~kvarn_math.hadamard` (rotation),
 :mod:`~kvarn_math.varnorm` (variance normalization), :mod:`~kvarn_math.rtn` (round to nearest),
-:mod:`~kvarn_math.packing` (bit packing), :mod:`~kvarn_math.log8` (one-byte balancing
-factors), :mod:`~kvarn_math.layout` (presets and the record format), :mod:`~kvarn_math.tile` (quantize/dequantize tiles), :mod:`~kvarn_math.attention`
-(reference attention), :mod:`~kvarn_math.baselines` and :mod:`~kvarn_math.metrics`.
+:mod:`~kvarn_math.packing` (bit packing), :mod:`~kvarn_math.log8` (one-byte balancing factors),
+:mod:`~kvarn_math.layout` (presets and the record format), :mod:`~kvarn_math.tile`
+(quantize/dequantize tiles), :mod:`~kvarn_math.attention` (reference attention),
+:mod:`~kvarn_math.baselines` and :mod:`~kvarn_math.metrics`.
 """
 
 from kvarn_math.attention import (
