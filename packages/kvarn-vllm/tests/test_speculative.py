@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from _records import cached_records
 from kvarn_vllm import metadata as md
 
 PRESET, G, HQ, HKV, D, K = "kvarn_k4v4_g64", 64, 2, 1, 64, 4
@@ -102,11 +103,12 @@ class SpecHarness:
         kf, vf = k.float().numpy(), v.float().numpy()
         sink = self.builder.config.sink and quantized >= G  # tile 0 exact in staging
         stored = quantize_sequence(kf[:quantized], vf[:quantized], PRESET, keep_first_tile=sink)
-        records = stored.records
-        if slot is not None and quantized:
-            records = self.cached_records(slot, kf[:quantized], vf[:quantized], records)
+        if slot is not None:  # the cache's own records, checked to encode these tokens
+            stored = cached_records(
+                self.kv_cache, self.block_table[slot], kf, vf, stored, PRESET, D
+            )
         seq = QuantizedSequence(
-            records=records,
+            records=stored.records,
             preset=records_preset(),
             head_dim=D,
             tail_k=kf[quantized:],
@@ -115,34 +117,6 @@ class SpecHarness:
             first_v=stored.first_v,
         )
         return torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
-
-
-def _cached_records(h, slot, kf, vf, reference):
-    """The records of ``slot``'s first tiles as the cache holds them, after checking that they
-    encode exactly the accepted tokens ``kf``/``vf``: their reconstruction error is that of
-    kvarn-math's own records of those tokens (a record holding a rejected draft would be off
-    by the size of the token). Attention is then checked against these very records: the
-    kernels and NumPy may round a balancing factor to neighbouring log8 codes, two equally
-    good quantizations whose attention differs by up to the quantization error itself."""
-    from kvarn_math import dequantize_tiles
-    from kvarn_math.metrics import relative_error
-
-    n = reference.shape[0]
-    first = kf.shape[0] // G - n  # 1 when tile 0 is kept exact (its record is not read)
-    if n == 0:
-        return reference
-    blocks = h.block_table[slot, first : first + n].long()
-    got = h.kv_cache[blocks].numpy().reshape(reference.shape)
-    tiles = (n, G, HKV, D)
-    for x, i in ((kf, 0), (vf, 1)):
-        exact = x[first * G : (first + n) * G].reshape(tiles).transpose(0, 2, 1, 3)
-        e_got = relative_error(exact, dequantize_tiles(got, PRESET, D)[i])
-        e_ref = relative_error(exact, dequantize_tiles(reference, PRESET, D)[i])
-        assert abs(e_got - e_ref) <= 0.05 * e_ref, ("KV"[i], e_got, e_ref)
-    return got
-
-
-SpecHarness.cached_records = _cached_records
 
 
 def records_preset():
