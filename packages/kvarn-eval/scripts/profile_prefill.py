@@ -12,6 +12,8 @@ and sums it by kernel family.
 
 Writes ``OUT/<dtype>/profiler_out_0.txt`` (vLLM's table) and ``OUT/summary.json``: per dtype,
 the wall time of the profiled generate, the total self CUDA time and the 25 largest rows.
+vLLM also leaves its gzipped traces under ``OUT/<dtype>/`` (tens of MB; delete them before
+copying results back when space is short).
 Each dtype runs in its own process, so one engine's memory is gone before the next starts.
 """
 
@@ -99,7 +101,11 @@ def _run_one(args: argparse.Namespace, dtype: str, out: Path) -> dict[str, objec
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=True,
         enable_prefix_caching=False,
-        profiler_config={"profiler": "torch", "torch_profiler_dir": str(out.resolve())},
+        profiler_config={
+            "profiler": "torch",
+            "torch_profiler_dir": str(out.resolve()),
+            "torch_profiler_with_stack": False,  # the table is the point; keep traces small
+        },
         **({"attention_config": {"backend": args.bf16_backend}} if dtype == "auto" else {}),
     )
     rng = np.random.default_rng(0)
