@@ -79,3 +79,12 @@ def test_cpu_tensors_without_the_interpreter_are_refused() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_kernels_implement_kvarn_maths_format_version() -> None:
+    assert kvarn_kernels.FORMAT_VERSION == kvarn_math.FORMAT_VERSION
+    kvarn_kernels.check_format_version(kvarn_math.FORMAT_VERSION)
+    with pytest.raises(
+        ImportError, match="implements cache format 2, but the installed kvarn-math"
+    ):
+        kvarn_kernels.check_format_version(1)

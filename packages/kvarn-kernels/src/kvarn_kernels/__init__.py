@@ -3,6 +3,7 @@
 Importing this package never initializes CUDA and never imports vLLM.
 """
 
+from kvarn_kernels._format import FORMAT_VERSION, check_format_version
 from kvarn_kernels.attention import choose_num_splits, decode_attention, multi_query_attention
 from kvarn_kernels.cache import (
     allocate_cache,
@@ -20,11 +21,13 @@ from kvarn_kernels.rotation import rotate, unrotate
 __version__ = "0.1.0"
 
 __all__ = [
+    "FORMAT_VERSION",
     "StorePlan",
     "__version__",
     "allocate_cache",
     "allocate_staging",
     "cache_shape",
+    "check_format_version",
     "choose_num_splits",
     "decode_attention",
     "decode_tiles",

@@ -18,6 +18,7 @@ from kvarn_math.attention import (
 from kvarn_math.hadamard import fwht, hadamard_matrix, random_signs, rotate, unrotate
 from kvarn_math.layout import (
     DEFAULT_PRESET,
+    FORMAT_VERSION,
     PRESETS,
     SUPPORTED_GROUP_SIZES,
     SUPPORTED_HEAD_DIMS,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Balanced",
     "DEFAULT_PRESET",
+    "FORMAT_VERSION",
     "Field",
     "PRESETS",
     "Preset",

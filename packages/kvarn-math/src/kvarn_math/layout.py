@@ -40,6 +40,7 @@ from kvarn_math.packing import packed_size
 from kvarn_math.rtn import check_bits
 
 __all__ = [
+    "FORMAT_VERSION",
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_GROUP_SIZES",
     "FIELD_ALIGNMENT",
@@ -53,6 +54,13 @@ __all__ = [
     "format_table",
 ]
 
+FORMAT_VERSION = 2
+"""Version of the record byte format; records of one version cannot be read as another.
+
+1: balancing factors as float16. 2 (2026-11-30): balancing factors as one-byte log8 codes.
+A KV cache lives only as long as its engine, but anything that persists or ships records
+(offloading, a custom engine's cache files) should store this number beside them.
+"""
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_GROUP_SIZES = (64, 128)
 FIELD_ALIGNMENT = 16
