@@ -166,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         (out / "run.json").write_text(json.dumps(result))
         return 0
 
-    summary: dict[str, object] = {"command": " ".join(sys.argv), "runs": {}}
     runs: dict[str, object] = {}
     for dtype in args.dtypes:
         out = args.out / dtype
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for row in r.get("top", [])[:10]:  # type: ignore[union-attr]
             print(f"    {row['self_cuda_us'] / 1e3:10.2f} ms {row['share']:6.1%}  {row['name']}")
-    summary["runs"] = runs
+    summary = {"command": " ".join(sys.argv), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {args.out / 'summary.json'}")

@@ -47,29 +47,27 @@ def refit(q, x, iters: int):  # type: ignore[no-untyped-def]
 
     x = np.asarray(x, dtype=np.float32)
     levels = np.float32(2**q.bits - 1)
-    codes, step, lo = q.codes.astype(np.float32), q.step, q.lo
     n = np.float32(x.shape[-1])
-    for _ in range(iters):
-        sq, sqq = codes.sum(-1), (codes * codes).sum(-1)
-        sx, sxq = x.sum(-1), (x * codes).sum(-1)
+    sx = x.sum(-1)
+
+    def fit(codes, step, lo):  # type: ignore[no-untyped-def]
+        """Least-squares ``(step, lo)`` of each row to its codes; rows without a grid to fit
+        (all codes equal) or with a non-positive fitted step keep theirs."""
+        sq, sqq, sxq = codes.sum(-1), (codes * codes).sum(-1), (x * codes).sum(-1)
         det = n * sqq - sq * sq
         ok = det > 1e-6 * n * n
         new_step = np.where(ok, (n * sxq - sq * sx) / np.where(ok, det, 1), step)
         ok &= new_step > 0
         step = np.where(ok, new_step, step).astype(np.float32)
-        lo = np.where(ok, (sx - step * sq) / n, lo).astype(np.float32)
+        return step, np.where(ok, (sx - step * sq) / n, lo).astype(np.float32)
+
+    codes, step, lo = q.codes.astype(np.float32), q.step, q.lo
+    for _ in range(iters):
+        step, lo = fit(codes, step, lo)
         safe = np.where(step > 0, step, np.float32(1))
         codes = np.clip(np.rint((x - lo[..., None]) / safe[..., None]), 0, levels)
         codes = np.where(step[..., None] > 0, codes, 0).astype(np.float32)
-        # refit once more to the final codes (the grid the record stores)
-        sq, sqq = codes.sum(-1), (codes * codes).sum(-1)
-        sxq = (x * codes).sum(-1)
-        det = n * sqq - sq * sq
-        ok = (det > 1e-6 * n * n) & (step > 0)
-        new_step = np.where(ok, (n * sxq - sq * sx) / np.where(ok, det, 1), step)
-        ok &= new_step > 0
-        step = np.where(ok, new_step, step).astype(np.float32)
-        lo = np.where(ok, (sx - step * sq) / n, lo).astype(np.float32)
+    step, lo = fit(codes, step, lo)  # to the final codes: the grid the record stores
     return RowQuantized(codes=codes.astype(np.uint8), step=step, lo=lo, bits=q.bits)
 
 

@@ -12,12 +12,17 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-@pytest.fixture(scope="module")
-def recipe_sweep():
-    spec = importlib.util.spec_from_file_location("recipe_sweep", SCRIPTS / "recipe_sweep.py")
+def _load_script(name: str):
+    """Import ``scripts/<name>.py`` as a module (the scripts are not installed)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def recipe_sweep():
+    return _load_script("recipe_sweep")
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -40,10 +45,7 @@ def test_refit_never_grows_the_error_and_keeps_codes_in_range(recipe_sweep, bits
 
 @pytest.fixture(scope="module")
 def profile_prefill():
-    spec = importlib.util.spec_from_file_location("profile_prefill", SCRIPTS / "profile_prefill.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script("profile_prefill")
 
 
 # The layout torch.profiler's key_averages().table() prints with CUDA columns (shortened).

@@ -118,10 +118,11 @@ def exp2_f32(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def log8_factor(codes):
-    """kvarn_math.log8.decode_log8 of uint8 codes: ``2^(n/16 - 1)`` fp32 (the exponent is
-    exact; the hardware ``exp2`` is within 2 ulp of NumPy's, enough for attention)."""
-    return tl.exp2(codes.to(tl.float32) * 0.0625 - 1.0)
+def log8_factor(codes, PRECISE: tl.constexpr = False):
+    """kvarn_math.log8.decode_log8 of log8 codes: ``2^(n/16 - 1)`` fp32. The exponent is
+    exact; the fast ``exp2`` is within 2 ulp of NumPy's, enough for attention, and the store
+    (which must round like kvarn-math) passes ``PRECISE``."""
+    return exp2_f32(codes.to(tl.float32) * 0.0625 - 1.0, PRECISE)
 
 
 @triton.jit

@@ -34,8 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-import numpy as np
-
 from kvarn_math.packing import packed_size
 from kvarn_math.rtn import check_bits
 
@@ -64,7 +62,6 @@ A KV cache lives only as long as its engine, but anything that persists or ships
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_GROUP_SIZES = (64, 128)
 FIELD_ALIGNMENT = 16
-_SCALE_DTYPE = np.dtype(np.float16)
 _FP16_BYTES = 2
 
 

@@ -6,10 +6,10 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import (
-    exp2_f32,
     exp_f32,
     fwht_rows,
     log8_encode,
+    log8_factor,
     log_f32,
     pack_rows,
     rint_f32,
@@ -97,7 +97,7 @@ def _balance(raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE
     """
     row, col = _variance_normalize(raw, R, C, ITERS, PRECISE)
     codes = log8_encode(col, PRECISE)
-    col_q = exp2_f32(codes.to(tl.float32) * 0.0625 - 1.0, PRECISE)
+    col_q = log8_factor(codes, PRECISE)
     return tl.div_rn(raw, row[:, None] * col_q[None, :]), row, codes
 
 
