@@ -3,8 +3,8 @@
 The sixth H200 run found kvarn's 16K-prompt bursts prefilling at about two thirds of bf16's
 rate (docs/serving.md). This script measures where that time goes: per KV cache dtype, one
 engine on a dummy-weight model shape (eager, so every kernel shows), a warm-up prompt, then
-``--num-prompts`` prompts of ``--prompt-len`` random tokens with one output token each under
-vLLM's torch profiler. vLLM writes its table sorted by self CUDA time; this script keeps it
+``--num-prompts`` prompts of ``--prompt-len`` random tokens with ``--output-len`` output tokens
+each (default 1: pure prefill), timed once without and once under vLLM's torch profiler. vLLM writes its table sorted by self CUDA time; this script keeps it
 and sums it by kernel family.
 
     python packages/kvarn-eval/scripts/profile_prefill.py --shape llama-3.1-8b \\
@@ -96,8 +96,8 @@ def _run_one(args: argparse.Namespace, dtype: str, out: Path) -> dict[str, objec
         load_format="dummy",
         skip_tokenizer_init=True,
         kv_cache_dtype=dtype,
-        max_model_len=args.prompt_len + 16,
-        max_num_batched_tokens=args.prompt_len,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_batched_tokens=args.max_num_batched_tokens or args.prompt_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=True,
         enable_prefix_caching=False,
@@ -115,15 +115,23 @@ def _run_one(args: argparse.Namespace, dtype: str, out: Path) -> dict[str, objec
         ids = rng.integers(100, vocab - 100, size=(n, args.prompt_len))
         return [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids]
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts(1), params, use_tqdm=False)  # warm-up: JIT compiles, allocations
+    start = time.perf_counter()  # the same burst without the profiler: its true wall time
+    llm.generate(prompts(args.num_prompts), params, use_tqdm=False)
+    plain = time.perf_counter() - start
     batch = prompts(args.num_prompts)
     llm.start_profile()
     start = time.perf_counter()
     llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     llm.stop_profile()
-    return {"generate_seconds": seconds, "prompt_tokens": args.num_prompts * args.prompt_len}
+    return {
+        "generate_seconds": seconds,
+        "unprofiled_seconds": plain,
+        "prompt_tokens": args.num_prompts * args.prompt_len,
+        "output_tokens": args.num_prompts * args.output_len,
+    }
 
 
 def summarize(out: Path, run: dict[str, object], top: int = 25) -> dict[str, object]:
@@ -151,13 +159,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16-backend", default="FLASH_ATTN", help="attention backend for auto")
     p.add_argument("--prompt-len", type=int, default=16384)
     p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=1,
+        help="tokens generated per prompt (more than 1 mixes decode steps into the burst)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="vLLM's step budget (default: --prompt-len, one prompt per step)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per dtype")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--internal-dtype", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.prompt_len < 1 or args.num_prompts < 1:
-        p.error("--prompt-len and --num-prompts must be >= 1")
+    if min(args.prompt_len, args.num_prompts, args.output_len) < 1:
+        p.error("--prompt-len, --num-prompts and --output-len must be >= 1")
+    if args.max_num_batched_tokens < 0:
+        p.error("--max-num-batched-tokens must be >= 0 (0: --prompt-len)")
 
     if args.internal_dtype is not None:
         out = args.out / args.internal_dtype
@@ -184,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         runs[dtype] = summarize(out, run)
         r = runs[dtype]
         print(
-            f"[{dtype}] {r.get('generate_seconds', float('nan')):.2f} s, "
+            f"[{dtype}] {r.get('unprofiled_seconds', float('nan')):.2f} s unprofiled, "
+            f"{r.get('generate_seconds', float('nan')):.2f} s profiled, "
             f"self CUDA {r.get('self_cuda_ms_total', float('nan'))} ms",
             flush=True,
         )
