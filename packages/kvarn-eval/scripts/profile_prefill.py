@@ -42,8 +42,9 @@ def parse_time_us(text: str) -> float:
 def parse_profiler_table(text: str) -> list[dict[str, float | str]]:
     """Rows of a ``torch.profiler`` key-averages table with CUDA columns.
 
-    Returns ``[{"name", "self_cuda_us", "calls"}]`` in the table's order; the header and
-    separator lines are found by their column titles, so column order and widths may vary.
+    Returns ``[{"name", "self_cuda_us", "calls"}]`` in the table's order. Cells are separated
+    by two or more spaces (a title wider than its column, such as ``CUDA time avg``, shifts
+    the rest of its line, so fixed column spans do not work); a name keeps its single spaces.
     """
     lines = text.splitlines()
     header_at = next(
@@ -51,35 +52,44 @@ def parse_profiler_table(text: str) -> list[dict[str, float | str]]:
     )
     if header_at is None:
         raise ValueError("no 'Name ... Self CUDA' header in the profiler table")
-    header = lines[header_at]
-    rule = next((line for line in lines[header_at + 1 :] if set(line.strip()) == {"-", " "}), "")
-    if not rule:
-        rule = lines[header_at - 1]
-    # Column spans from the dashed rule (each column is a run of dashes).
-    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", rule)]
-    titles = [header[a:b].strip() for a, b in spans]
+    titles = re.split(r"\s{2,}", lines[header_at].strip())
     col = {t: i for i, t in enumerate(titles)}
     for needed in ("Name", "Self CUDA", "# of Calls"):
         if needed not in col:
             raise ValueError(f"profiler table lacks the {needed!r} column: {titles}")
+    if col["Name"] != 0:
+        raise ValueError(f"profiler table's first column is not Name: {titles}")
     rows: list[dict[str, float | str]] = []
     for line in lines[header_at + 1 :]:
         if not line.strip() or set(line.strip()) <= {"-", " "}:
             continue
-        if line.startswith("Self CPU time total") or line.startswith("Self CUDA time total"):
+        if "time total:" in line:
             break
-        cells = [line[a:b].strip() for a, b in spans]
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) < len(titles):
+            continue  # a wrapped or summary line
+        values = cells[len(cells) - len(titles) + 1 :]
+        name = "  ".join(cells[: len(cells) - len(titles) + 1])
         try:
             rows.append(
                 {
-                    "name": cells[col["Name"]],
-                    "self_cuda_us": parse_time_us(cells[col["Self CUDA"]]),
-                    "calls": float(cells[col["# of Calls"]]),
+                    "name": name,
+                    "self_cuda_us": parse_time_us(values[col["Self CUDA"] - 1]),
+                    "calls": float(values[col["# of Calls"] - 1]),
                 }
             )
         except ValueError:
-            continue  # a wrapped or summary line
+            continue
     return rows
+
+
+def parse_cuda_total_us(text: str) -> float | None:
+    """The table footer's ``Self CUDA time total`` in microseconds (``None`` without one).
+
+    The rows mix operators and the kernels they launch (both carry self CUDA time), so the
+    footer, not the sum of the rows, is the burst's GPU time."""
+    m = re.search(r"^Self CUDA time total:\s*(\S+)", text, re.MULTILINE)
+    return parse_time_us(m.group(1)) if m else None
 
 
 def _run_one(args: argparse.Namespace, dtype: str, out: Path) -> dict[str, object]:
@@ -139,8 +149,11 @@ def summarize(out: Path, run: dict[str, object], top: int = 25) -> dict[str, obj
     tables = sorted(out.glob("profiler_out_*.txt"))
     if not tables:
         return {**run, "error": f"no profiler_out_*.txt under {out}"}
-    rows = parse_profiler_table(tables[0].read_text())
-    total = sum(float(r["self_cuda_us"]) for r in rows)
+    text = tables[0].read_text()
+    rows = parse_profiler_table(text)
+    total = parse_cuda_total_us(text)
+    if total is None:
+        total = sum(float(r["self_cuda_us"]) for r in rows)
     return {
         **run,
         "table": str(tables[0]),

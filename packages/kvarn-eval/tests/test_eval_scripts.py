@@ -48,30 +48,24 @@ def profile_prefill():
     return _load_script("profile_prefill")
 
 
-# The layout torch.profiler's key_averages().table() prints with CUDA columns (shortened).
-_TABLE = """\
--------------------------------------------------------  ------------  ------------  ------------  ------------
-Name                                                       Self CPU %     Self CUDA   Self CUDA %    # of Calls
--------------------------------------------------------  ------------  ------------  ------------  ------------
-quantize_tiles_kernel                                           0.10%      70.123ms        35.06%          4096
-void flash_fwd_kernel<Flash_fwd_kernel_traits<128,...           0.02%     120.000ms        60.00%            32
-rotate_rows_kernel                                              0.01%     500.000us         0.25%            64
--------------------------------------------------------  ------------  ------------  ------------  ------------
-Self CPU time total: 1.234s
-Self CUDA time total: 200.000ms
-"""
+# Lines of a real table: vLLM 0.26's torch profiler on an H200 (2026-11-30, bf16, 16K prefill).
+_TABLE = (Path(__file__).parent / "data" / "profiler_table_h200.txt").read_text()
 
 
 def test_profiler_table_parses(profile_prefill):
     rows = profile_prefill.parse_profiler_table(_TABLE)
     assert [r["name"] for r in rows] == [
-        "quantize_tiles_kernel",
-        "void flash_fwd_kernel<Flash_fwd_kernel_traits<128,...",
-        "rotate_rows_kernel",
+        "execute_context_1(16384)_generation_0(0)",
+        "aten::mm",
+        "_vllm_fa3_C::fwd",
+        "void cutlass::device_kernel<flash::enable_sm90_or_la...",
+        "cudaEventSynchronize",
     ]
-    assert rows[0]["self_cuda_us"] == pytest.approx(70123.0)
-    assert rows[1]["calls"] == 32 and rows[2]["self_cuda_us"] == pytest.approx(500.0)
-    assert len(rows) == 3
+    assert rows[1]["self_cuda_us"] == pytest.approx(1.299e6)
+    assert rows[1]["calls"] == 516 and rows[3]["self_cuda_us"] == pytest.approx(507369.0)
+    assert rows[4]["self_cuda_us"] == 0.0 and rows[4]["calls"] == 4
+    assert profile_prefill.parse_cuda_total_us(_TABLE) == pytest.approx(1.933e6)
+    assert profile_prefill.parse_cuda_total_us("no footer") is None
     assert profile_prefill.parse_time_us("1.5s") == pytest.approx(1.5e6)
     with pytest.raises(ValueError, match="not a profiler time"):
         profile_prefill.parse_time_us("12 parsecs")
@@ -84,6 +78,12 @@ def test_profile_summary_names_a_missing_table(profile_prefill, tmp_path):
     assert "no profiler_out" in run["error"]
     (tmp_path / "profiler_out_0.txt").write_text(_TABLE)
     run = profile_prefill.summarize(tmp_path, {"generate_seconds": 1.0}, top=2)
-    assert run["self_cuda_ms_total"] == pytest.approx(190.623)
-    assert [r["name"] for r in run["top"]] == ["quantize_tiles_kernel", run["top"][1]["name"]]
-    assert run["top"][0]["share"] == pytest.approx(70.123 / 190.623, abs=1e-4)
+    assert run["self_cuda_ms_total"] == pytest.approx(1933.0)  # the footer, not the rows' sum
+    assert [r["name"] for r in run["top"]] == [
+        "execute_context_1(16384)_generation_0(0)",
+        "aten::mm",
+    ]
+    assert run["top"][1]["share"] == pytest.approx(1299.0 / 1933.0, abs=1e-4)
+    (tmp_path / "profiler_out_0.txt").write_text(_TABLE.replace("Self CUDA time total", "x"))
+    run = profile_prefill.summarize(tmp_path, {"generate_seconds": 1.0})
+    assert run["self_cuda_ms_total"] == pytest.approx(1942.0 + 1299.0 + 507.369 * 2, abs=0.01)
