@@ -543,8 +543,9 @@ def batch_invariance_case(
     lens: list[int],
     sinks: bool,
     window: int | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Under KVARN_KERNELS_BATCH_INVARIANT=1: the last n positions of sequence 0 as one
+    """In batch-invariant mode (``invariant``, or KVARN_KERNELS_BATCH_INVARIANT=1): the last n positions of sequence 0 as one
     multi-query (verify) block, each position as a decode row alone, and each beside
     sequence 1 (another batch). Returns ``(mqa rows, alone rows, in-batch rows)``."""
     preset, n, dtype = "kvarn_k4v2_g64" if d == 64 else "kvarn_k4v2_g128", 3, torch.float16
@@ -564,6 +565,7 @@ def batch_invariance_case(
         "preset": preset,
         "scale": 0.125,
         "sliding_window": window,
+        "batch_invariant": invariant,
     }
     i32 = {"dtype": torch.int32, "device": device}
     mqa = kk.multi_query_attention(
@@ -596,19 +598,26 @@ def batch_invariance_case(
     return mqa, alone, both
 
 
-@pytest.mark.parametrize(("sinks", "window"), [(False, None), (True, None), (True, 100)])
+@pytest.mark.parametrize(
+    ("sinks", "window", "via"),
+    [(False, None, "env"), (True, None, "env"), (True, 100, "env"), (True, 100, "argument")],
+)
 def test_batch_invariant_mode(
-    monkeypatch: pytest.MonkeyPatch, sinks: bool, window: int | None
+    monkeypatch: pytest.MonkeyPatch, sinks: bool, window: int | None, via: str
 ) -> None:
     """KVARN_KERNELS_BATCH_INVARIANT=1: splits at fixed positions, so a decode row's bits do
     not depend on the rest of the batch; a verify row matches the decode row of its position
     (bit for bit on the GPU, test_kernels_gpu.py; here within fp16 rounding: the
     interpreter's matrix products may sum a row differently by its place in the block)."""
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
-    mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, window)
+    if via == "env":
+        monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+    else:  # the argument wins over the environment
+        monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
+    invariant = True if via == "argument" else None
+    mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, window, invariant)
     for j, (a, b) in enumerate(zip(alone, both, strict=True)):
         assert _bits_equal(a, b), j
         assert_close_rms(a.float().numpy(), mqa[j : j + 1].float().numpy(), 2e-3, what=f"row {j}")
     args = TestGuards()._args()
     with pytest.raises(ValueError, match="num_splits must be None"):
-        kk.decode_attention(**args, num_splits=2)
+        kk.decode_attention(**args, num_splits=2, batch_invariant=invariant)

@@ -7,6 +7,7 @@ and the gathered token indices must select exactly each kind's query rows.
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -223,3 +224,52 @@ def test_prefix_hits_read_the_exact_first_tile_of_its_owner():
     assert step([0], [True], [g], {0: (40, 50)}) == ([g], [7])
     # A hit with unknown first blocks reads its record.
     assert step([5], [True], [g], None) == ([0], [5])
+
+
+def test_buffer_regions_start_on_16_bytes(builder):
+    # The kernels compiled by warm_kernels on fresh (aligned) scratch tensors must be the
+    # ones the builder's views select: Triton specializes pointers on 16-byte alignment.
+    assert all(start % 4 == 0 for start, _ in builder._layout.values()), builder._layout
+    ends = sorted((start, start + size) for start, size in builder._layout.values())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # no overlap
+
+
+def _warm_args(device_type: str):
+    from kvarn_vllm.config import parse_kv_cache_dtype
+
+    config = parse_kv_cache_dtype("kvarn_k4v2_g128")
+    spec = SimpleNamespace(head_size=128, num_kv_heads=8, sliding_window=4096)
+    model = SimpleNamespace(dtype=torch.bfloat16, get_num_attention_heads=lambda parallel: 32)
+    vllm_config = SimpleNamespace(model_config=model, parallel_config=None)
+    return config, spec, vllm_config, SimpleNamespace(type=device_type)
+
+
+def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
+    from kvarn_vllm import kernels
+
+    calls = []
+
+    def fake_warmup(*args, **kwargs):
+        calls.append((args, kwargs))
+        return {"launches": 17, "seconds": 0.5, "query_block_sizes": [1, 2, 4, 8, 16]}
+
+    monkeypatch.setattr(kernels, "warmup", fake_warmup)
+    monkeypatch.setattr(md, "_WARMED", set())
+    assert md.warm_kernels(*_warm_args("cpu")) is None and not calls
+    args = _warm_args("cuda")
+    assert md.warm_kernels(*args)["launches"] == 17
+    assert md.warm_kernels(*args) is None  # once per process and shape
+    ((positional, keywords),) = calls
+    assert positional[:5] == ("kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16)
+    assert keywords == {
+        "staging_tiles": 1,
+        "sink": True,
+        "sliding_window": 4096,
+        "batch_invariant": False,
+    }
+    monkeypatch.setattr(md, "_WARMED", set())
+    monkeypatch.setenv("KVARN_VLLM_WARMUP", "0")
+    assert md.warm_kernels(*args) is None and len(calls) == 1
+    monkeypatch.setenv("KVARN_VLLM_WARMUP", "yes")
+    with pytest.raises(ValueError, match="KVARN_VLLM_WARMUP must be 0 or 1"):
+        md.warm_kernels(*args)

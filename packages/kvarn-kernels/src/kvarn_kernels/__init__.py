@@ -17,6 +17,7 @@ from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
 from kvarn_kernels.plan import StorePlan, plan_store, plan_store_device
 from kvarn_kernels.quantize import encode_tiles, quantize_tiles, store_kv
 from kvarn_kernels.rotation import rotate, unrotate
+from kvarn_kernels.warmup import compiled_variants, warmup
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "cache_shape",
     "check_format_version",
     "choose_num_splits",
+    "compiled_variants",
     "decode_attention",
     "decode_tiles",
     "dequantize",
@@ -44,4 +46,5 @@ __all__ = [
     "staging_shape",
     "store_kv",
     "unrotate",
+    "warmup",
 ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Preset, get_preset
 
 __all__ = [
+    "INVARIANT_ENV",
     "KVARN_PREFIX",
     "SERVED_HEAD_DIMS",
     "SINK_ENV",
@@ -26,6 +27,10 @@ KVARN_PREFIX = "kvarn_"
 SINK_ENV = "KVARN_VLLM_EXACT_SINK"
 """Environment variable: ``0`` quantizes every request's first tile too (more capacity: the
 sink rows cost ``G`` staging tokens per request and layer); default ``1`` keeps it exact."""
+INVARIANT_ENV = "KVARN_KERNELS_BATCH_INVARIANT"
+"""Environment variable: ``1`` runs attention in batch-invariant mode (a token's output bits
+do not depend on the batch), ``0`` never; unset: on exactly when speculative decoding is
+(a verify row then gets the bits a plain decode of that token would)."""
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
 
@@ -51,11 +56,14 @@ class KvarnConfig:
             decoding; a verify step can spill into the next tile otherwise).
         sink: keep each request's first tile (the attention sink) exact in ``G`` staging
             rows besides its quantized record, which prefix-cache hits read.
+        batch_invariant: attention in the kernels' batch-invariant mode (split-K at fixed
+            positions): on by default under speculative decoding.
     """
 
     preset: Preset
     staging_tiles: int = 1
     sink: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -120,12 +128,21 @@ def sink_from_env() -> bool:
     return raw == "1"
 
 
+def invariant_from_env(speculative: bool) -> bool:
+    """The :data:`INVARIANT_ENV` setting; unset: ``speculative``."""
+    raw = os.environ.get(INVARIANT_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{INVARIANT_ENV} must be 0 or 1, got {raw!r}")
+    return speculative if raw == "" else raw == "1"
+
+
 def parse_kv_cache_dtype(
     kv_cache_dtype: str, *, num_speculative_tokens: int | None = None
 ) -> KvarnConfig:
     """Parse a ``kvarn_*`` ``kv_cache_dtype`` into a :class:`KvarnConfig`.
 
-    The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``).
+    The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); batch-invariant
+    attention follows :data:`INVARIANT_ENV` (unset: on with speculative tokens).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -146,4 +163,5 @@ def parse_kv_cache_dtype(
         preset=preset,
         staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
         sink=sink_from_env(),
+        batch_invariant=invariant_from_env(bool(num_speculative_tokens)),
     )

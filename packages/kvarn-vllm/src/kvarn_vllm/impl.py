@@ -211,6 +211,7 @@ def _make_impl_class() -> type:
                     out=output[: md.num_reqs] if whole else None,
                     sink_lens=g.sink_lens,
                     sink_slots=g.sink_slots,
+                    batch_invariant=self.config.batch_invariant,
                 )
                 if not whole:
                     output.index_copy_(0, g.token_index, res)
@@ -237,6 +238,7 @@ def _make_impl_class() -> type:
                     out=output[:n] if g.token_index is None else None,
                     sink_lens=g.sink_lens,
                     sink_slots=g.sink_slots,
+                    batch_invariant=self.config.batch_invariant,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
@@ -354,6 +356,7 @@ def _make_impl_class() -> type:
                 out=out,
                 sink_lens=None if g.sink_lens is None else g.sink_lens[lo:hi],
                 sink_slots=None if g.sink_slots is None else g.sink_slots[lo:hi],
+                batch_invariant=self.config.batch_invariant,
             )
 
         def _fresh(self, g, query, key, value, output, n):

@@ -22,6 +22,7 @@ __all__ = [
     "staging_rows",
     "store_kv",
     "unrotate",
+    "warmup",
 ]
 
 _REQUIRED = (
@@ -36,6 +37,7 @@ _REQUIRED = (
     "rotate",
     "unrotate",
     "staging_rows",
+    "warmup",
 )
 
 
@@ -115,3 +117,8 @@ def unrotate(*args, **kwargs):
 def staging_rows(*args, **kwargs):
     """``kvarn_kernels.staging_rows`` (position -> staging row, sink rows and ring)."""
     return kernels_module().staging_rows(*args, **kwargs)
+
+
+def warmup(*args, **kwargs):
+    """``kvarn_kernels.warmup`` (once per process and shape, before serving)."""
+    return kernels_module().warmup(*args, **kwargs)

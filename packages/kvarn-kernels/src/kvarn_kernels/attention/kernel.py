@@ -435,7 +435,13 @@ def _prune(
     return keep or configs[:1]
 
 
-@triton.jit
+# Integers that change from step to step are not specialized (Triton would otherwise compile a
+# variant for 1 and for multiples of 16 mid-serving); strides of the cache and staging are
+# fixed per engine and keep their alignment specialization (vectorized loads).
+_STEP_VARYING = ("num_splits", "split_steps", "window", "stride_bt")
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def attention_partial_kernel(
     q_ptr,
     stride_qt,
@@ -780,7 +786,7 @@ attention_partial_kernel_autotuned = triton.autotune(
 )(attention_partial_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))
 def attention_combine_kernel(
     acc_ptr,
     ml_ptr,

@@ -25,7 +25,12 @@ from kvarn_kernels.attention.kernel import (
     default_launch,
 )
 
-__all__ = ["choose_num_splits", "decode_attention", "multi_query_attention"]
+__all__ = [
+    "choose_num_splits",
+    "decode_attention",
+    "multi_query_attention",
+    "query_block_sizes",
+]
 
 _LOG2E = 1.4426950408889634
 _MAX_GROUP = 16
@@ -42,8 +47,11 @@ def autotune_enabled() -> bool:
     return os.environ.get("KVARN_KERNELS_AUTOTUNE", "0") == "1"
 
 
-def batch_invariant() -> bool:
-    """``KVARN_KERNELS_BATCH_INVARIANT=1``: each query row's output independent of the batch.
+def batch_invariant(override: bool | None = None) -> bool:
+    """Batch-invariant mode: each query row's output independent of the batch.
+
+    ``override`` (the kernels' ``batch_invariant`` argument) decides when given; else
+    ``KVARN_KERNELS_BATCH_INVARIANT=1`` turns it on.
 
     Split-K boundaries then sit at fixed positions (``split_plan``) instead of following the
     batch size, and multi-query attention runs each query row with decode's launch (steps,
@@ -51,6 +59,8 @@ def batch_invariant() -> bool:
     batch, under CUDA graph padding or as a speculative verify row. The price: more splits
     (partial results) at large batch, fewer programs for a short context at small batch.
     """
+    if override is not None:
+        return bool(override)
     return os.environ.get("KVARN_KERNELS_BATCH_INVARIANT", "0") == "1"
 
 
@@ -93,6 +103,22 @@ def launch_override() -> dict[str, int]:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _query_block(max_query_len: int, group: int, invariant: bool) -> int:
+    """Query tokens per program of the multi-query kernel (a compile-time constant)."""
+    block_h = _next_pow2(group)
+    if invariant:
+        return max(1, 16 // block_h)  # 16 rows, as a decode block
+    return max(1, min(_next_pow2(max_query_len), 64 // block_h))
+
+
+def query_block_sizes(group: int, invariant: bool | None = None) -> list[int]:
+    """Every query block size the multi-query kernel compiles for ``group`` query heads per KV
+    head (one kernel variant each): what :func:`kvarn_kernels.warmup` must launch."""
+    on = batch_invariant(invariant)
+    sizes = {_query_block(1 << i, group, on) for i in range(8)}
+    return sorted(sizes)
 
 
 def choose_num_splits(
@@ -208,6 +234,7 @@ def _run(
     num_splits: int | None,
     sink_lens: torch.Tensor | None,
     sink_slots: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
@@ -231,7 +258,7 @@ def _run(
     group = num_q_heads // num_kv_heads
     block_h = _next_pow2(group)
     decode = query_start_loc is None
-    invariant = batch_invariant()
+    invariant = batch_invariant(invariant)
     if autotune_enabled() and not invariant:
         kernel, launch = attention_partial_kernel_autotuned, {}
     else:
@@ -242,20 +269,15 @@ def _run(
     if invariant:
         if num_splits is not None:
             raise ValueError(
-                "num_splits must be None with KVARN_KERNELS_BATCH_INVARIANT=1 (the splits sit "
-                "at fixed positions)"
+                "num_splits must be None in batch-invariant mode (the splits sit at fixed "
+                "positions)"
             )
         split_steps, num_splits = split_plan(max_chunks * g // launch["SUB"], launch["SUB"], g)
     elif num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
     if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
-    if decode:
-        block_q = 1
-    elif invariant:
-        block_q = max(1, 16 // block_h)  # 16 rows, as a decode block
-    else:
-        block_q = max(1, min(_next_pow2(max_query_len), 64 // block_h))
+    block_q = 1 if decode else _query_block(max_query_len, group, invariant)
     block_m = max(16, block_q * block_h)
     num_qblocks = 1 if decode else triton.cdiv(max(max_query_len, 1), block_q)
     fp32 = query.dtype == torch.float32
@@ -359,6 +381,7 @@ def decode_attention(
     num_splits: int | None = None,
     sink_lens: torch.Tensor | None = None,
     sink_slots: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its quantized tiles and staging.
 
@@ -385,6 +408,9 @@ def decode_attention(
             sequence ``b`` reads (default: its own ``staging_slots[b]``). A sequence that
             shares its first tile with another through the prefix cache can read the exact
             copy the other one wrote.
+        batch_invariant: split-K at fixed positions, so a token's output bits do not depend
+            on the batch (see :func:`batch_invariant`); ``None``: the
+            ``KVARN_KERNELS_BATCH_INVARIANT`` environment variable decides.
 
     Returns:
         ``[B, Hq, D]`` in the original frame, query's dtype.
@@ -421,6 +447,7 @@ def decode_attention(
         num_splits,
         sink_lens,
         sink_slots,
+        batch_invariant,
     )
 
 
@@ -441,6 +468,7 @@ def multi_query_attention(
     num_splits: int | None = None,
     sink_lens: torch.Tensor | None = None,
     sink_slots: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -448,7 +476,8 @@ def multi_query_attention(
     ``query`` ``[num_q_tokens, Hq, D]`` and are its last ``n_b`` positions; their own K/V must
     already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
-    are left untouched.  ``sink_lens``, ``sink_slots``: as :func:`decode_attention`.
+    are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``: as
+    :func:`decode_attention` (batch-invariant mode runs every query row with decode's launch).
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
@@ -495,4 +524,5 @@ def multi_query_attention(
         num_splits,
         sink_lens,
         sink_slots,
+        batch_invariant,
     )

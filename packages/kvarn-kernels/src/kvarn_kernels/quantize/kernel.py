@@ -244,7 +244,7 @@ def quantize_tiles_kernel(
             tl.store(f16 + OFF_VZ // 2 + g, _fp16(v_lo * v_row))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))
 def stage_tokens_kernel(
     key_ptr,
     stride_kt,

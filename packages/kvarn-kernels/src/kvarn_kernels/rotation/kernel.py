@@ -10,7 +10,7 @@ from kvarn_kernels._triton import fwht_rows, round_to
 __all__ = ["rotate_rows_kernel"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))
 def rotate_rows_kernel(
     x_ptr,
     out_ptr,

@@ -1,0 +1,154 @@
+"""Compile every kernel variant an engine launches, before it serves (:func:`warmup`).
+
+Triton compiles a kernel the first time it sees a new combination of compile-time constants.
+An engine that never warms them up compiles mid-serving: the H200 profile of 2026-11-30 found
+about 11 s of a 12-prompt 16K burst spent that way (the multi-query kernel once per query
+block size, the dense-context kernels, the split variants). :func:`warmup` launches each
+variant once on a scratch cache of a few tiles: the store (tile quantization and staging
+writes), decode, multi-query attention for every query block size, the combine kernel,
+dequantization and both rotations. Step-varying integers (split counts, window, row counts)
+are not specialized by the kernels, so one launch covers every value.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvarn_kernels._guards import check_preset
+from kvarn_kernels.attention import decode_attention, multi_query_attention
+from kvarn_kernels.attention.launch import query_block_sizes
+from kvarn_kernels.cache import allocate_cache, allocate_staging
+from kvarn_kernels.dequantize import dequantize
+from kvarn_kernels.plan import plan_store
+from kvarn_kernels.quantize import store_kv
+from kvarn_kernels.rotation import rotate, unrotate
+
+__all__ = ["compiled_variants", "warmup"]
+
+
+def warmup(
+    preset: str,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    staging_tiles: int = 1,
+    sink: bool = False,
+    sliding_window: int | None = None,
+    batch_invariant: bool | None = None,
+) -> dict[str, Any]:
+    """Launch every kernel variant an engine with this shape uses, on scratch tensors.
+
+    Args:
+        preset: the cache preset.
+        head_dim: ``D``.
+        num_q_heads: query heads of a layer (on this rank).
+        num_kv_heads: KV heads of a layer (on this rank).
+        dtype: the model dtype (queries, keys, values, staging).
+        device: where the engine runs.
+        staging_tiles: ``S`` of the engine's staging (2 under speculative decoding).
+        sink: whether staging keeps each request's exact first tile.
+        sliding_window: a sliding-window layer's window (the kernels take it as a runtime
+            value; passing it also warms the masked path).
+        batch_invariant: the mode the engine passes to the attention kernels (``None``: the
+            ``KVARN_KERNELS_BATCH_INVARIANT`` environment variable).
+
+    Returns:
+        ``{"launches": n, "seconds": s, "query_block_sizes": [...]}``.
+    """
+    p, layout = check_preset(preset, head_dim)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    device = torch.device(device)
+    start = time.perf_counter()
+    g = p.group_size
+    blocks = 3
+    seq_len = 2 * g + 3  # two quantized tiles, three staged tokens
+    cache = allocate_cache(blocks + 1, num_kv_heads, head_dim, p, device)
+    staging = allocate_staging(2, num_kv_heads, head_dim, p, dtype, device, staging_tiles, sink)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
+
+    launches = 0
+    key, value = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
+    table_host = np.arange(1, blocks + 1, dtype=np.int32).reshape(1, blocks)
+    plan = plan_store(
+        [0], [seq_len], None, [0], table_host, p, staging_tiles=staging_tiles, sink=sink
+    )
+    store_kv(key, value, cache, staging, plan.to(device), p)
+    launches += 2
+
+    def ints(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    table = torch.as_tensor(table_host, device=device)
+    lens, quant, slots = ints(seq_len), ints(2 * g), ints(0)
+    sinks: list[tuple[Any, Any]] = [(None, None)]
+    if sink:
+        sinks.append((ints(g), ints(0)))
+    windows = [None] if sliding_window is None else [None, int(sliding_window)]
+    scale = head_dim**-0.5
+    sizes = query_block_sizes(num_q_heads // num_kv_heads, batch_invariant)
+    for sink_lens, sink_slots in sinks:
+        for window in windows:
+            common = dict(
+                sliding_window=window,
+                sink_lens=sink_lens,
+                sink_slots=sink_slots,
+                batch_invariant=batch_invariant,
+            )
+            query = randn(1, num_q_heads, head_dim)
+            decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)
+            launches += 2
+            for n in sizes:
+                q = randn(n, num_q_heads, head_dim)
+                multi_query_attention(
+                    q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
+                    max_query_len=n, **common,
+                )  # fmt: skip
+                launches += 2
+    k, v = dequantize(cache, table[0, :2].contiguous(), p, head_dim, dtype=dtype)
+    unrotate(rotate(k))
+    launches += 3
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    del layout, v
+    return {
+        "launches": launches,
+        "seconds": time.perf_counter() - start,
+        "query_block_sizes": sizes,
+    }
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each kernel holds (all devices), ``{}`` under Triton's
+    interpreter. An engine that compiles mid-serving shows it here: take it before and after."""
+    from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
+    from kvarn_kernels.dequantize.kernel import dequantize_kernel
+    from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
+    from kvarn_kernels.rotation.kernel import rotate_rows_kernel
+
+    counts = {}
+    for kernel in (
+        attention_partial_kernel,
+        attention_combine_kernel,
+        quantize_tiles_kernel,
+        stage_tokens_kernel,
+        dequantize_kernel,
+        rotate_rows_kernel,
+    ):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            return {}
+        counts[kernel.__name__] = sum(len(entry[0]) for entry in caches.values())
+    return counts
