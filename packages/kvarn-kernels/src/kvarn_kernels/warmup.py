@@ -53,7 +53,8 @@ def warmup(
         dtype: the model dtype (queries, keys, values, staging).
         device: where the engine runs.
         staging_tiles: ``S`` of the engine's staging (2 under speculative decoding).
-        sink: whether staging keeps each request's exact first tile.
+        sink: whether staging keeps each request's exact first tile (the engine then passes
+            ``sink_lens`` to every attention call).
         sliding_window: a sliding-window layer's window (the kernels take it as a runtime
             value; passing it also warms the masked path).
         batch_invariant: the mode the engine passes to the attention kernels (``None``: the
@@ -93,9 +94,8 @@ def warmup(
 
     table = torch.as_tensor(table_host, device=device)
     lens, quant, slots = ints(seq_len), ints(2 * g), ints(0)
-    sinks: list[tuple[Any, Any]] = [(None, None)]
-    if sink:
-        sinks.append((ints(g), ints(0)))
+    # An engine with the sink rows passes them to every call (SINK_ROWS is a constant).
+    sinks: list[tuple[Any, Any]] = [(ints(g), ints(0))] if sink else [(None, None)]
     windows = [None] if sliding_window is None else [None, int(sliding_window)]
     scale = head_dim**-0.5
     sizes = query_block_sizes(num_q_heads // num_kv_heads, batch_invariant)

@@ -436,12 +436,23 @@ def _prune(
 
 
 # Integers that change from step to step are not specialized (Triton would otherwise compile a
-# variant for 1 and for multiples of 16 mid-serving); strides of the cache and staging are
-# fixed per engine and keep their alignment specialization (vectorized loads).
+# variant for 1 and for multiples of 16 mid-serving), nor is the alignment of the per-sequence
+# metadata (read one scalar per program; an engine passes row slices of its tables, whose
+# starts move with the batch); strides of the cache and staging are fixed per engine and keep
+# their specialization (vectorized loads).
 _STEP_VARYING = ("num_splits", "split_steps", "window", "stride_bt")
+_METADATA = (
+    "qstart_ptr",
+    "block_table_ptr",
+    "seq_lens_ptr",
+    "qlens_ptr",
+    "slots_ptr",
+    "sink_lens_ptr",
+    "sink_slots_ptr",
+)
 
 
-@triton.jit(do_not_specialize=_STEP_VARYING)
+@triton.jit(do_not_specialize=_STEP_VARYING, do_not_specialize_on_alignment=_METADATA)
 def attention_partial_kernel(
     q_ptr,
     stride_qt,
@@ -786,7 +797,7 @@ attention_partial_kernel_autotuned = triton.autotune(
 )(attention_partial_kernel)
 
 
-@triton.jit(do_not_specialize=("num_splits",))
+@triton.jit(do_not_specialize=("num_splits",), do_not_specialize_on_alignment=("qend_ptr",))
 def attention_combine_kernel(
     acc_ptr,
     ml_ptr,
