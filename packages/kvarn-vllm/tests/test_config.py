@@ -42,14 +42,13 @@ def test_sink_env(monkeypatch):
         parse_kv_cache_dtype("kvarn_k4v2_g128")
 
 
-def test_batch_invariant_follows_speculation_unless_set(monkeypatch):
+def test_batch_invariant_env(monkeypatch):
     monkeypatch.delenv("KVARN_KERNELS_BATCH_INVARIANT", raising=False)
     assert not parse_kv_cache_dtype("kvarn_k4v2_g128").batch_invariant
-    assert parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).batch_invariant
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
     assert not parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).batch_invariant
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
     assert parse_kv_cache_dtype("kvarn_k4v2_g128").batch_invariant
+    assert parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).batch_invariant
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "on")
     with pytest.raises(ValueError, match="KVARN_KERNELS_BATCH_INVARIANT must be 0 or 1"):
         parse_kv_cache_dtype("kvarn_k4v2_g128")

@@ -29,8 +29,9 @@ SINK_ENV = "KVARN_VLLM_EXACT_SINK"
 sink rows cost ``G`` staging tokens per request and layer); default ``1`` keeps it exact."""
 INVARIANT_ENV = "KVARN_KERNELS_BATCH_INVARIANT"
 """Environment variable: ``1`` runs attention in batch-invariant mode (a token's output bits
-do not depend on the batch), ``0`` never; unset: on exactly when speculative decoding is
-(a verify row then gets the bits a plain decode of that token would)."""
+do not depend on the batch, CUDA-graph padding or speculative verify); default ``0``. It makes
+two runs agree only when both use it (EAGLE in this mode against a plain run in the default
+launch agreed on 93.0% of greedy tokens, H200; both in it: 99.9%)."""
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
 
@@ -57,7 +58,7 @@ class KvarnConfig:
         sink: keep each request's first tile (the attention sink) exact in ``G`` staging
             rows besides its quantized record, which prefix-cache hits read.
         batch_invariant: attention in the kernels' batch-invariant mode (split-K at fixed
-            positions): on by default under speculative decoding.
+            positions), from :data:`INVARIANT_ENV`.
     """
 
     preset: Preset
@@ -128,12 +129,12 @@ def sink_from_env() -> bool:
     return raw == "1"
 
 
-def invariant_from_env(speculative: bool) -> bool:
-    """The :data:`INVARIANT_ENV` setting; unset: ``speculative``."""
-    raw = os.environ.get(INVARIANT_ENV, "").strip()
-    if raw not in ("", "0", "1"):
+def invariant_from_env() -> bool:
+    """The :data:`INVARIANT_ENV` setting: ``1`` on, ``0`` (default) off."""
+    raw = os.environ.get(INVARIANT_ENV, "0").strip()
+    if raw not in ("0", "1"):
         raise ValueError(f"{INVARIANT_ENV} must be 0 or 1, got {raw!r}")
-    return speculative if raw == "" else raw == "1"
+    return raw == "1"
 
 
 def parse_kv_cache_dtype(
@@ -142,7 +143,7 @@ def parse_kv_cache_dtype(
     """Parse a ``kvarn_*`` ``kv_cache_dtype`` into a :class:`KvarnConfig`.
 
     The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); batch-invariant
-    attention follows :data:`INVARIANT_ENV` (unset: on with speculative tokens).
+    attention follows :data:`INVARIANT_ENV` (off unless it is ``1``).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -163,5 +164,5 @@ def parse_kv_cache_dtype(
         preset=preset,
         staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
         sink=sink_from_env(),
-        batch_invariant=invariant_from_env(bool(num_speculative_tokens)),
+        batch_invariant=invariant_from_env(),
     )
