@@ -7,7 +7,8 @@ block size, the dense-context kernels, the split variants). :func:`warmup` launc
 variant once on a scratch cache of a few tiles: the store (tile quantization and staging
 writes), decode, multi-query attention for every query block size, the combine kernel,
 dequantization and both rotations. Step-varying integers (split counts, window, row counts)
-are not specialized by the kernels, so one launch covers every value.
+and the alignment of the per-sequence metadata are not specialized by the kernels, so one
+launch covers every value.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def warmup(
     Returns:
         ``{"launches": n, "seconds": s, "query_block_sizes": [...]}``.
     """
-    p, layout = check_preset(preset, head_dim)
+    p, _ = check_preset(preset, head_dim)
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -95,34 +96,31 @@ def warmup(
     table = torch.as_tensor(table_host, device=device)
     lens, quant, slots = ints(seq_len), ints(2 * g), ints(0)
     # An engine with the sink rows passes them to every call (SINK_ROWS is a constant).
-    sinks: list[tuple[Any, Any]] = [(ints(g), ints(0))] if sink else [(None, None)]
-    windows = [None] if sliding_window is None else [None, int(sliding_window)]
+    sink_lens, sink_slots = (ints(g), ints(0)) if sink else (None, None)
     scale = head_dim**-0.5
     sizes = query_block_sizes(num_q_heads // num_kv_heads, batch_invariant)
-    for sink_lens, sink_slots in sinks:
-        for window in windows:
-            common = dict(
-                sliding_window=window,
-                sink_lens=sink_lens,
-                sink_slots=sink_slots,
-                batch_invariant=batch_invariant,
-            )
-            query = randn(1, num_q_heads, head_dim)
-            decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)
+    for window in [None] if sliding_window is None else [None, int(sliding_window)]:
+        common: dict[str, Any] = dict(
+            sliding_window=window,
+            sink_lens=sink_lens,
+            sink_slots=sink_slots,
+            batch_invariant=batch_invariant,
+        )
+        query = randn(1, num_q_heads, head_dim)
+        decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)
+        launches += 2
+        for n in sizes:
+            q = randn(n, num_q_heads, head_dim)
+            multi_query_attention(
+                q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
+                max_query_len=n, **common,
+            )  # fmt: skip
             launches += 2
-            for n in sizes:
-                q = randn(n, num_q_heads, head_dim)
-                multi_query_attention(
-                    q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
-                    max_query_len=n, **common,
-                )  # fmt: skip
-                launches += 2
-    k, v = dequantize(cache, table[0, :2].contiguous(), p, head_dim, dtype=dtype)
+    k, _ = dequantize(cache, table[0, :2].contiguous(), p, head_dim, dtype=dtype)
     unrotate(rotate(k))
     launches += 3
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    del layout, v
     return {
         "launches": launches,
         "seconds": time.perf_counter() - start,
