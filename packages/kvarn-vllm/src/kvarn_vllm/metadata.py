@@ -477,8 +477,9 @@ def _make_builder_class() -> type:
             self.max_writes = self.max_num_tokens
             r, t = self.max_num_reqs, self.max_num_tokens
             # One int32 buffer, fixed regions: plan tiles, plan writes, per-row vectors.
-            # Regions start at 16-byte boundaries, as fresh tensors do, so the kernel variants
-            # warm_kernels compiled on scratch tensors are the ones these views select.
+            # Regions start at 16-byte boundaries, as fresh tensors do: the store kernels
+            # specialize on their plan pointers' alignment, so the variants warm_kernels
+            # compiled on scratch tensors are the ones these views select.
             writes_at = _align4(self.max_tiles * 5)
             self._layout = {
                 "tiles": (0, self.max_tiles * 5),
