@@ -27,6 +27,7 @@ from typing import Any
 import triton  # type: ignore[import-untyped]
 from kvarn_kernels._triton import INTERPRET
 from kvarn_math import PRESETS, get_preset, tile_layout
+from kvarn_math.varnorm import DEFAULT_ITERATIONS
 from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
 from triton.compiler import ASTSource  # type: ignore[import-untyped]
 
@@ -131,7 +132,7 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
                 _tile_consts(name, d),
                 SG=g,
                 SINK_ROWS=g,
-                ITERS=8,
+                ITERS=DEFAULT_ITERATIONS,
                 FRESH_ROTATED=False,
                 PRECISE=True,
             )
