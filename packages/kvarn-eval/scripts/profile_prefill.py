@@ -4,14 +4,16 @@ The sixth H200 run found kvarn's 16K-prompt bursts prefilling at about two third
 rate (docs/serving.md). This script measures where that time goes: per KV cache dtype, one
 engine on a dummy-weight model shape (eager, so every kernel shows), a warm-up prompt, then
 ``--num-prompts`` prompts of ``--prompt-len`` random tokens with ``--output-len`` output tokens
-each (default 1: pure prefill), timed once without and once under vLLM's torch profiler. vLLM writes its table sorted by self CUDA time; this script keeps it
-and sums it by kernel family.
+each (default 1: pure prefill), timed once without and once under vLLM's torch profiler.
+vLLM writes its table sorted by self CUDA time; this script keeps it and summarizes the total
+(the table's footer) and the largest rows.
 
     python packages/kvarn-eval/scripts/profile_prefill.py --shape llama-3.1-8b \\
         --dtypes auto kvarn_k4v2_g128 --prompt-len 16384 --num-prompts 4 --out $OUT/prof
 
 Writes ``OUT/<dtype>/profiler_out_0.txt`` (vLLM's table) and ``OUT/summary.json``: per dtype,
-the wall time of the profiled generate, the total self CUDA time and the 25 largest rows.
+the wall times of the plain and the profiled generate, the total self CUDA time and the 25
+largest rows.
 vLLM also leaves its gzipped traces under ``OUT/<dtype>/`` (tens of MB; delete them before
 copying results back when space is short).
 Each dtype runs in its own process, so one engine's memory is gone before the next starts.

@@ -18,9 +18,10 @@ against the plain preset:
   layers or heads that are most sensitive, at the same average").
 * ``refitN`` / ``refitN_v``: after RTN, refit each row's step and zero point to its codes by
   least squares and re-round, ``N`` times (keys and values, or values only); the same bytes.
-* ``itersN``: ``N`` variance-normalization sweeps instead of 8. The sweeps are most of the
-  store's GPU time (H200, 2026-11-30: 1.98 ms per layer and 16K-token prompt with 8, 1.16 with
-  2, 0.29 with none; Llama-3.1-8B shape), which is 15% of a 16K prefill.
+* ``itersN``: ``N`` variance-normalization sweeps instead of kvarn-math's default (8 until
+  2026-11-30, 2 since). The sweeps are most of the store's GPU time (H200, 2026-11-30, the
+  launcher's 16 warps: 2.07 ms per layer and 16K-token prompt with 8, 0.82 with 2, 0.23 with
+  none; Llama-3.1-8B shape), which was 15% of a 16K prefill with 8.
 
 The ``log8`` variant (one-byte balancing factors) measured neutral here and is the record format
 since; its numbers stay in ``docs/results/cpu-2026-11-30/recipe_sweep_log8_*.json``.
@@ -167,32 +168,6 @@ def main() -> int:
                 tile_mod.quantize_rows = original
             return (k_r if self.keys else plain.roundtrip(k, v)[0]), v_r
 
-    @dataclass(frozen=True)
-    class Iterations(Method):
-        """The plain preset with ``iters`` variance-normalization sweeps instead of the
-        default (``itersN``): the same bytes; the store does less work."""
-
-        name: str = f"{args.preset}+iters4"
-        iters: int = 4
-
-        def bytes_per_token_per_head(self, head_dim: int) -> float:
-            return plain.bytes_per_token_per_head(head_dim)
-
-        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
-            import kvarn_math.tile as tile_mod
-
-            original = tile_mod.variance_normalize
-            iters = self.iters
-
-            def fewer(tile, iterations=0):  # type: ignore[no-untyped-def]
-                return original(tile, iters)
-
-            tile_mod.variance_normalize = fewer
-            try:
-                return plain.roundtrip(k, v)
-            finally:
-                tile_mod.variance_normalize = original
-
     variants: list[Method] = []
     for name in filter(None, (v.strip() for v in args.variants.split(","))):
         if name == "clip":
@@ -216,7 +191,13 @@ def main() -> int:
                 )
             )
         elif re.fullmatch(r"iters[0-9]+", name):
-            variants.append(Iterations(name=f"{args.preset}+{name}", iters=int(name[5:])))
+            variants.append(
+                KVarN(
+                    name=f"{args.preset}+{name}",
+                    group_size=plain.group_size,
+                    iterations=int(name[5:]),
+                )
+            )
         elif name.startswith("signs") and name[5:].isdigit():
             variants.append(RandomSigns(name=f"{args.preset}+{name}", seed=int(name[5:])))
         else:

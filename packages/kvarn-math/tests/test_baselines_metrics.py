@@ -63,6 +63,27 @@ def test_bytes_per_token() -> None:
     )
 
 
+def test_kvarn_sweeps_reach_the_quantizer() -> None:
+    from kvarn_math import dequantize_tiles, quantize_tiles
+    from kvarn_math.varnorm import DEFAULT_ITERATIONS
+
+    k, v = make_kv((256, 2, 64), "outlier_channels", 3), make_kv((256, 2, 64), "heavy_tailed", 4)
+    assert KVarN.of("kvarn_k4v2_g128").iterations == DEFAULT_ITERATIONS
+    eight = KVarN(name="kvarn_k4v2_g128+iters8", iterations=8)
+    got = eight.roundtrip(k, v)
+    tiles = (
+        k.reshape(2, 128, 2, 64).transpose(0, 2, 1, 3),
+        v.reshape(2, 128, 2, 64).transpose(0, 2, 1, 3),
+    )
+    want = dequantize_tiles(
+        quantize_tiles(*tiles, "kvarn_k4v2_g128", iterations=8), "kvarn_k4v2_g128", 64
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w.transpose(0, 2, 1, 3).reshape(256, 2, 64))
+    none = KVarN(name="kvarn_k4v2_g128+iters0", iterations=0).roundtrip(k, v)
+    assert not np.array_equal(none[0], got[0])  # the field, not the default, was used
+
+
 def test_rotation_helps_kivi_style_keys_with_outliers_only_where_expected() -> None:
     # both methods see the same data; the relation between them is data dependent, but both
     # must beat plain per-token int2 keys on outlier-channel data (KIVI's reason to exist)

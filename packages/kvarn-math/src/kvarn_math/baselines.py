@@ -25,6 +25,7 @@ from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import Preset, get_preset, tile_layout
 from kvarn_math.rtn import check_bits, quantize_rows
 from kvarn_math.tile import dequantize_tiles, quantize_tiles
+from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
 __all__ = [
     "Method",
@@ -221,6 +222,7 @@ class KVarN(Method):
     name: str = "kvarn_k4v2_g128"
     group_size: int = 128
     clip_ratios: tuple[float, ...] = ()
+    iterations: int = DEFAULT_ITERATIONS
 
     @property
     def preset(self) -> Preset:
@@ -245,6 +247,7 @@ class KVarN(Method):
             _tiles(ka, self.group_size),
             _tiles(va, self.group_size),
             self.preset,
+            iterations=self.iterations,
             clip_ratios=self.clip_ratios,
         )
         k_hat, v_hat = dequantize_tiles(records, self.preset, d)
