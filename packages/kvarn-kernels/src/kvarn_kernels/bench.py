@@ -434,6 +434,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.autotune:
         # Read at every launch (kvarn_kernels.attention.launch.autotune_enabled).
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "1"
+    from kvarn_kernels.attention.launch import batch_invariant
+
     t0 = time.time()
     hbm = measure_hbm_bandwidth(device, quick)
     cuda = device.type == "cuda"
@@ -446,12 +448,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "git_sha": _git_sha(),
         "dtype": args.dtype,
         "quick": quick,
+        "batch_invariant": batch_invariant(),
         "hbm_copy_gbps": hbm,
         "attention": [],
         "store": [],
         "notes": [],
     }
-    print(f"# {report['gpu']}: device-to-device copy {hbm:.0f} GB/s", flush=True)
+    mode = ", batch-invariant attention" if report["batch_invariant"] else ""
+    print(f"# {report['gpu']}: device-to-device copy {hbm:.0f} GB/s{mode}", flush=True)
     for preset in [] if args.skip_grid else presets:
         for shape_name, hq, hkv, d in shapes:
             template = _template_records(preset, d, hkv, dtype, device)
