@@ -656,6 +656,50 @@ def test_bench_and_report_end_to_end(
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2
 
 
+def test_report_keeps_one_engine_per_prompt_length(
+    fake_vllm: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache run once per prompt length (one engine each, in separate folders: how long
+    bursts fit 10-minute GPU calls) gives one row per length, not the last engine's only."""
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    common = ["--suites", "throughput", "--gpu-models", "llama-3.1-8b", "--output-len", "16"]
+    folders = {
+        "bf16": ["--caches", "bf16@FLASH_ATTN", "--prompt-lens", "1024,2048"],
+        "q2k": ["--caches", "kvarn_k4v2_g128", "--prompt-lens", "2048"],
+        "q1k": ["--caches", "kvarn_k4v2_g128", "--prompt-lens", "1024"],
+    }
+    for name, extra in folders.items():
+        assert cli.main(["bench", *common, *extra, "--out", str(tmp_path / name)]) == 0
+    merged = tmp_path / "merged"
+    dirs = [str(tmp_path / name) for name in folders]
+    assert cli.main(["report", *dirs, "--out", str(merged), "--no-plot"]) == 0
+    payload = json.loads((merged / "results.json").read_text())
+    assert payload["left_out"] == []
+    throughput = next(r for r in payload["results"] if r["suite"] == "throughput")
+    rows = {(r["cache"], r["prompt_len"]): r for r in throughput["rows"]}
+    assert sorted(rows) == [
+        ("bf16@FLASH_ATTN", 1024),
+        ("bf16@FLASH_ATTN", 2048),
+        ("kvarn_k4v2_g128", 1024),
+        ("kvarn_k4v2_g128", 2048),
+    ]
+    assert all(r["status"] == "ok" and r["throughput_vs_bf16"] for r in rows.values())
+    capacity = next(r for r in payload["results"] if r["suite"] == "capacity")
+    assert [r["cache"] for r in capacity["rows"]].count("kvarn_k4v2_g128") == 1
+    # The same length again replaces the earlier engine and says so.
+    again = tmp_path / "again"
+    assert cli.main(["bench", *common, *folders["q1k"], "--out", str(again)]) == 0
+    capsys.readouterr()
+    assert cli.main(["report", *dirs, str(again), "--out", str(merged), "--no-plot"]) == 0
+    left_out = json.loads((merged / "results.json").read_text())["left_out"]
+    assert len(left_out) == 1 and "(1024): kept the run from" in left_out[0]
+
+
 def test_root_cause_of_an_engine_start_up_failure() -> None:
     """vLLM's front end says only "Engine core initialization failed. See root cause above.";
     the record names the engine core's own exception (lines as an H200 log had them)."""

@@ -520,13 +520,18 @@ def test_launch_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert launch_override() == {}
 
 
-def test_split_plan_fixed_positions() -> None:
+def test_split_plan_fixed_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_kernels.attention import launch
     from kvarn_kernels.attention.launch import split_plan
 
+    assert split_plan(129, 128, 128) == (8, 17)  # 1024 positions (8 tiles) per split
+    assert split_plan(16, 64, 128) == (16, 1)
+    assert split_plan(40, 64, 64) == (16, 3)  # 16 tiles of 64 per split
+    assert split_plan(1024, 128, 128) == (16, 64)  # at most 64 splits
+    assert split_plan(1, 32, 128) == (32, 1)
+    monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 1)
     assert split_plan(16, 128, 128) == (1, 16)  # one tile per split
     assert split_plan(16, 64, 128) == (2, 8)
-    assert split_plan(1024, 128, 128) == (16, 64)  # at most 64 splits
-    assert split_plan(1, 32, 128) == (4, 1)
     with pytest.raises(ValueError, match="sub dividing G"):
         split_plan(8, 48, 128)
 
@@ -609,6 +614,9 @@ def test_batch_invariant_mode(
     not depend on the rest of the batch; a verify row matches the decode row of its position
     (bit for bit on the GPU, test_kernels_gpu.py; here within fp16 rounding: the
     interpreter's matrix products may sum a row differently by its place in the block)."""
+    from kvarn_kernels.attention import launch
+
+    monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 64)  # several splits at these lengths
     if via == "env":
         monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
     else:  # the argument wins over the environment

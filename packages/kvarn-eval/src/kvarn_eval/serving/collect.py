@@ -64,29 +64,44 @@ def load_records(folder: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _key(record: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
+    """What a record measured: its suite, its run name (model, parallelism, cache) and, for
+    throughput, its prompt lengths (two engines of one cache, one per prompt length, are two
+    measurements, not a run and its repeat)."""
+    lens: tuple[int, ...] = ()
+    if record["suite"] == "throughput":
+        workload = record.get("workload") or {}
+        lens = tuple(
+            sorted(int(n) for n in workload.get("prompt_lens") or record.get("bursts") or ())
+        )
+    return record["suite"], record["name"], lens
+
+
 def _merge(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """One record per (suite, name): a later one replaces an earlier one unless it is worse.
+    """One record per (suite, name, prompt lengths): a later one replaces an earlier one unless
+    it is worse.
 
     Returns:
         The kept records, and one line per record left out (which, from where, kept what),
         so that two runs of the same cache under different settings never collapse silently.
     """
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    merged: dict[tuple[str, str, tuple[int, ...]], dict[str, Any]] = {}
     dropped: list[str] = []
     for record in records:
-        key = (record["suite"], record["name"])
+        key = _key(record)
+        label = f"{key[0]}/{key[1]}" + (f" ({','.join(map(str, key[2]))})" if key[2] else "")
         old = merged.get(key)
         if old is None or not (old.get("status") == "ok" and record.get("status") != "ok"):
             merged[key] = record
             if old is not None:
                 dropped.append(
-                    f"{key[0]}/{key[1]}: kept the run from {record.get('source')} "
+                    f"{label}: kept the run from {record.get('source')} "
                     f"({record.get('status')}), left out the one from {old.get('source')} "
                     f"({old.get('status')})"
                 )
         else:
             dropped.append(
-                f"{key[0]}/{key[1]}: kept the run from {old.get('source')} (ok), left out the "
+                f"{label}: kept the run from {old.get('source')} (ok), left out the "
                 f"one from {record.get('source')} ({record.get('status')})"
             )
     return list(merged.values()), dropped
@@ -127,7 +142,10 @@ def collect_results(
     results = list(kept)
     capacity = list(by_suite["capacity"])
     names = {r["name"] for r in capacity}
-    capacity += [r for r in by_suite["throughput"] if r["name"] not in names]
+    for r in by_suite["throughput"]:  # engines the capacity suite did not start: one row each
+        if r["name"] not in names:
+            names.add(r["name"])
+            capacity.append(r)
     if capacity:
         results.append(
             capacity_result(capacity, settings.get("capacity") or settings.get("throughput", {}))
