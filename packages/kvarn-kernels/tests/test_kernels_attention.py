@@ -524,11 +524,11 @@ def test_split_plan_fixed_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_kernels.attention import launch
     from kvarn_kernels.attention.launch import split_plan
 
-    assert split_plan(129, 128, 128) == (8, 17)  # 1024 positions (8 tiles) per split
-    assert split_plan(16, 64, 128) == (16, 1)
-    assert split_plan(40, 64, 64) == (16, 3)  # 16 tiles of 64 per split
-    assert split_plan(1024, 128, 128) == (16, 64)  # at most 64 splits
-    assert split_plan(1, 32, 128) == (32, 1)
+    assert split_plan(129, 128, 128) == (16, 9)  # 2048 positions (16 tiles) per split
+    assert split_plan(16, 64, 128) == (32, 1)
+    assert split_plan(40, 64, 64) == (32, 2)  # 32 tiles of 64 per split
+    assert split_plan(2048, 128, 128) == (32, 64)  # at most 64 splits
+    assert split_plan(1, 32, 128) == (64, 1)
     monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 1)
     assert split_plan(16, 128, 128) == (1, 16)  # one tile per split
     assert split_plan(16, 64, 128) == (2, 8)

@@ -37,9 +37,10 @@ _MAX_GROUP = 16
 _ATTENTION_HEAD_DIMS = (64, 128, 256)
 _MAX_SPLITS = 64
 # Batch-invariant splits hold at least this many positions: a split's fixed cost (query
-# rotation, partial write, combine) is then small against its walk. H200, batch 64 x 16K:
-# 4-tile splits cost 27% over the default launch (measured 2026-11-30, docs/kernels.md).
-_MIN_SPLIT_TOKENS = 1024
+# rotation, partial write, combine) is then small against its walk. H200, Llama-3.1-8B
+# shape, against the default launch (2026-11-30, docs/kernels.md): 4-tile splits cost 27% at
+# batch 64 x 16K, 1024 positions 12%, 2048 positions 5% (and 4-5% at batch 256).
+_MIN_SPLIT_TOKENS = 2048
 
 
 def autotune_enabled() -> bool:
