@@ -18,6 +18,17 @@ against the plain preset:
   layers or heads that are most sensitive, at the same average").
 * ``refitN`` / ``refitN_v``: after RTN, refit each row's step and zero point to its codes by
   least squares and re-round, ``N`` times (keys and values, or values only); the same bytes.
+* ``norot_k`` / ``norot``: no Hadamard rotation for the keys (or keys and values): the
+  channels are quantized as they come, as KIVI does (fed through the preset's own rotation
+  after its inverse, so the rotations cancel). KVARN.md traces kvarn_k2v2's loss to KIVI-2 on
+  Gemma-3 to the rotation spreading outlier key channels.
+* ``autorot_tile`` / ``autorot_seq``: keys rotated or not, whichever reconstructs the tile with
+  the smaller squared error; decided per tile, or per KV head on its first tile (one flag per
+  sequence and head).
+* ``recentN``: "a short exact window of the most recent tokens besides the open tile": each
+  query also reads the ``N`` complete tiles before its own exact (the plain preset otherwise).
+  The records are the same; a serving engine would keep those tiles in staging (``N`` more
+  tiles per request slot and layer).
 * ``itersN``: ``N`` variance-normalization sweeps instead of kvarn-math's default (8 until
   2026-11-30, 2 since). The sweeps are most of the store's GPU time (H200, 2026-11-30, the
   launcher's 16 warps: 2.07 ms per layer and 16K-token prompt with 8, 0.82 with 2, 0.23 with
@@ -94,7 +105,7 @@ def main() -> int:
     from kvarn_eval.models import load_model
     from kvarn_eval.suites import _text_chunks
     from kvarn_math.baselines import KVarN, Method
-    from kvarn_math.hadamard import random_signs
+    from kvarn_math.hadamard import random_signs, rotate, unrotate
     from kvarn_math.layout import Preset
 
     plain = KVarN.of(args.preset)
@@ -126,6 +137,51 @@ def main() -> int:
             s = random_signs(k.shape[-1], self.seed).astype("float32")
             k_hat, v_hat = plain.roundtrip(k * s, v * s)
             return k_hat * s, v_hat * s
+
+    @dataclass(frozen=True)
+    class NoRotation(Method):
+        """The plain preset without its Hadamard rotation on the keys (``values`` too): the
+        input is rotated first, so the preset's rotation (its own inverse) cancels it."""
+
+        name: str = f"{args.preset}+norot_k"
+        values: bool = False
+
+        def bytes_per_token_per_head(self, head_dim: int) -> float:
+            return plain.bytes_per_token_per_head(head_dim)
+
+        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
+            k_in = rotate(k).astype("float32")
+            v_in = rotate(v).astype("float32") if self.values else v
+            k_hat, v_hat = plain.roundtrip(k_in, v_in)
+            k_out = unrotate(k_hat).astype("float32")
+            return k_out, (unrotate(v_hat).astype("float32") if self.values else v_hat)
+
+    @dataclass(frozen=True)
+    class AutoRotation(Method):
+        """Keys rotated or not, whichever reconstructs with the smaller squared error: per
+        tile (``autorot_tile``), or per KV head from the head's first tile and then for all
+        its tiles (``autorot_seq``; a sequence-level choice an engine can make once)."""
+
+        name: str = f"{args.preset}+autorot_tile"
+        per_tile: bool = True
+
+        def bytes_per_token_per_head(self, head_dim: int) -> float:
+            return plain.bytes_per_token_per_head(head_dim)
+
+        def roundtrip(self, k, v):  # type: ignore[no-untyped-def]
+            import numpy as np
+
+            k = np.asarray(k, dtype=np.float32)
+            k_rot, v_hat = plain.roundtrip(k, v)
+            k_raw = unrotate(plain.roundtrip(rotate(k).astype("float32"), v)[0])
+            g = plain.group_size
+            err_rot = ((k_rot - k) ** 2).reshape(-1, g, *k.shape[1:]).sum(axis=(1, 3))
+            err_raw = ((k_raw - k) ** 2).reshape(-1, g, *k.shape[1:]).sum(axis=(1, 3))
+            raw = err_raw < err_rot  # [tiles, heads]
+            if not self.per_tile:
+                raw = np.broadcast_to(raw[:1], raw.shape)
+            pick = np.repeat(raw, g, axis=0)[:, :, None]
+            return np.where(pick, k_raw, k_rot).astype("float32"), v_hat
 
     @dataclass(frozen=True)
     class OtherBits(KVarN):
@@ -169,8 +225,11 @@ def main() -> int:
             return (k_r if self.keys else plain.roundtrip(k, v)[0]), v_r
 
     variants: list[Method] = []
+    recent: list[int] = []
     for name in filter(None, (v.strip() for v in args.variants.split(","))):
-        if name == "clip":
+        if re.fullmatch(r"recent[1-9]", name):
+            recent.append(int(name[6:]))
+        elif name == "clip":
             variants.append(clipped)
         elif name == "clip_v":
             variants.append(ValuesClipped())
@@ -198,12 +257,18 @@ def main() -> int:
                     iterations=int(name[5:]),
                 )
             )
+        elif name in ("autorot_tile", "autorot_seq"):
+            variants.append(
+                AutoRotation(name=f"{args.preset}+{name}", per_tile=name == "autorot_tile")
+            )
+        elif name in ("norot_k", "norot"):
+            variants.append(NoRotation(name=f"{args.preset}+{name}", values=name == "norot"))
         elif name.startswith("signs") and name[5:].isdigit():
             variants.append(RandomSigns(name=f"{args.preset}+{name}", seed=int(name[5:])))
         else:
             parser.error(
-                f"unknown variant {name!r}: expected clip, clip_v, signsN, kXvY, refitN[_v] "
-                "or itersN"
+                f"unknown variant {name!r}: expected clip, clip_v, signsN, kXvY, refitN[_v], "
+                "norot_k, norot, autorot_tile, autorot_seq, recentN or itersN"
             )
 
     started = time.time()
@@ -222,18 +287,34 @@ def main() -> int:
         suite="wikitext",
         source=source,
     )
+    results = [("", result)]
+    for n in recent:  # the plain preset again, reading N more recent tiles exact
+        again = evaluate_perplexity(
+            lm.model,
+            chunks,
+            [*select_methods("bf16", BLOCK), plain],
+            head_dim=lm.head_dim,
+            block_size=BLOCK,
+            sink_tokens=BLOCK,
+            recent_blocks=n,
+            suite="wikitext",
+            source=source,
+        )
+        results.append((f"+recent{n}", again))
     rows: dict[str, dict] = {}
-    for row in result.rows:
-        if row.method == "bf16":
-            continue
-        rows[row.method] = {
-            "delta_pct": row.delta_pct,
-            "delta_se_pct": row.delta_se_pct,
-            "kl": row.kl,
-            "top1": row.top1,
-            "chunk_nll": row.chunk_nll,
-        }
-        print(f"{row.method}: {row.delta_pct:+.2f}% ± {row.delta_se_pct:.2f}, KL {row.kl:.5f}")
+    for suffix, res in results:
+        for row in res.rows:
+            if row.method == "bf16":
+                continue
+            name = row.method + suffix
+            rows[name] = {
+                "delta_pct": row.delta_pct,
+                "delta_se_pct": row.delta_se_pct,
+                "kl": row.kl,
+                "top1": row.top1,
+                "chunk_nll": row.chunk_nll,
+            }
+            print(f"{name}: {row.delta_pct:+.2f}% ± {row.delta_se_pct:.2f}, KL {row.kl:.5f}")
     base = rows[plain.name]["chunk_nll"]
     for name, row in rows.items():
         if name != plain.name:

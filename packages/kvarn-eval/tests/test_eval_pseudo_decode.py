@@ -71,6 +71,26 @@ def test_mask_with_sink_tokens(sink: int) -> None:
         assert torch.equal(mask, pseudo_decode_mask(seq_len, BLOCK, sink == BLOCK))
 
 
+@pytest.mark.parametrize("recent", [1, 2])
+def test_mask_with_recent_exact_blocks(recent: int) -> None:
+    seq_len = 5 * BLOCK + 9
+    mask = pseudo_decode_mask(seq_len, BLOCK, True, recent_blocks=recent)
+    quantized, exact = mask[:, :seq_len], mask[:, seq_len:]
+    causal = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+    assert not (quantized & exact).any() and torch.equal(quantized | exact, causal)
+    for q in range(seq_len):
+        b = q // BLOCK
+        first_exact = max(0, b - recent) * BLOCK  # blocks b - R .. b, and block 0 (the sink)
+        assert exact[q, first_exact : q + 1].all() and exact[q, : min(BLOCK, q + 1)].all()
+        assert quantized[q, BLOCK:first_exact].all()
+    assert torch.equal(
+        pseudo_decode_mask(seq_len, BLOCK, True, recent_blocks=0),
+        pseudo_decode_mask(seq_len, BLOCK, True),
+    )
+    with pytest.raises(ValueError, match="recent_blocks must be >= 0"):
+        PseudoDecodeConfig(Unquantized(), BLOCK, recent_blocks=-1)
+
+
 def test_mask_sliding_window() -> None:
     mask = pseudo_decode_mask(300, BLOCK, True, sliding_window=100)
     visible = mask[:, :300] | mask[:, 300:]

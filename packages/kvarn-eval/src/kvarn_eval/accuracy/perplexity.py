@@ -134,6 +134,7 @@ class PerplexityResult(MethodRows):
     rows: list[PerplexityRow]
     sink_tokens: int = 0
     sink_requantize: bool = False
+    recent_blocks: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -175,6 +176,7 @@ def evaluate_perplexity(
     exact_first_block: bool = True,
     sink_tokens: int | None = None,
     sink_requantize: bool = False,
+    recent_blocks: int = 0,
     suite: str = "text",
     source: str = "",
     advance: Callable[[str], None] | None = None,
@@ -191,6 +193,7 @@ def evaluate_perplexity(
         sink_tokens: keys ``[0, S)`` read exact by every query (``None``: the whole first block
             with ``exact_first_block``, else none); see :class:`PseudoDecodeConfig`.
         sink_requantize: quantize block 0 without its sink tokens (copies of token ``S``).
+        recent_blocks: complete blocks before a query's own that it reads exact.
         advance: called with the method name after each forward pass (progress bars).
     """
     import time
@@ -203,7 +206,9 @@ def evaluate_perplexity(
         raise ValueError(f"chunks must share one length >= 2, got lengths {sorted(lengths)}")
     ordered = sorted(methods, key=lambda m: m.name != reference)
     configs = {
-        m.name: PseudoDecodeConfig(m, block_size, exact_first_block, sink_tokens, sink_requantize)
+        m.name: PseudoDecodeConfig(
+            m, block_size, exact_first_block, sink_tokens, sink_requantize, recent_blocks
+        )
         for m in ordered
     }
     scores: dict[str, list[ChunkScores]] = {m.name: [] for m in ordered}
@@ -237,5 +242,6 @@ def evaluate_perplexity(
         rows=rows,
         sink_tokens=configs[reference].sink,
         sink_requantize=sink_requantize,
+        recent_blocks=recent_blocks,
         seconds=time.perf_counter() - start,
     )

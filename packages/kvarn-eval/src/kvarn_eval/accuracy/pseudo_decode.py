@@ -8,7 +8,9 @@ cache. With ``exact_first_block`` the first block stays exact everywhere (the fo
 first tile, the attention sink, unquantized). ``sink_tokens = S`` generalizes it: only keys
 ``[0, S)`` stay exact everywhere, and the rest of block 0 is read quantized like any earlier
 block; ``sink_requantize`` quantizes block 0 with its first ``S`` tokens replaced by copies of
-token ``S`` (so that the sink does not enter block 0's scales).
+token ``S`` (so that the sink does not enter block 0's scales). ``recent_blocks = R`` also keeps
+the ``R`` complete blocks before a query's own block exact for it (a short exact window of the
+most recent tokens besides the open tile, which a serving engine would keep in staging).
 
 Quantization errors accumulate through the layers exactly as in block-by-block decoding: layer
 ``l`` quantizes K/V computed from hidden states that already went through quantized attention in
@@ -62,6 +64,7 @@ class PseudoDecodeConfig:
             ``exact_first_block``, else 0.
         sink_requantize: quantize block 0 with its first ``S`` tokens replaced by copies of
             token ``S`` (they are read exact anyway; this keeps them out of the scales).
+        recent_blocks: ``R``: a query in block ``b`` reads blocks ``b - R .. b`` exact.
     """
 
     method: Method | None
@@ -69,10 +72,13 @@ class PseudoDecodeConfig:
     exact_first_block: bool = True
     sink_tokens: int | None = None
     sink_requantize: bool = False
+    recent_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.recent_blocks < 0:
+            raise ValueError(f"recent_blocks must be >= 0, got {self.recent_blocks}")
         if self.sink_tokens is not None and not 0 <= self.sink_tokens <= self.block_size:
             raise ValueError(
                 f"sink_tokens must be in [0, {self.block_size}] (the block size), "
@@ -113,13 +119,15 @@ def pseudo_decode_mask(
     device: torch.device | str = "cpu",
     *,
     sink_tokens: int | None = None,
+    recent_blocks: int = 0,
 ) -> torch.Tensor:
     """Boolean mask ``[T, 2T]`` over the keys ``[K_hat; K]`` (quantized first, exact second).
 
     Query ``t`` in block ``b = t // block_size`` may see exact key ``s`` when ``s <= t`` and ``s``
     is in block ``b`` or ``s < S``, and quantized key ``s`` when ``s`` is in an earlier block and
     ``s >= S``. ``S`` is ``sink_tokens`` when given, else ``block_size`` with
-    ``exact_first_block`` (block 0 exact) and 0 without. A sliding window ``w`` additionally
+    ``exact_first_block`` (block 0 exact) and 0 without; with ``recent_blocks = R`` the blocks
+    ``b - R .. b - 1`` are exact for it too. A sliding window ``w`` additionally
     requires ``t - s < w``. Every query sees exactly one copy of each key ``s <= t`` (inside the
     window).
     """
@@ -131,7 +139,8 @@ def pseudo_decode_mask(
     causal = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
         causal = causal & (pos[:, None] - pos[None, :] < sliding_window)
-    exact_block = (k_block == q_block) | (pos[None, :] < sink_tokens)
+    exact_block = (k_block <= q_block) & (k_block >= q_block - recent_blocks)
+    exact_block = exact_block | (pos[None, :] < sink_tokens)
     exact = causal & exact_block
     quantized = causal & ~exact_block
     return torch.cat([quantized, exact], dim=1)
@@ -223,7 +232,13 @@ def pseudo_decode_attention(
     else:
         k_hat, v_hat = quantize_kv(key, value, config)
         mask = pseudo_decode_mask(
-            seq_len, config.block_size, False, window, query.device, sink_tokens=config.sink
+            seq_len,
+            config.block_size,
+            False,
+            window,
+            query.device,
+            sink_tokens=config.sink,
+            recent_blocks=config.recent_blocks,
         )[offset:]
         out = F.scaled_dot_product_attention(
             query,
