@@ -1,7 +1,7 @@
 """Quantizer variants KVARN.md proposes to test, against the plain preset (perplexity, CPU).
 
-KVARN.md lists ideas "worth testing (each costs bytes or time; keep the ones that pay)". Two of
-them change only how a tile is quantized, not its bytes, and are measured here under
+KVARN.md lists ideas "worth testing (each costs bytes or time; keep the ones that pay)". Those
+that leave a tile's bytes as they are (and a few of our own) are measured here under
 pseudo-decode (WikiText-2, 8 x 1024 tokens, blocks of 128, first block exact, reference bf16;
 SmolLM2, or Gemma-3 with ``--model gemma3-270m --tokens 512``), each paired chunk by chunk
 against the plain preset:
@@ -277,22 +277,12 @@ def main() -> int:
     text, source = find_wikitext()
     chunks = _text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
     methods = [*select_methods("bf16", BLOCK), plain, *variants]
-    result = evaluate_perplexity(
-        lm.model,
-        chunks,
-        methods,
-        head_dim=lm.head_dim,
-        block_size=BLOCK,
-        sink_tokens=BLOCK,
-        suite="wikitext",
-        source=source,
-    )
-    results = [("", result)]
-    for n in recent:  # the plain preset again, reading N more recent tiles exact
-        again = evaluate_perplexity(
+    results = []
+    for n in [0, *recent]:  # recentN: bf16 and the plain preset again, N more tiles exact
+        result = evaluate_perplexity(
             lm.model,
             chunks,
-            [*select_methods("bf16", BLOCK), plain],
+            methods if n == 0 else [*select_methods("bf16", BLOCK), plain],
             head_dim=lm.head_dim,
             block_size=BLOCK,
             sink_tokens=BLOCK,
@@ -300,7 +290,7 @@ def main() -> int:
             suite="wikitext",
             source=source,
         )
-        results.append((f"+recent{n}", again))
+        results.append((f"+recent{n}" if n else "", result))
     rows: dict[str, dict] = {}
     for suffix, res in results:
         for row in res.rows:
