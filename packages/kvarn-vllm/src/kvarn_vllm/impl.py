@@ -25,6 +25,8 @@ import logging
 import os
 from typing import Any
 
+from kvarn_math.layout import tile_layout
+
 from kvarn_vllm import compat
 from kvarn_vllm.config import parse_kv_cache_dtype
 
@@ -39,6 +41,7 @@ _STAGING: dict[str, Any] = {
     "tokens": 0,
     "staging_tiles": 1,
     "sink": False,
+    "cache_bytes_per_token": 0.0,
     "logged": False,
 }
 
@@ -62,6 +65,16 @@ def log_staging_once() -> None:
         _STAGING["layers"],
         _STAGING["bytes"] / 2**30,
     )
+    per_token = _STAGING.get("cache_bytes_per_token", 0.0)
+    if per_token > 0 and _STAGING["slots"]:
+        # What the staging would hold as quantized cache instead (same layers, same heads).
+        tokens = _STAGING["bytes"] / per_token
+        logger.info(
+            "kvarn: that is the memory of about %s tokens of this KV cache (%s per request "
+            "slot); each slot fewer gives the cache that many.",
+            f"{round(tokens):,}",
+            f"{round(tokens / _STAGING['slots']):,}",
+        )
     if _STAGING.get("sink"):
         logger.info(
             "kvarn: each request's first tile (the attention sink) stays exact in staging (%d "
@@ -159,6 +172,10 @@ def _make_impl_class() -> type:
                 _STAGING["tokens"] = self.config.staging_tokens
                 _STAGING["staging_tiles"] = self.config.staging_tiles
                 _STAGING["sink"] = self.config.sink
+                layout = tile_layout(self.preset, head_size)
+                _STAGING["cache_bytes_per_token"] += (
+                    self.num_kv_heads * layout.tile_bytes / layout.group_size
+                )
             self.workspace = None
             if dense_context_enabled():
                 self.workspace = _dense_workspace(
