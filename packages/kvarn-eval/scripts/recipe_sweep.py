@@ -26,7 +26,8 @@ against the plain preset:
   the smaller squared error; decided per tile, or per KV head on its first tile (one flag per
   sequence and head).
 * ``recentN``: "a short exact window of the most recent tokens besides the open tile": each
-  query also reads the ``N`` complete tiles before its own exact (the plain preset otherwise).
+  query also reads the ``N`` complete tiles before its own exact (every other variant is run
+  that way too, as ``<variant>+recentN``).
   The records are the same; a serving engine would keep those tiles in staging (``N`` more
   tiles per request slot and layer).
 * ``itersN``: ``N`` variance-normalization sweeps instead of kvarn-math's default (8 until
@@ -278,11 +279,11 @@ def main() -> int:
     chunks = _text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
     methods = [*select_methods("bf16", BLOCK), plain, *variants]
     results = []
-    for n in [0, *recent]:  # recentN: bf16 and the plain preset again, N more tiles exact
+    for n in [0, *recent]:  # recentN: every method again, N more tiles exact
         result = evaluate_perplexity(
             lm.model,
             chunks,
-            methods if n == 0 else [*select_methods("bf16", BLOCK), plain],
+            methods,
             head_dim=lm.head_dim,
             block_size=BLOCK,
             sink_tokens=BLOCK,
