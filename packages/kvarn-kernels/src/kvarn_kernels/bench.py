@@ -546,16 +546,11 @@ def _autotune_choices() -> dict[str, str]:
 
 def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on)."""
-    from kvarn_kernels.attention import choose_num_splits
-    from kvarn_kernels.attention.kernel import default_launch
-    from kvarn_kernels.attention.launch import batch_invariant, launch_override, split_plan
+    from kvarn_kernels.attention.launch import batch_invariant, launch_splits
 
     g = case.layout.group_size
-    chunks = case.block_table.shape[1] + 1
-    if batch_invariant():
-        sub = {**default_launch(True, case.d, g), **launch_override()}["SUB"]
-        return split_plan(chunks * g // sub, sub, g)[1]
-    return choose_num_splits(case.b, case.hkv, chunks, case.device, g)
+    chunks = case.block_table.shape[1] + case.staging.shape[2] // g  # as the launcher counts
+    return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, batch_invariant())[1]
 
 
 def _fmt(x: object, spec: str) -> str:

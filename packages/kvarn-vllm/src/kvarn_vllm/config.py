@@ -18,6 +18,7 @@ __all__ = [
     "SERVED_HEAD_DIMS",
     "SINK_ENV",
     "KvarnConfig",
+    "env_flag",
     "is_kvarn_dtype",
     "parse_kv_cache_dtype",
     "preset_names",
@@ -121,20 +122,26 @@ def staging_tiles_for(num_speculative_tokens: int | None, group_size: int) -> in
     return 1 + -(-2 * k // group_size)
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A ``0``/``1`` environment variable (unset: ``default``).
+
+    Raises:
+        ValueError: any other value, naming the variable.
+    """
+    raw = os.environ.get(name, "1" if default else "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def sink_from_env() -> bool:
     """The :data:`SINK_ENV` setting: ``0`` turns the exact first tile off, ``1`` (default) on."""
-    raw = os.environ.get(SINK_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{SINK_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_flag(SINK_ENV, True)
 
 
 def invariant_from_env() -> bool:
     """The :data:`INVARIANT_ENV` setting: ``1`` on, ``0`` (default) off."""
-    raw = os.environ.get(INVARIANT_ENV, "0").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{INVARIANT_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_flag(INVARIANT_ENV, False)
 
 
 def parse_kv_cache_dtype(

@@ -22,13 +22,12 @@ never capped below what the user asked for.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from kvarn_math.layout import tile_layout
 
 from kvarn_vllm import compat
-from kvarn_vllm.config import parse_kv_cache_dtype
+from kvarn_vllm.config import env_flag, parse_kv_cache_dtype
 
 __all__ = ["KvarnAttentionImpl", "staging_report"]  # noqa: F822 (built lazily)
 
@@ -456,10 +455,7 @@ _WORKSPACES: dict[tuple[Any, ...], Any] = {}
 def dense_context_enabled() -> bool:
     """``KVARN_VLLM_DENSE_CONTEXT`` (default ``1``; ``0`` sends every continuation chunk
     through the multi-query kernel)."""
-    raw = os.environ.get(DENSE_CONTEXT_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{DENSE_CONTEXT_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_flag(DENSE_CONTEXT_ENV, True)
 
 
 def _use_dense_context(group: Any, workspace: Any) -> bool:

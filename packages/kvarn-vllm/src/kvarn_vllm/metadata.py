@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from kvarn_vllm.config import KvarnConfig, parse_kv_cache_dtype
+from kvarn_vllm.config import KvarnConfig, env_flag, parse_kv_cache_dtype
 
 __all__ = [
     "SPEC_METHODS",
@@ -67,10 +66,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
     shape; GPU only; ``KVARN_VLLM_WARMUP=0`` skips it. Returns ``kvarn_kernels.warmup``'s
     summary, or ``None`` when skipped.
     """
-    raw = os.environ.get(WARMUP_ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"{WARMUP_ENV} must be 0 or 1, got {raw!r}")
-    if raw == "0" or getattr(device, "type", "cpu") != "cuda":
+    if not env_flag(WARMUP_ENV, True) or getattr(device, "type", "cpu") != "cuda":
         return None
     from kvarn_vllm import kernels
 

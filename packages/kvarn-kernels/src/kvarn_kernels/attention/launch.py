@@ -106,6 +106,30 @@ def launch_override() -> dict[str, int]:
     return out
 
 
+def untuned_launch(decode: bool, head_dim: int, group_size: int) -> dict[str, int]:
+    """Launch parameters of the untuned kernel: :func:`default_launch` with any
+    ``KVARN_KERNELS_ATTN_LAUNCH`` override."""
+    return {**default_launch(decode, head_dim, group_size), **launch_override()}
+
+
+def launch_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_chunks: int,
+    head_dim: int,
+    group_size: int,
+    device: torch.device,
+    invariant: bool,
+) -> tuple[int, int]:
+    """``(split_steps, num_splits)`` the launcher picks when not given ``num_splits``: in
+    batch-invariant mode :func:`split_plan` over the table with decode's step size, else
+    :func:`choose_num_splits` (``split_steps`` 0: the kernel divides the sequence)."""
+    if invariant:
+        sub = untuned_launch(True, head_dim, group_size)["SUB"]
+        return split_plan(max_chunks * group_size // sub, sub, group_size)
+    return 0, choose_num_splits(num_seqs, num_kv_heads, max_chunks, device, group_size)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -269,17 +293,16 @@ def _run(
     else:
         # Batch-invariant: every row with decode's launch, whatever the query count.
         kernel = attention_partial_kernel
-        launch = {**default_launch(decode or invariant, d, g), **launch_override()}
+        launch = untuned_launch(decode or invariant, d, g)
+    if invariant and num_splits is not None:
+        raise ValueError(
+            "num_splits must be None in batch-invariant mode (the splits sit at fixed positions)"
+        )
     split_steps = 0
-    if invariant:
-        if num_splits is not None:
-            raise ValueError(
-                "num_splits must be None in batch-invariant mode (the splits sit at fixed "
-                "positions)"
-            )
-        split_steps, num_splits = split_plan(max_chunks * g // launch["SUB"], launch["SUB"], g)
-    elif num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_chunks, query.device, g)
+    if num_splits is None:
+        split_steps, num_splits = launch_splits(
+            num_seqs, num_kv_heads, max_chunks, d, g, query.device, invariant
+        )
     if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     block_q = 1 if decode else _query_block(max_query_len, group, invariant)
