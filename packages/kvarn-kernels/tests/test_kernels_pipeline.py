@@ -13,12 +13,14 @@ from kvarn_math.testing import assert_close_rms, make_kv
 pytestmark = pytest.mark.interpreter
 
 
-@pytest.mark.parametrize("sink", [False, True])
-def test_prefill_then_decode_matches_reference(sink: bool) -> None:
+@pytest.mark.parametrize(("sink", "recent"), [(False, 0), (True, 0), (False, 1), (True, 1)])
+def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
     """Two requests: chunked prefill, then decode steps across a tile boundary.
 
     With ``sink`` the first tile stays exact in the staging's sink rows (attention reads it
     there) while its quantized record is still written, identical to the no-sink record.
+    With ``recent`` the last complete tile stays in the ring too and attention reads it there
+    (the plan's ``attention_lens``), its record written all the same.
     """
     preset, d, h, hq = "kvarn_k4v2_g64", 64, 2, 4
     g = get_preset(preset).group_size
@@ -30,7 +32,10 @@ def test_prefill_then_decode_matches_reference(sink: bool) -> None:
     ]
     lay = kk.cache_shape(8, h, d, preset)
     cache = unwritten_cache(*lay, "cpu")
-    staging = nan_like_staging(kk.staging_shape(3, h, d, preset, sink=sink), torch.float32, "cpu")
+    s_tiles = 1 + recent
+    staging = nan_like_staging(
+        kk.staging_shape(3, h, d, preset, staging_tiles=s_tiles, sink=sink), torch.float32, "cpu"
+    )
     table = np.array([[6, 2, 5], [0, 7, 3]], dtype=np.int32)
     sink_lens = torch.tensor([g, g], dtype=torch.int32) if sink else None
     slots = [2, 0]
@@ -44,7 +49,18 @@ def test_prefill_then_decode_matches_reference(sink: bool) -> None:
         vals = torch.cat(
             [torch.from_numpy(v[c : c + n]) for (_, v), c, n in zip(seqs, cached, new, strict=True)]
         )
-        plan = kk.plan_store(cached, new, None, slots, table, preset, sink=sink)
+        plan = kk.plan_store(
+            cached,
+            new,
+            None,
+            slots,
+            table,
+            preset,
+            staging_tiles=s_tiles,
+            sink=sink,
+            recent_tiles=recent,
+            exact_start=[0, 0],
+        )
         kk.store_kv(keys, vals, cache, staging, plan, preset)
         cached = [c + n for c, n in zip(cached, new, strict=True)]
         if new == [1, 1]:
@@ -55,7 +71,7 @@ def test_prefill_then_decode_matches_reference(sink: bool) -> None:
                 staging,
                 bt,
                 plan.seq_lens,
-                plan.quantized_lens,
+                plan.attention_lens,
                 torch.tensor(slots, dtype=torch.int32),
                 preset,
                 d**-0.5,
@@ -64,7 +80,11 @@ def test_prefill_then_decode_matches_reference(sink: bool) -> None:
             )
             for b, (k, v) in enumerate(seqs):
                 ref = quantize_sequence(
-                    k[: cached[b]], v[: cached[b]], preset, keep_first_tile=sink and cached[b] >= g
+                    k[: cached[b]],
+                    v[: cached[b]],
+                    preset,
+                    keep_first_tile=sink and cached[b] >= g,
+                    recent_tiles=recent,
                 )
                 want = reference_attention(q[b : b + 1], ref, d**-0.5)
                 assert_close_rms(want, out[b : b + 1].numpy(), 1e-4, what=f"step {cached}, seq {b}")

@@ -4,7 +4,8 @@ Each token is identified by ``(position, version)``: a speculative token that is
 later rewritten at the same position with a new version.  Applying the plans in order (tiles
 first, then staging writes, as store_kv launches them) must leave every quantized tile holding
 exactly the final committed tokens of its positions, each tile quantized once, and the staging
-holding ``[quantized_len, seq_len)``.
+holding ``[read_len, seq_len)``: the open tokens, and with recent tiles the last complete tiles
+too, from the first position the request wrote itself (a prefix-cache hit stays records only).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def schedules(draw: st.DrawFn) -> dict[str, object]:
         "reqs": reqs,
         "prompt": [draw(st.integers(0, 3 * G)) for _ in range(n)],
         "sink": draw(st.booleans()),
+        "recent": draw(st.integers(0, 2)),
+        "hits": [draw(st.sampled_from([0, 0, G, 2 * G])) for _ in range(n)],
     }
 
 
@@ -77,13 +80,16 @@ def schedules(draw: st.DrawFn) -> dict[str, object]:
 def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object]) -> None:
     reqs, spec = sched["reqs"], sched["spec"]
     n = len(reqs)
-    s_tiles = 2 if spec else 1
+    recent = int(sched["recent"])
+    s_tiles = (2 if spec else 1) + recent
     sink = bool(sched.get("sink", False))
     sim = Sim(n, s_tiles, sink)
     table = np.arange(n * 64, dtype=np.int32).reshape(n, 64) * 7 % (n * 64)
     slots = list(range(n))[::-1]
-    cached = [0] * n
-    quant = [0] * n
+    # A prefix-cache hit of `hits[i]` tokens: records another request wrote, nothing staged.
+    hits = list(sched["hits"])
+    cached = list(hits)
+    quant = list(hits)
     version = [dict() for _ in range(n)]  # position -> version of the token now there
     committed_tok: list[dict[int, tuple[int, int]]] = [dict() for _ in range(n)]
     # Step 0: prompts (committed); then each request's steps, all requests batched together.
@@ -98,6 +104,7 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             toks = []
             for j in range(num):
                 pos = cached[i] + j
+                assert pos >= hits[i]
                 version[i][pos] = version[i].get(pos, -1) + 1
                 toks.append((pos, version[i][pos]))
             batch += toks
@@ -118,32 +125,36 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             staging_tiles=s_tiles,
             num_quantized=quant,
             sink=sink,
+            recent_tiles=recent,
+            exact_start=hits,
         )
         assert_device_plan_equals(
-            plan, cached, new, committed_after, slots, table, s_tiles, quant, sink
+            plan, cached, new, committed_after, slots, table, s_tiles, quant, sink, recent, hits
         )
         sim.apply(plan, batch)
         quant = plan.quantized_lens.tolist()
+        read = plan.attention_lens.tolist()
         for i in range(n):
-            # staging holds [quantized_len, seq_len)
-            for pos in range(quant[i], cached[i] + new[i]):
+            assert read[i] == min(max(hits[i], quant[i] - recent * G), quant[i])
+            # staging holds [read_len, seq_len): attention reads exact tokens from there
+            for pos in range(read[i], cached[i] + new[i]):
                 assert sim.staging[(slots[i], sim.row(pos))] == (pos, version[i][pos])
             # accepted drafts become committed; rejected ones are dropped from the length
             keep = min(new[i], 1 if (spec and step > 0 and new[i]) else new[i]) + accepted[i]
             cached[i] += keep
     for i in range(n):
-        for t in range(quant[i] // G):
+        for t in range(hits[i] // G, quant[i] // G):
             block = int(table[i, t])
             assert sim.writes_per_block[block] == 1
             assert sim.blocks[block] == [committed_tok[i][p] for p in range(t * G, (t + 1) * G)]
         assert quant[i] == (max(committed_tok[i], default=-1) + 1) // G * G or spec
         if sink:  # the sink rows hold the request's committed first tile, for good
-            for pos in range(min(G, cached[i])):
+            for pos in range(hits[i], min(G, cached[i])):
                 assert sim.staging[(slots[i], pos)] == committed_tok[i][pos]
 
 
 def assert_device_plan_equals(  # type: ignore[no-untyped-def]
-    plan, cached, new, committed, slots, table, s_tiles, quant, sink=False
+    plan, cached, new, committed, slots, table, s_tiles, quant, sink=False, recent=0, hits=None
 ) -> None:
     """plan_store_device, given the committed count as ``num_drafts``, makes the same plan."""
     n = len(cached)
@@ -165,6 +176,8 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
         max_tiles=plan.num_tiles + 2,
         max_writes=int(qsl[-1]) + 2,
         sink=sink,
+        recent_tiles=recent,
+        exact_start=None if hits is None else t(hits),
     )
     tiles, writes = dev.tiles.numpy(), dev.writes.numpy()
     np.testing.assert_array_equal(tiles[: plan.num_tiles], plan.tiles.numpy())
@@ -173,6 +186,7 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
     assert (writes[writes[:, 0] < 0] == -1).all()
     np.testing.assert_array_equal(dev.quantized_lens.numpy(), plan.quantized_lens.numpy())
     np.testing.assert_array_equal(dev.seq_lens.numpy(), plan.seq_lens.numpy())
+    np.testing.assert_array_equal(dev.attention_lens.numpy(), plan.attention_lens.numpy())
 
 
 def test_device_plan_padding_rows_and_shapes() -> None:
@@ -229,6 +243,12 @@ def test_padding_for_cuda_graphs() -> None:
         ({"num_new": [G + 80], "num_committed": [10]}, "raise staging_tiles"),
         ({"num_cached": [-1]}, "num_cached must be >= 0"),
         ({"staging_tiles": 0}, "staging_tiles must be a positive int"),
+        ({"recent_tiles": 1}, "recent_tiles must be an int in \\[0, staging_tiles=1\\)"),
+        ({"exact_start": [5]}, "exact_start\\[0\\] must be a multiple of G=64"),
+        (
+            {"staging_tiles": 2, "recent_tiles": 1, "num_new": [G + 80], "num_committed": [10]},
+            "\\(2 - 1\\)\\*64",
+        ),
         ({"preset": "nope"}, "unknown KVarN preset"),
     ],
 )

@@ -169,3 +169,36 @@ def test_sink_argument_errors() -> None:
             quantize_sequence(k, k, "kvarn_k4v2_g128", sink_tokens=bad)
     with pytest.raises(ValueError, match="not both"):
         quantize_sequence(k, k, "kvarn_k4v2_g128", keep_first_tile=True, sink_tokens=4)
+
+
+@given(
+    kv_sequences(max_tokens=400),
+    st.booleans(),
+    st.integers(0, 3),
+    st.sampled_from(["kvarn_k4v4_g64", "kvarn_k4v2_g128"]),
+)
+def test_recent_tiles_read_exact_rows_and_leave_records(sample, keep_first, recent, preset) -> None:
+    p = get_preset(preset)
+    g = p.group_size
+    plain = quantize_sequence(sample.k, sample.v, p, keep_first_tile=keep_first)
+    seq = quantize_sequence(sample.k, sample.v, p, keep_first_tile=keep_first, recent_tiles=recent)
+    np.testing.assert_array_equal(seq.records, plain.records)
+    assert seq.num_tokens == plain.num_tokens
+    n = plain.records.shape[0]
+    assert seq.recent_tiles == min(recent, n)
+    t = sample.k.shape[0]
+    end = t - plain.tail_k.shape[0]
+    lo = end - seq.recent_tiles * g
+    k_rot, v_rot = dense_kv(seq)
+    k_plain, v_plain = dense_kv(plain)
+    np.testing.assert_allclose(k_rot[lo:end], rotate(sample.k[lo:end], axis=-1), atol=1e-5)
+    np.testing.assert_allclose(v_rot[lo:end], rotate(sample.v[lo:end], axis=-1), atol=1e-5)
+    # everything else reads what it read without the window
+    np.testing.assert_array_equal(k_rot[:lo], k_plain[:lo])
+    np.testing.assert_array_equal(v_rot[end:], v_plain[end:])
+
+
+def test_recent_tiles_rejects_negative() -> None:
+    k = make_kv((300, 1, 64), "gaussian", 1)
+    with pytest.raises(ValueError, match="recent_tiles must be an int >= 0, got -1"):
+        quantize_sequence(k, k, "kvarn_k4v2_g128", recent_tiles=-1)

@@ -22,24 +22,43 @@ def test_preset_names_cover_every_kvarn_math_preset_default_first():
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_parse_every_preset(name):
+def test_parse_every_preset(name, monkeypatch):
+    monkeypatch.delenv("KVARN_VLLM_RECENT_TILES", raising=False)
     cfg = parse_kv_cache_dtype(name)
     assert cfg.name == name
     assert cfg.preset is PRESETS[name]
     assert cfg.block_size == PRESETS[name].group_size
     assert cfg.staging_tiles == 1
     assert cfg.sink  # default: the first tile stays exact
-    assert cfg.ring_tokens == cfg.block_size
-    assert cfg.staging_tokens == 2 * cfg.block_size
+    assert cfg.recent_tiles == 1  # default: and the last complete one
+    assert cfg.ring_tiles == 2
+    assert cfg.ring_tokens == 2 * cfg.block_size
+    assert cfg.staging_tokens == 3 * cfg.block_size
 
 
 def test_sink_env(monkeypatch):
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "0")
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "0")
     cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
     assert not cfg.sink and cfg.sink_rows == 0 and cfg.staging_tokens == 128
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "yes")
     with pytest.raises(ValueError, match="KVARN_VLLM_EXACT_SINK must be 0 or 1, got 'yes'"):
         parse_kv_cache_dtype("kvarn_k4v2_g128")
+
+
+def test_recent_env(monkeypatch):
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "2")
+    cfg = parse_kv_cache_dtype("kvarn_k4v2_g64", num_speculative_tokens=3)
+    assert (cfg.staging_tiles, cfg.recent_tiles, cfg.ring_tiles) == (2, 2, 4)
+    assert cfg.ring_tokens == 256 and cfg.staging_tokens == 320
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "0")
+    assert parse_kv_cache_dtype("kvarn_k4v2_g128").ring_tokens == 128
+    for bad in ("-1", "one", "5", "1.5"):
+        monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", bad)
+        with pytest.raises(
+            ValueError, match=f"KVARN_VLLM_RECENT_TILES must be an integer from 0 to 4.*{bad!r}"
+        ):
+            parse_kv_cache_dtype("kvarn_k4v2_g128")
 
 
 def test_batch_invariant_env(monkeypatch):
@@ -98,6 +117,8 @@ def test_config_validation():
     preset = PRESETS["kvarn_k4v2_g128"]
     with pytest.raises(ValueError, match="staging_tiles"):
         KvarnConfig(preset=preset, staging_tiles=0)
+    with pytest.raises(ValueError, match="recent_tiles must be an int >= 0, got -1"):
+        KvarnConfig(preset=preset, recent_tiles=-1)
     with pytest.raises(ValueError, match="Preset"):
         KvarnConfig(preset="kvarn_k4v2_g128")  # type: ignore[arg-type]
 

@@ -121,6 +121,9 @@ def test_builder_matches_plan_store(builder, reqs, seed):
         max_tiles=n if uniform_decode else None,
         max_writes=n if uniform_decode else None,
         sink=builder.config.sink,
+        staging_tiles=builder.config.ring_tiles,
+        recent_tiles=builder.config.recent_tiles,
+        exact_start=np.zeros(n, dtype=np.int64),  # no row was (re)added: all began at 0
     )
     assert torch.equal(meta.plan.tiles, want.tiles)
     assert torch.equal(meta.plan.writes, want.writes)
@@ -144,7 +147,8 @@ def test_builder_matches_plan_store(builder, reqs, seed):
             assert tokens.tolist() == expect.tolist()
         assert g.seq_lens.tolist() == (cached + new)[rows].tolist()
         assert g.staging_slots.tolist() == slots[rows].tolist()
-        assert g.quantized_lens.tolist() == want.quantized_lens.numpy()[rows].tolist()
+        # attention's split: the plan's read_lens (the recent tile comes from staging)
+        assert g.quantized_lens.tolist() == want.attention_lens.numpy()[rows].tolist()
         assert torch.equal(g.block_table, torch.from_numpy(table)[torch.from_numpy(rows)])
         lens = np.diff(g.query_start_loc.numpy())
         assert lens.tolist() == new[rows].tolist()
@@ -255,6 +259,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
 
     monkeypatch.setattr(kernels, "warmup", fake_warmup)
     monkeypatch.setattr(md, "_WARMED", set())
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
     assert md.warm_kernels(*_warm_args("cpu")) is None and not calls
     args = _warm_args("cuda")
     assert md.warm_kernels(*args)["launches"] == 17
@@ -262,7 +267,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
     ((positional, keywords),) = calls
     assert positional[:5] == ("kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16)
     assert keywords == {
-        "staging_tiles": 1,
+        "staging_tiles": 2,  # the ring: the open tile and the recent one
         "sink": True,
         "sliding_window": 4096,
         "batch_invariant": False,

@@ -143,12 +143,14 @@ def assert_matches(h, got, k, v, quantized, q, where, slot=None):
     assert _rel(got, want) < 0.5 * _rel(got, exact), where
 
 
-@pytest.mark.parametrize("sink", ["0", "1"])
-def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch, sink):
+@pytest.mark.parametrize(("sink", "recent"), [("0", "1"), ("1", "1"), ("1", "0")])
+def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch, sink, recent):
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", recent)
     h = SpecHarness(vllm_config_factory, monkeypatch)
     assert h.builder.config.sink == (sink == "1")
     assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
+    assert h.builder.config.ring_tiles == 2 + int(recent)
     slot = 2
     rng = np.random.default_rng(1)
     # Prompt: 61 tokens, committed (no drafts), a new request in its row.
@@ -176,10 +178,12 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         meta = h.builder.build(0, h.cam([slot], [cached], [1 + K], [3 * step]))
         assert meta.context is not None and meta.decode is None  # verify -> multi-query
         q, out = h.run(meta, [(slot, cached, (real_k, real_v))])
-        quantized = int(meta.plan.quantized_lens[0])
         # Committed: everything before the step plus its first (sampled) token.
-        assert quantized == (cached + 1) // G * G
-        checked_quantized.add(quantized)
+        assert int(meta.plan.quantized_lens[0]) == (cached + 1) // G * G
+        # Attention reads records up to here, the recent tile and the rest from staging.
+        quantized = int(meta.context.quantized_lens[0])
+        assert quantized == max(0, int(meta.plan.quantized_lens[0]) - int(recent) * G)
+        checked_quantized.add(int(meta.plan.quantized_lens[0]))
         ak, av = h.kv[slot]
         step_k, step_v = torch.cat([ak, real_k]), torch.cat([av, real_v])
         for j in range(1 + K):
@@ -202,7 +206,7 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
             dmeta = h.builder.build(0, h.cam([slot], [cached], [1], None))
         assert dmeta.plan is not None and (dmeta.plan.tiles == -1).all()
         base = h.builder.config.sink_rows
-        row = cached if cached < base else base + (cached - base) % (2 * G)
+        row = cached if cached < base else base + (cached - base) % h.builder.config.ring_tokens
         assert dmeta.plan.writes[0].tolist() == [0, slot, row]
         assert int(dmeta.decode.quantized_lens[0]) == quantized  # drafts commit nothing
         dq, dout = h.run(dmeta, [(slot, cached, (dk, dv))])

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _near_reference(out, q, k, v, window, where, kv_cache, block_row):
-    """``out`` against kvarn-math's attention over the same tokens, tile 0 exact and the other
+def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
+    """``out`` against kvarn-math's attention over the same tokens, tile 0 exact, the last
+    ``recent`` complete tiles exact, and the other
     complete tiles as the records the cache holds in ``block_row`` (checked to encode exactly
     these tokens, ``_records``): within 2%, and much closer to it than to exact attention when
     records are read (so the records, not exact K/V, were read)."""
@@ -35,7 +36,7 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row):
     from kvarn_math.layout import get_preset
 
     kf, vf = k.float().numpy(), v.float().numpy()
-    seq = quantize_sequence(kf, vf, PRESET, keep_first_tile=True)
+    seq = quantize_sequence(kf, vf, PRESET, keep_first_tile=True, recent_tiles=recent)
     seq = cached_records(kv_cache, block_row, kf, vf, seq, PRESET, D)
     lay = tile_layout(PRESET, D)
     exact_seq = QuantizedSequence(
@@ -53,11 +54,14 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row):
         assert rel(out, ref) < 0.5 * rel(out, exact), (where, rel(out, ref), rel(out, exact))
 
 
-@pytest.mark.parametrize("dense_context", ["off", "on", "tiny"])
-def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_context):
+@pytest.mark.parametrize(
+    ("dense_context", "recent"), [("off", 1), ("on", 1), ("tiny", 1), ("on", 0)]
+)
+def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_context, recent):
     """``dense_context``: continuation chunks through the multi-query kernel (off), the
     dense path (on), or the dense path with a workspace too small for the row (tiny: the
-    row falls back to the multi-query kernel)."""
+    row falls back to the multi-query kernel). ``recent``: complete tiles read exact from
+    staging (the default 1, or 0)."""
     from kvarn_vllm import impl as kimpl
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
@@ -66,6 +70,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
     from vllm.v1.worker.gpu import attn_utils
 
     monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "0" if dense_context == "off" else "1")
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", str(recent))
     monkeypatch.setattr(kimpl, "_WORKSPACES", {})
     # Workspace of 1024 tokens, or 128 (tiny): less than the 170-token context row below.
     ws_tokens = 128 if dense_context == "tiny" else 1024
@@ -197,6 +202,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
                 (li, r),
                 kv_caches[names[li]],
                 tables[li][r],
+                recent,
             )
     # A chunked-prefill continuation (69 tokens after 101 cached: a context row) beside a
     # decode row, through multi_query_attention or the dense path: dequantized tiles, the
@@ -212,7 +218,15 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         assert kimpl._use_dense_context(meta.context, workspace) == (dense_context != "off")
         k, v = history[(li, 2)]
         _near_reference(
-            out[:69], q[:69], k, v, window, (li, "context"), kv_caches[names[li]], tables[li][2]
+            out[:69],
+            q[:69],
+            k,
+            v,
+            window,
+            (li, "context"),
+            kv_caches[names[li]],
+            tables[li][2],
+            recent,
         )
     # One tensor, two groups: group 0 quantized the 170-token request's two tiles into blocks 3
     # and 4, group 1 into 13 and 14 (the sink's record too, for prefix-cache hits); nothing else
@@ -230,7 +244,15 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         window = 96 if li == 1 else None
         k, v = history[(li, 2)]
         _near_reference(
-            out, q, k, v, window, (li, "second continuation"), kv_caches[names[li]], tables[li][2]
+            out,
+            q,
+            k,
+            v,
+            window,
+            (li, "second continuation"),
+            kv_caches[names[li]],
+            tables[li][2],
+            recent,
         )
 
     # Preemption and recompute: the 170-token request (row 2) is preempted and resumed in the
@@ -245,7 +267,15 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         window = 96 if li == 1 else None
         k, v = history[(li, 2)]
         _near_reference(
-            out[:1], q[:1], k, v, window, (li, "resumed"), kv_caches[names[li]], tables[li][2]
+            out[:1],
+            q[:1],
+            k,
+            v,
+            window,
+            (li, "resumed"),
+            kv_caches[names[li]],
+            tables[li][2],
+            recent,
         )
 
     # A new request in row 1 that hit the prefix cache on row 2's first tile (blocks 6 / 16):

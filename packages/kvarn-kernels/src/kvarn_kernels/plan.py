@@ -17,6 +17,12 @@ sink) is staged there too, for good, and stays exact for attention while its qua
 serves prefix-cache hits. Position ``p`` then lives at row ``p`` for ``p < G`` and at
 ``G + (p - G) % (S*G)`` after, and the ring must hold ``[max(q_after, G), seq_len)``.
 
+With ``recent_tiles = R`` the last ``R`` complete tiles stay in the ring besides their records
+(their fresh tokens are written to staging too), so attention can read them exact: the plan's
+``read_lens = max(exact_start, q_after - R*G)`` is where a request's exact copy begins
+(``exact_start``: the first position the request wrote itself, which is after any prefix-cache
+hit; tiles before it exist only as records). The open tiles then have ``(S - R) * G`` positions.
+
 :func:`plan_store_device` makes the same plan with torch ops on whatever device its inputs live
 on, without a host synchronization and with fixed output shapes: for engines whose host view of
 the lengths is only an upper bound (speculative decoding with asynchronous scheduling, where the
@@ -55,13 +61,16 @@ class StorePlan:
         writes: int32 ``[max_writes, 3]``: ``token_index`` (-1 = padding), ``slot``,
             ``staging_pos`` (the staging row: ``p % (S*G)``, or with ``sink`` see above).
         seq_lens: int32 ``[B]``, ``num_cached + num_new``.
-        quantized_lens: int32 ``[B]``, tokens in quantized tiles after the step (attention's
-            ``quantized_lens``; the next step's ``num_quantized``).
+        quantized_lens: int32 ``[B]``, tokens in quantized tiles after the step (the next
+            step's ``num_quantized``; attention's ``quantized_lens`` without recent tiles).
         num_tiles: real entries of ``tiles``.
         num_writes: real entries of ``writes``.
         group_size: ``G`` of the preset it was planned for.
         staging_tiles: ``S``.
         sink: staging has the ``G`` sink rows in front (tile 0 kept exact).
+        recent_tiles: ``R``, complete tiles kept in the ring besides their records.
+        read_lens: int32 ``[B]`` tokens attention should read from records (the rest from
+            staging): ``quantized_lens`` without recent tiles; None is the same.
     """
 
     tiles: torch.Tensor
@@ -73,6 +82,13 @@ class StorePlan:
     group_size: int
     staging_tiles: int
     sink: bool = False
+    recent_tiles: int = 0
+    read_lens: torch.Tensor | None = None
+
+    @property
+    def attention_lens(self) -> torch.Tensor:
+        """``read_lens``, or ``quantized_lens`` when the plan keeps no recent tiles."""
+        return self.quantized_lens if self.read_lens is None else self.read_lens
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> StorePlan:
         """The same plan with every tensor on ``device`` (pin the host tensors for async copies)."""
@@ -82,6 +98,9 @@ class StorePlan:
             writes=self.writes.to(device, non_blocking=non_blocking),
             seq_lens=self.seq_lens.to(device, non_blocking=non_blocking),
             quantized_lens=self.quantized_lens.to(device, non_blocking=non_blocking),
+            read_lens=None
+            if self.read_lens is None
+            else self.read_lens.to(device, non_blocking=non_blocking),
         )
 
 
@@ -118,6 +137,8 @@ def plan_store(
     max_tiles: int | None = None,
     max_writes: int | None = None,
     sink: bool = False,
+    recent_tiles: int = 0,
+    exact_start: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor | None = None,
 ) -> StorePlan:
     """Plan one step's store for a batch of ``B`` requests (host only, no GPU work).
 
@@ -141,6 +162,11 @@ def plan_store(
             CUDA graphs); padding rows hold -1 and are skipped.
         sink: keep tile 0 exact in ``G`` sink rows in front of the staging ring (see the
             module docstring); staging then has ``(S + 1) * G`` positions per slot.
+        recent_tiles: ``R`` in ``[0, S)``: keep the last ``R`` complete tiles in the ring too
+            (see the module docstring); the open tiles get ``(S - R) * G`` positions.
+        exact_start: ``[B]`` the first position each request wrote itself (its prefix-cache
+            hit length, a multiple of ``G``); default ``floor(num_cached / G) * G``, which is
+            safe but keeps no recent tile before this step's. Only ``read_lens`` uses it.
 
     Returns:
         :class:`StorePlan` with CPU tensors (call ``.to(device)``).
@@ -154,6 +180,12 @@ def plan_store(
     if not isinstance(staging_tiles, int) or staging_tiles < 1:
         raise ValueError(f"staging_tiles must be a positive int, got {staging_tiles!r}")
     sg = staging_tiles * g
+    if not isinstance(recent_tiles, int) or not 0 <= recent_tiles < staging_tiles:
+        raise ValueError(
+            f"recent_tiles must be an int in [0, staging_tiles={staging_tiles}), got "
+            f"{recent_tiles!r}"
+        )
+    open_cap = sg - recent_tiles * g  # positions of the open tiles
     cached = _ints("num_cached", num_cached)
     b = cached.shape[0]
     new = _ints("num_new", num_new, b)
@@ -193,22 +225,36 @@ def plan_store(
             f"got {quant[i]}"
         )
     base = g if sink else 0  # rows [0, base) hold tile 0 for good; the ring starts after
-    bad = np.flatnonzero(cached - np.maximum(quant, base) > sg)
+    bad = np.flatnonzero(cached - np.maximum(quant, base) > open_cap)
     if bad.size:
         i = bad[0]
         raise ValueError(
             f"request {i}: {cached[i] - quant[i]} cached tokens are not quantized, more than the "
-            f"{sg} staging positions (S*G) could hold"
+            f"{open_cap} staging positions for open tiles ((S - R)*G) could hold"
         )
     q_after = np.maximum(quant, committed // g * g)
-    bad = np.flatnonzero(total - np.maximum(q_after, base) > sg)
+    bad = np.flatnonzero(total - np.maximum(q_after, base) > open_cap)
     if bad.size:
         i = bad[0]
         raise ValueError(
             f"request {i}: after the step {total[i] - q_after[i]} tokens would be unquantized "
-            f"(seq_len {total[i]}, quantized {q_after[i]}), more than the {sg} staging positions "
-            f"(S*G = {staging_tiles}*{g}); raise staging_tiles"
+            f"(seq_len {total[i]}, quantized {q_after[i]}), more than the {open_cap} staging "
+            f"positions for open tiles ((S - R)*G = ({staging_tiles} - {recent_tiles})*{g}); "
+            "raise staging_tiles"
         )
+    if exact_start is None:
+        start_exact = cached // g * g
+    else:
+        start_exact = _ints("exact_start", exact_start, b)
+        bad = np.flatnonzero((start_exact % g != 0) | (start_exact > cached))
+        if bad.size:
+            i = bad[0]
+            raise ValueError(
+                f"exact_start[{i}] must be a multiple of G={g} and <= num_cached={cached[i]}, "
+                f"got {start_exact[i]}"
+            )
+    keep_from = q_after - recent_tiles * g  # fresh tokens from here on go to staging
+    read = np.minimum(np.maximum(start_exact, keep_from), q_after)
 
     # Vectorized over requests (a decode step of hundreds of requests costs tens of us).
     first, last = quant // g, q_after // g
@@ -231,10 +277,11 @@ def plan_store(
         )
     tiles = np.stack([block, slots[req], start, staged, fresh], axis=1).reshape(-1, 5)
 
-    # Fresh tokens staged: those past the quantized tiles, and with a sink those of tile 0.
-    lo = np.where(cached < base, cached, np.maximum(cached, q_after))
+    # Fresh tokens staged: those past the quantized tiles (and the recent ones), and with a
+    # sink those of tile 0.
+    lo = np.where(cached < base, cached, np.maximum(cached, keep_from))
     wreq, pos = _expand(lo, np.maximum(total - lo, 0))
-    keep = (pos >= q_after[wreq]) | (pos < base)
+    keep = (pos >= keep_from[wreq]) | (pos < base)
     wreq, pos = wreq[keep], pos[keep]
     rows = staging_rows(pos, sg, base)
     writes = np.stack([qstart[wreq] + pos - cached[wreq], slots[wreq], rows], axis=1).reshape(-1, 3)
@@ -254,6 +301,8 @@ def plan_store(
         group_size=g,
         staging_tiles=staging_tiles,
         sink=sink,
+        recent_tiles=recent_tiles,
+        read_lens=torch.from_numpy(read.astype(np.int32)) if recent_tiles else None,
     )
 
 
@@ -288,6 +337,8 @@ def plan_store_device(
     max_tiles: int,
     max_writes: int,
     sink: bool = False,
+    recent_tiles: int = 0,
+    exact_start: torch.Tensor | None = None,
 ) -> StorePlan:
     """:func:`plan_store` computed on the device from the step's real lengths (no host sync).
 
@@ -320,6 +371,9 @@ def plan_store_device(
         max_writes: rows of ``writes``; at least the number of fresh tokens
             (``query_start_loc[B]``). Token ``i`` of the batch owns write row ``i``.
         sink: as :func:`plan_store`.
+        recent_tiles: as :func:`plan_store`; the open tiles get ``(S - R) * G`` positions.
+        exact_start: ``[B]`` int, as :func:`plan_store` (default: the row's first cached
+            position rounded down to a tile).
 
     Returns:
         :class:`StorePlan` on the inputs' device; ``num_tiles`` / ``num_writes`` are the
@@ -329,6 +383,11 @@ def plan_store_device(
     g = p.group_size
     if not isinstance(staging_tiles, int) or staging_tiles < 1:
         raise ValueError(f"staging_tiles must be a positive int, got {staging_tiles!r}")
+    if not isinstance(recent_tiles, int) or not 0 <= recent_tiles < staging_tiles:
+        raise ValueError(
+            f"recent_tiles must be an int in [0, staging_tiles={staging_tiles}), got "
+            f"{recent_tiles!r}"
+        )
     sg = staging_tiles * g
     b = seq_lens.shape[0]
     for name, t, shape in (
@@ -344,6 +403,8 @@ def plan_store_device(
         raise ValueError(
             f"block_table must be [B={b}, max_blocks] ints, got shape {list(block_table.shape)}"
         )
+    if exact_start is not None and tuple(exact_start.shape) != (b,):
+        raise ValueError(f"exact_start must have shape [{b}], got {list(exact_start.shape)}")
     for name, n in (("max_tiles", max_tiles), ("max_writes", max_writes)):
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
@@ -359,6 +420,9 @@ def plan_store_device(
     q_after = torch.maximum(q_before, committed // g * g)
     slots = staging_slots.to(i64)
     max_blocks = block_table.shape[1]
+    keep_from = q_after - recent_tiles * g  # fresh tokens from here on go to staging
+    start_exact = cached // g * g if exact_start is None else exact_start.to(i64)
+    read = torch.minimum(torch.maximum(start_exact, keep_from), q_after)
 
     # Tiles [q_before / G, q_after / G) of every request, flattened in request order.
     counts = (q_after - q_before) // g
@@ -384,7 +448,7 @@ def plan_store_device(
         wowner = torch.searchsorted(qsl[1:], i, right=True).clamp(max=b - 1)
         pos = cached[wowner] + i - qsl[wowner]
         base = g if sink else 0
-        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= q_after[wowner]) | (pos < base))
+        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= keep_from[wowner]) | (pos < base))
         writes = torch.stack([i, slots[wowner], staging_rows(pos, sg, base)], dim=1)
         writes = torch.where(write_ok[:, None], writes, -1)
     else:
@@ -399,4 +463,6 @@ def plan_store_device(
         group_size=g,
         staging_tiles=staging_tiles,
         sink=sink,
+        recent_tiles=recent_tiles,
+        read_lens=read.to(torch.int32) if recent_tiles else None,
     )

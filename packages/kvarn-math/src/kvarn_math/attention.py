@@ -6,7 +6,10 @@ A sequence of ``T`` tokens of ``H_kv`` KV heads is stored as
 * ``num_tiles`` quantized **tile records**: with ``S = G`` (the whole first tile exact) they
   cover tokens ``[G, G + num_tiles * G)``; otherwise ``[0, num_tiles * G)``, tile 0 included, and
   reads of positions ``< S`` take the exact rows instead of tile 0's record,
-* an unquantized **open tail** of fewer than ``G`` tokens (the tile still being filled).
+* an unquantized **open tail** of fewer than ``G`` tokens (the tile still being filled),
+* optional exact copies of the **recent tiles**, the last ``R`` complete tiles: their records
+  exist (a prefix-cache hit reads them) but attention reads the exact rows, as a serving engine
+  does that keeps them in staging besides the open tile.
 
 Attention runs in the rotated frame: ``q`` is rotated, scores are ``(q H) . k_rot``, the
 output ``softmax . v_rot`` is un-rotated.  Softmax is computed in float64 here (the kernels
@@ -47,6 +50,8 @@ class QuantizedSequence:
         first_k, first_v: ``[S, H_kv, D]`` float32 exact sink tokens ``[0, S)``, ``0 < S <= G``,
             or ``None``. ``S = G`` is the exact first tile (no record of tile 0 in ``records``);
             ``S < G`` overlays the first ``S`` positions of tile 0's record.
+        recent_k, recent_v: ``[R*G, H_kv, D]`` float32 exact copies of the last ``R`` records'
+            tokens, read instead of those records (``R <= num_tiles``), or ``None``.
     """
 
     preset: Preset
@@ -56,6 +61,13 @@ class QuantizedSequence:
     tail_v: F32
     first_k: F32 | None = None
     first_v: F32 | None = None
+    recent_k: F32 | None = None
+    recent_v: F32 | None = None
+
+    @property
+    def recent_tiles(self) -> int:
+        """``R``, the complete tiles read from exact copies instead of their records."""
+        return 0 if self.recent_k is None else int(self.recent_k.shape[0]) // self.preset.group_size
 
     @property
     def sink_tokens(self) -> int:
@@ -78,6 +90,7 @@ def quantize_sequence(
     *,
     sink_tokens: int | None = None,
     sink_requantize: bool = False,
+    recent_tiles: int = 0,
 ) -> QuantizedSequence:
     """Store a sequence the way the cache does.
 
@@ -94,10 +107,13 @@ def quantize_sequence(
         sink_requantize: with ``0 < S < G``, quantize tile 0 with its first ``S`` tokens
             replaced by copies of token ``S``, so that the sink tokens (often outliers) do not
             enter tile 0's scales; its record then does not depend on them.
+        recent_tiles: ``R >= 0``: the last ``min(R, num_tiles)`` records are read from exact
+            copies (a window of ``R`` complete tiles before the open one; the records are
+            written all the same).
 
     Raises:
-        ValueError: bad shapes, ``sink_tokens`` outside ``[0, G]``, or ``sink_tokens``
-            together with ``keep_first_tile``.
+        ValueError: bad shapes, ``sink_tokens`` outside ``[0, G]``, ``sink_tokens``
+            together with ``keep_first_tile``, or a negative ``recent_tiles``.
     """
     p = get_preset(preset)
     g = p.group_size
@@ -107,6 +123,8 @@ def quantize_sequence(
         raise ValueError("give keep_first_tile or sink_tokens, not both")
     if not 0 <= sink_tokens <= g:
         raise ValueError(f"sink_tokens must be in [0, {g}] (the group size), got {sink_tokens}")
+    if not isinstance(recent_tiles, int) or recent_tiles < 0:
+        raise ValueError(f"recent_tiles must be an int >= 0, got {recent_tiles!r}")
     k_arr = np.asarray(k, dtype=np.float32)
     v_arr = np.asarray(v, dtype=np.float32)
     if k_arr.shape != v_arr.shape or k_arr.ndim != 3:
@@ -127,6 +145,7 @@ def quantize_sequence(
     body_k = body_k.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
     body_v = body_v.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
     records = quantize_tiles(body_k, body_v, p)
+    recent = min(recent_tiles, num_tiles) * g
     return QuantizedSequence(
         preset=p,
         head_dim=d,
@@ -135,6 +154,8 @@ def quantize_sequence(
         tail_v=v_arr[end:].copy(),
         first_k=k_arr[:sink].copy() if sink else None,
         first_v=v_arr[:sink].copy() if sink else None,
+        recent_k=k_arr[end - recent : end].copy() if recent else None,
+        recent_v=v_arr[end - recent : end].copy() if recent else None,
     )
 
 
@@ -157,6 +178,11 @@ def dense_kv(seq: QuantizedSequence) -> tuple[F32, F32]:
         # a partial sink: its positions read the exact rows, not tile 0's record
         k_rot[:sink] = rotate(seq.first_k, axis=-1)
         v_rot[:sink] = rotate(seq.first_v, axis=-1)
+    if seq.recent_k is not None and seq.recent_v is not None and seq.recent_k.shape[0]:
+        # the recent tiles: exact rows instead of their records
+        end = k_rot.shape[0] - seq.tail_k.shape[0]
+        k_rot[end - seq.recent_k.shape[0] : end] = rotate(seq.recent_k, axis=-1)
+        v_rot[end - seq.recent_v.shape[0] : end] = rotate(seq.recent_v, axis=-1)
     return k_rot, v_rot
 
 

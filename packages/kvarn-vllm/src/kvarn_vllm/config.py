@@ -15,6 +15,7 @@ from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Pres
 __all__ = [
     "INVARIANT_ENV",
     "KVARN_PREFIX",
+    "RECENT_ENV",
     "SERVED_HEAD_DIMS",
     "SINK_ENV",
     "KvarnConfig",
@@ -28,6 +29,11 @@ KVARN_PREFIX = "kvarn_"
 SINK_ENV = "KVARN_VLLM_EXACT_SINK"
 """Environment variable: ``0`` quantizes every request's first tile too (more capacity: the
 sink rows cost ``G`` staging tokens per request and layer); default ``1`` keeps it exact."""
+RECENT_ENV = "KVARN_VLLM_RECENT_TILES"
+"""Environment variable: complete tiles before the open one that attention reads exact from
+staging besides their records (default ``1``; ``0`` gives their staging to the KV cache)."""
+DEFAULT_RECENT_TILES = 1
+MAX_RECENT_TILES = 4
 INVARIANT_ENV = "KVARN_KERNELS_BATCH_INVARIANT"
 """Environment variable: ``1`` runs attention in batch-invariant mode (a token's output bits
 do not depend on the batch, CUDA-graph padding or speculative verify); default ``0``. It makes
@@ -58,6 +64,9 @@ class KvarnConfig:
             decoding; a verify step can spill into the next tile otherwise).
         sink: keep each request's first tile (the attention sink) exact in ``G`` staging
             rows besides its quantized record, which prefix-cache hits read.
+        recent_tiles: ``R``, complete tiles before the open one kept exact in staging
+            besides their records (attention reads them there; prefix-cache hits read the
+            records), from :data:`RECENT_ENV`.
         batch_invariant: attention in the kernels' batch-invariant mode (split-K at fixed
             positions), from :data:`INVARIANT_ENV`.
     """
@@ -66,12 +75,15 @@ class KvarnConfig:
     staging_tiles: int = 1
     sink: bool = True
     batch_invariant: bool = False
+    recent_tiles: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
             raise ValueError(f"preset must be a kvarn_math Preset, got {self.preset!r}")
         if not isinstance(self.staging_tiles, int) or self.staging_tiles < 1:
             raise ValueError(f"staging_tiles must be an int >= 1, got {self.staging_tiles!r}")
+        if not isinstance(self.recent_tiles, int) or self.recent_tiles < 0:
+            raise ValueError(f"recent_tiles must be an int >= 0, got {self.recent_tiles!r}")
 
     @property
     def name(self) -> str:
@@ -84,14 +96,20 @@ class KvarnConfig:
         return self.preset.group_size
 
     @property
+    def ring_tiles(self) -> int:
+        """Tiles of the staging ring per request: the open ones and the recent ones, ``S + R``
+        (the kernels' ``staging_tiles``)."""
+        return self.staging_tiles + self.recent_tiles
+
+    @property
     def ring_tokens(self) -> int:
-        """Staging tokens per request and layer for open tiles, ``S * G``."""
-        return self.staging_tiles * self.preset.group_size
+        """Staging tokens per request and layer in the ring, ``(S + R) * G``."""
+        return self.ring_tiles * self.preset.group_size
 
     @property
     def staging_tokens(self) -> int:
-        """Tokens of staging per request and layer, ``(S + sink) * G``."""
-        return (self.staging_tiles + int(self.sink)) * self.preset.group_size
+        """Tokens of staging per request and layer, ``(S + R + sink) * G``."""
+        return (self.ring_tiles + int(self.sink)) * self.preset.group_size
 
     @property
     def sink_rows(self) -> int:
@@ -139,6 +157,21 @@ def sink_from_env() -> bool:
     return env_flag(SINK_ENV, True)
 
 
+def recent_from_env() -> int:
+    """The :data:`RECENT_ENV` setting: an int in ``[0, MAX_RECENT_TILES]``, default 1.
+
+    Raises:
+        ValueError: anything else, naming the variable.
+    """
+    raw = os.environ.get(RECENT_ENV, str(DEFAULT_RECENT_TILES)).strip()
+    if not raw.isdigit() or int(raw) > MAX_RECENT_TILES:
+        raise ValueError(
+            f"{RECENT_ENV} must be an integer from 0 to {MAX_RECENT_TILES} (complete tiles read "
+            f"exact from staging), got {raw!r}"
+        )
+    return int(raw)
+
+
 def invariant_from_env() -> bool:
     """The :data:`INVARIANT_ENV` setting: ``1`` on, ``0`` (default) off."""
     return env_flag(INVARIANT_ENV, False)
@@ -149,8 +182,9 @@ def parse_kv_cache_dtype(
 ) -> KvarnConfig:
     """Parse a ``kvarn_*`` ``kv_cache_dtype`` into a :class:`KvarnConfig`.
 
-    The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); batch-invariant
-    attention follows :data:`INVARIANT_ENV` (off unless it is ``1``).
+    The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); the recent exact
+    tiles :data:`RECENT_ENV` (1 unless set); batch-invariant attention follows
+    :data:`INVARIANT_ENV` (off unless it is ``1``).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -172,4 +206,5 @@ def parse_kv_cache_dtype(
         staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
         sink=sink_from_env(),
         batch_invariant=invariant_from_env(),
+        recent_tiles=recent_from_env(),
     )

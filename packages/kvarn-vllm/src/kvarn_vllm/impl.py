@@ -39,6 +39,8 @@ _STAGING: dict[str, Any] = {
     "slots": 0,
     "tokens": 0,
     "staging_tiles": 1,
+    "recent_tiles": 0,
+    "group_size": 0,
     "sink": False,
     "cache_bytes_per_token": 0.0,
     "logged": False,
@@ -79,15 +81,24 @@ def log_staging_once() -> None:
             "kvarn: each request's first tile (the attention sink) stays exact in staging (%d "
             "of those tokens) besides its quantized record; set KVARN_VLLM_EXACT_SINK=0 to "
             "quantize it too and give that staging to the KV cache.",
-            _STAGING["tokens"] // (_STAGING["staging_tiles"] + 1),
+            _STAGING["group_size"],
+        )
+    if _STAGING.get("recent_tiles", 0):
+        logger.info(
+            "kvarn: each request's last %d complete tile(s) (%d tokens) stay exact in staging "
+            "besides their records, and attention reads them there; set "
+            "KVARN_VLLM_RECENT_TILES=0 to read them quantized and give that staging to the KV "
+            "cache.",
+            _STAGING["recent_tiles"],
+            _STAGING["recent_tiles"] * _STAGING["group_size"],
         )
     if _STAGING.get("staging_tiles", 1) > 1:
         logger.info(
-            "kvarn: speculative decoding: staging holds S=%d tiles (%d tokens) per request and "
-            "layer, so that a complete tile waits there until its tokens are accepted; draft "
-            "layers run on the same kvarn format.",
+            "kvarn: speculative decoding: staging holds S=%d open tiles (%d tokens) per request "
+            "and layer, so that a complete tile waits there until its tokens are accepted; "
+            "draft layers run on the same kvarn format.",
             _STAGING["staging_tiles"],
-            _STAGING["tokens"],
+            _STAGING["staging_tiles"] * _STAGING["group_size"],
         )
 
 
@@ -162,7 +173,7 @@ def _make_impl_class() -> type:
                     self.preset,
                     dtype,
                     torch.get_default_device(),
-                    staging_tiles=self.config.staging_tiles,
+                    staging_tiles=self.config.ring_tiles,
                     sink=self.config.sink,
                 )
                 _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
@@ -170,6 +181,8 @@ def _make_impl_class() -> type:
                 _STAGING["slots"] = num_slots
                 _STAGING["tokens"] = self.config.staging_tokens
                 _STAGING["staging_tiles"] = self.config.staging_tiles
+                _STAGING["recent_tiles"] = self.config.recent_tiles
+                _STAGING["group_size"] = self.preset.group_size
                 _STAGING["sink"] = self.config.sink
                 layout = tile_layout(self.preset, head_size)
                 _STAGING["cache_bytes_per_token"] += (

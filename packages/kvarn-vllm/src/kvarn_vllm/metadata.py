@@ -80,7 +80,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         num_q_heads,
         int(kv_cache_spec.num_kv_heads),
         model.dtype,
-        config.staging_tiles,
+        config.ring_tiles,
         config.sink,
         config.batch_invariant,
         window,
@@ -95,7 +95,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         int(kv_cache_spec.num_kv_heads),
         model.dtype,
         device,
-        staging_tiles=config.staging_tiles,
+        staging_tiles=config.ring_tiles,
         sink=config.sink,
         sliding_window=window,
         batch_invariant=config.batch_invariant,
@@ -206,7 +206,8 @@ STEP = _StepChannel()
 # Per-process device state of speculative decoding, shared by every builder of the process
 # (target groups, the drafter's own builders): tokens in quantized tiles per request-state
 # row, and its value before the current step (so that every builder of a step, whichever
-# runs first, plans from the same starting point).
+# runs first, plans from the same starting point); and per row the first position its
+# request wrote itself (after its prefix-cache hit: where its exact copy in staging begins).
 _SPEC_STATE: dict[str, Any] = {}
 
 
@@ -217,7 +218,12 @@ def _spec_state(device: Any, num_rows: int) -> dict[str, Any]:
     state = _SPEC_STATE.get(key)
     if state is None or state["quantized"].numel() < num_rows:
         quantized = torch.zeros(num_rows, dtype=torch.int32, device=device)
-        state = {"quantized": quantized, "before": quantized.clone(), "serial": -1}
+        state = {
+            "quantized": quantized,
+            "before": quantized.clone(),
+            "start": quantized.clone(),
+            "serial": -1,
+        }
         _SPEC_STATE[key] = state
     return state
 
@@ -362,7 +368,9 @@ class RowGroup:
         rows: ``[n]`` int32 batch rows, or None when the group is the whole batch.
         token_index: ``[t]`` int64 rows of query/key/value/output, or None (whole batch).
         query_start_loc: ``[n + 1]`` int32 within the gathered tokens.
-        seq_lens, quantized_lens, staging_slots: ``[n]`` int32.
+        seq_lens, staging_slots: ``[n]`` int32.
+        quantized_lens: ``[n]`` int32 tokens attention reads from quantized records (the
+            plan's ``attention_lens``: with recent tiles, fewer than are quantized).
         block_table: ``[n, max_blocks]`` int32.
         max_query_len, max_seq_len, num_tokens: host ints.
         query_start_loc_host: ``[n + 1]`` int32 NumPy copy of ``query_start_loc``.
@@ -485,6 +493,7 @@ def _make_builder_class() -> type:
             for name, size in (
                 ("seq_lens", r),
                 ("quantized_lens", r),
+                ("read_lens", r),
                 ("slots", r),
                 ("sink_lens", r),
                 ("sink_slots", r),
@@ -502,6 +511,9 @@ def _make_builder_class() -> type:
             self._pin = torch.cuda.is_available() and device.type == "cuda"
             self._last_serial = -1
             self._spec = _spec_state(device, self.max_num_reqs) if self.speculative else None
+            # Per request-state row: the first position its request wrote itself (its
+            # prefix-cache hit length), where the exact copy of its tokens in staging begins.
+            self._exact_start = np.zeros(self.max_num_reqs, dtype=np.int64)
             # Verify rows (1 + k tokens) are "context" rows: multi_query_attention.
             self._init_reorder_batch_threshold(1)
             warm_kernels(self.config, kv_cache_spec, vllm_config, device)
@@ -561,7 +573,13 @@ def _make_builder_class() -> type:
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
             plan = None
             quantized = np.zeros(num_reqs, dtype=np.int32)
+            read = quantized
             on_device = record is not None and self.speculative
+            if record is not None and record.new_rows is not None:
+                real = min(record.num_reqs, num_reqs)
+                added = np.flatnonzero(np.asarray(record.new_rows[:real], dtype=bool))
+                g = self.preset.group_size
+                self._exact_start[slots[added]] = num_cached[added] // g * g
             if on_device:
                 # Lengths on the host are upper bounds (accepted drafts are known on the
                 # GPU only): the plan is made on the device after the copy below.
@@ -581,14 +599,17 @@ def _make_builder_class() -> type:
                     slots,
                     _encoded_table(max_blocks, self.max_num_reqs)[:num_reqs],
                     self.preset,
-                    staging_tiles=self.config.staging_tiles,
+                    staging_tiles=self.config.ring_tiles,
                     query_start_loc=qsl,
                     max_tiles=num_reqs if uniform_decode else None,
                     max_writes=num_reqs if uniform_decode else None,
                     sink=self.config.sink,
+                    recent_tiles=self.config.recent_tiles,
+                    exact_start=self._exact_start[slots] if record is not None else None,
                 )
                 if record is not None:
                     quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
+                    read = np.asarray(plan.attention_lens, dtype=np.int32)
                 for name, values in (("tiles", plan.tiles), ("writes", plan.writes)):
                     s, _ = self._layout[name]
                     flat = np.asarray(values, dtype=np.int32).reshape(-1)
@@ -602,6 +623,7 @@ def _make_builder_class() -> type:
             for name, values in (
                 ("seq_lens", seq_lens),
                 ("quantized_lens", quantized),
+                ("read_lens", read),
                 ("slots", slots),
                 ("sink_lens", sink_lens),
                 ("sink_slots", sink_slots),
@@ -655,6 +677,7 @@ def _make_builder_class() -> type:
 
             dev_seq = self._view(buf, "seq_lens", num_reqs)
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
+            dev_read = self._view(buf, "read_lens", num_reqs)
             dev_slots = self._view(buf, "slots", num_reqs)
             dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
             dev_sink_slots = self._view(buf, "sink_slots", num_reqs) if self.config.sink else None
@@ -671,7 +694,12 @@ def _make_builder_class() -> type:
                     ids = flat[code.clamp(min=0).long()].to(torch.int32)
                     tiles[:, 0] = torch.where(code >= 0, ids, code)
                 dev_plan = replace(
-                    plan, tiles=tiles, writes=writes, seq_lens=dev_seq, quantized_lens=dev_quant
+                    plan,
+                    tiles=tiles,
+                    writes=writes,
+                    seq_lens=dev_seq,
+                    quantized_lens=dev_quant,
+                    read_lens=None if plan.read_lens is None else dev_read,
                 )
 
             groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None, "context": None}
@@ -682,7 +710,7 @@ def _make_builder_class() -> type:
                         token_index=None,
                         query_start_loc=self._view(buf, "qsl", num_reqs + 1),
                         seq_lens=dev_seq,
-                        quantized_lens=dev_quant,
+                        quantized_lens=dev_read,
                         staging_slots=dev_slots,
                         block_table=block_table,
                         max_query_len=max_q,
@@ -699,7 +727,7 @@ def _make_builder_class() -> type:
                     token_index=self._view(buf, f"{kind}_tokens", n_tokens).long(),
                     query_start_loc=self._view(buf, f"{kind}_qsl", rows.size + 1),
                     seq_lens=dev_seq[dev_rows],
-                    quantized_lens=dev_quant[dev_rows],
+                    quantized_lens=dev_read[dev_rows],
                     staging_slots=dev_slots[dev_rows],
                     block_table=block_table[dev_rows],
                     max_query_len=max_q,
@@ -715,7 +743,7 @@ def _make_builder_class() -> type:
                     if group is not None:
                         group.host = {
                             "seq_lens": seq_lens[rows],
-                            "quantized_lens": quantized[rows],
+                            "quantized_lens": read[rows],
                             "sink_lens": sink_lens[rows],
                             "sink_slots": sink_slots[rows],
                             "staging_slots": slots[rows],
@@ -751,6 +779,10 @@ def _make_builder_class() -> type:
             floor = (seq - (qsl[1:] - qsl[:-1])) // g * g
             before = spec["before"][slots.long()]
             before = torch.where(new_rows > 0, floor, torch.minimum(before, floor))
+            real = min(record.num_reqs, num_reqs)
+            start = torch.where(new_rows > 0, floor, spec["start"][slots.long()])
+            if self.config.recent_tiles:
+                spec["start"].index_copy_(0, slots[:real].long(), start[:real])
             plan = kernels.plan_store_device(
                 seq,
                 qsl,
@@ -759,10 +791,12 @@ def _make_builder_class() -> type:
                 slots,
                 cam.block_table_tensor[:num_reqs],
                 self.preset,
-                staging_tiles=self.config.staging_tiles,
+                staging_tiles=self.config.ring_tiles,
                 max_tiles=self.max_tiles,
                 max_writes=num_tokens,
                 sink=self.config.sink,
+                recent_tiles=self.config.recent_tiles,
+                exact_start=start,
             )
             tiles = self._view(buf, "tiles", self.max_tiles, 5)
             writes = self._view(buf, "writes", num_tokens, 3)
@@ -772,10 +806,16 @@ def _make_builder_class() -> type:
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
             dev_seq.copy_(seq)
             dev_quant.copy_(plan.quantized_lens)
-            real = min(record.num_reqs, num_reqs)
             spec["quantized"].index_copy_(0, slots[:real].long(), plan.quantized_lens[:real])
+            dev_read = self._view(buf, "read_lens", num_reqs)
+            dev_read.copy_(plan.attention_lens)
             return replace(
-                plan, tiles=tiles, writes=writes, seq_lens=dev_seq, quantized_lens=dev_quant
+                plan,
+                tiles=tiles,
+                writes=writes,
+                seq_lens=dev_seq,
+                quantized_lens=dev_quant,
+                read_lens=None if plan.read_lens is None else dev_read,
             )
 
         def _build_draft_step(self, cam, record: StepRecord):
@@ -832,7 +872,12 @@ def _make_builder_class() -> type:
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
             dev_seq.copy_(seq)
             last = (seq - 1).clamp(min=0)
-            dev_quant.copy_(torch.minimum(self._spec["quantized"][slots.long()], last // g * g))
+            quant = torch.minimum(self._spec["quantized"][slots.long()], last // g * g)
+            dev_quant.copy_(quant)
+            dev_read = self._view(buf, "read_lens", num_reqs)
+            start = self._spec["start"][slots.long()]
+            recent = self.config.recent_tiles * g
+            dev_read.copy_(torch.minimum(torch.maximum(start, quant - recent), quant))
             rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
             ok = (rows < real) & (seq > 0)
             writes = torch.stack([rows, slots, kernels.staging_rows(last, sg, base)], dim=1)
@@ -850,15 +895,17 @@ def _make_builder_class() -> type:
                 num_tiles=num_reqs,
                 num_writes=num_reqs,
                 group_size=g,
-                staging_tiles=self.config.staging_tiles,
+                staging_tiles=self.config.ring_tiles,
                 sink=self.config.sink,
+                recent_tiles=self.config.recent_tiles,
+                read_lens=dev_read,
             )
             group = RowGroup(
                 rows=None,
                 token_index=None,
                 query_start_loc=self._view(buf, "qsl", num_reqs + 1),
                 seq_lens=dev_seq,
-                quantized_lens=dev_quant,
+                quantized_lens=dev_read,
                 staging_slots=slots,
                 block_table=cam.block_table_tensor[:num_reqs],
                 max_query_len=1,

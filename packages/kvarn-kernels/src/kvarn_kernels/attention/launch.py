@@ -419,8 +419,10 @@ def decode_attention(
         staging: ``[num_slots, 2, S*G, Hkv, D]`` in query's dtype.
         block_table: int32 ``[B, max_blocks]``: tile ``t`` of sequence ``b`` is block ``[b, t]``.
         seq_lens: int32 ``[B]`` tokens of each sequence (the query is the last one).
-        quantized_lens: int32 ``[B]`` tokens in quantized tiles (multiple of G); the rest
-            ``[quantized_len, seq_len)`` is read from ``staging[slot, :, p % (S*G)]``.
+        quantized_lens: int32 ``[B]`` tokens read from quantized tiles (multiple of G); the
+            rest ``[quantized_len, seq_len)`` is read from ``staging[slot, :, p % (S*G)]``.
+            With a plan that keeps recent tiles exact, pass its ``attention_lens``: those
+            tiles have records too, but are read from staging.
         staging_slots: int32 ``[B]``.
         preset: the cache preset.
         scale: softmax scale (usually ``1 / sqrt(D)``).
