@@ -74,6 +74,18 @@ def test_parse_cache() -> None:
         parse_cache("turboquant_k8v4@FLASH_ATTN")
 
 
+def test_parse_cache_kvarn_settings() -> None:
+    spec = parse_cache("kvarn_k4v2_g128+recent0")
+    assert spec.label == "kvarn_k4v2_g128+recent0" and spec.kv_cache_dtype == "kvarn_k4v2_g128"
+    assert spec.env == (("KVARN_VLLM_RECENT_TILES", "0"),)
+    assert spec.llm_kwargs() == {"kv_cache_dtype": "kvarn_k4v2_g128"}
+    assert parse_cache("kvarn_k4v2_g128").env == ()
+    with pytest.raises(ValueError, match="unknown kvarn setting 'recent9'"):
+        parse_cache("kvarn_k4v2_g128+recent9")
+    with pytest.raises(ValueError, match="only a kvarn preset takes a '\\+' setting"):
+        parse_cache("fp8+recent0")
+
+
 def test_parse_caches_groups() -> None:
     labels = [c.label for c in parse_caches("default")]
     assert labels[:3] == ["bf16@FLASH_ATTN", "bf16@TRITON_ATTN", "fp8@TRITON_ATTN"]
@@ -445,6 +457,13 @@ def test_serving_jobs(tmp_path: Path) -> None:
     assert [j.engine_key() for j in capacity] == [j.engine_key() for j in jobs]
     in_process = serving_jobs(_options(engine_in_process=True), tmp_path, "capacity")
     assert in_process[0].env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # A kvarn setting reaches its engine's environment, and only that engine's.
+    two = serving_jobs(
+        _options(caches="kvarn_k4v2_g128,kvarn_k4v2_g128+recent0"), tmp_path, "capacity"
+    )
+    assert [j.env for j in two] == [{}, {"KVARN_VLLM_RECENT_TILES": "0"}]
+    assert two[0].engine_key() != two[1].engine_key()
+    assert two[1].cache["env"] == {"KVARN_VLLM_RECENT_TILES": "0"}
     with pytest.raises(ValueError, match="exceed qwen3-8b's 40960 positions"):
         _options(gpu_models=("qwen3-8b",), prompt_lens=(40920,))
 

@@ -4,8 +4,11 @@ A cache is written ``DTYPE`` or ``DTYPE@BACKEND``: ``bf16@FLASH_ATTN`` is vLLM's
 (``kv_cache_dtype="auto"``, bf16 for bf16 models) on FlashAttention, ``bf16@TRITON_ATTN`` the same
 cache on vLLM's Triton backend, ``fp8@TRITON_ATTN`` vLLM's fp8 cache, ``turboquant_4bit_nc`` a
 TurboQuant preset (vLLM picks its backend), ``kvarn_k4v2_g128`` a KVarN preset (the kvarn-vllm
-plugin picks its backend; naming one is an error). Names are checked here, without importing
-vLLM, against the values vLLM 0.26 accepts (a test compares with vLLM's own list).
+plugin picks its backend; naming one is an error). A kvarn preset may carry a serving setting
+after a ``+``: ``kvarn_k4v2_g128+recent0`` reads no complete tile exact from staging
+(``KVARN_VLLM_RECENT_TILES=0`` in its engine's environment; ``recentN`` for N = 0-4). Names are
+checked here, without importing vLLM, against the values vLLM 0.26 accepts (a test compares with
+vLLM's own list).
 
 Bytes per token and KV head, for tables and plots, come from each format's definition: kvarn from
 kvarn-math's tile layout, TurboQuant from vLLM 0.26's ``TurboQuantConfig`` formula (K and V
@@ -16,6 +19,7 @@ in bf16 (averaged in when the number of layers is known).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from kvarn_math.layout import PRESETS, tile_layout
@@ -60,6 +64,8 @@ TURBOQUANT_BF16_BOUNDARY_LAYERS = 2  # at each end (TurboQuantConfig.get_boundar
 # backends a bf16 or fp8 cache may be pinned to (vLLM's AttentionBackendEnum names)
 ATTENTION_BACKENDS: tuple[str, ...] = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 _ALIASES = {"bf16": "auto", "fp16": "auto"}
+# kvarn serving settings a cache label may carry after "+": pattern -> environment variable
+_KVARN_SETTINGS = {r"recent([0-4])": "KVARN_VLLM_RECENT_TILES"}
 
 DEFAULT_CACHES: tuple[str, ...] = (
     "bf16@FLASH_ATTN",
@@ -78,11 +84,13 @@ class CacheSpec:
         label: what tables show (the text it was parsed from, normalized).
         kv_cache_dtype: the value of vLLM's ``kv_cache_dtype``.
         backend: attention backend name, or ``None`` to let vLLM (or the plugin) choose.
+        env: environment variables of the engine (a kvarn setting after ``+``), as pairs.
     """
 
     label: str
     kv_cache_dtype: str
     backend: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def family(self) -> str:
@@ -151,16 +159,32 @@ class CacheSpec:
 
 
 def parse_cache(text: str) -> CacheSpec:
-    """Parse ``DTYPE`` or ``DTYPE@BACKEND``.
+    """Parse ``DTYPE``, ``DTYPE@BACKEND`` or ``KVARN_PRESET+SETTING``.
 
     Args:
-        text: e.g. ``bf16@FLASH_ATTN``, ``fp8``, ``turboquant_4bit_nc``, ``kvarn_k4v2_g128``.
+        text: e.g. ``bf16@FLASH_ATTN``, ``fp8``, ``turboquant_4bit_nc``, ``kvarn_k4v2_g128``,
+            ``kvarn_k4v2_g128+recent0``.
 
     Raises:
-        ValueError: an unknown dtype or backend, or a backend named for a kvarn or TurboQuant
-            cache (they bring their own).
+        ValueError: an unknown dtype, backend or setting, a backend named for a kvarn or
+            TurboQuant cache (they bring their own), or a setting on a cache that is not kvarn.
     """
     name, _, backend = text.strip().partition("@")
+    name, plus, setting = name.partition("+")
+    env: tuple[tuple[str, str], ...] = ()
+    if plus:
+        if name not in PRESETS:
+            raise ValueError(f"{text!r}: only a kvarn preset takes a '+' setting")
+        for pattern, var in _KVARN_SETTINGS.items():
+            match = re.fullmatch(pattern, setting)
+            if match:
+                env = ((var, match.group(1)),)
+                break
+        else:
+            raise ValueError(
+                f"unknown kvarn setting {setting!r} in {text!r}; expected recentN (N = 0-4: "
+                "complete tiles read exact from staging)"
+            )
     dtype = _ALIASES.get(name, name)
     known = (*VLLM_CACHE_DTYPES, *PRESETS)
     if dtype not in known:
@@ -181,7 +205,8 @@ def parse_cache(text: str) -> CacheSpec:
                 f"{text!r}: {dtype} chooses its own attention backend; drop '@{backend}'"
             )
     label = ("bf16" if dtype == "auto" else dtype) + (f"@{backend}" if backend else "")
-    return CacheSpec(label=label, kv_cache_dtype=dtype, backend=backend or None)
+    label += f"+{setting}" if plus else ""
+    return CacheSpec(label=label, kv_cache_dtype=dtype, backend=backend or None, env=env)
 
 
 def parse_caches(spec: str) -> list[CacheSpec]:

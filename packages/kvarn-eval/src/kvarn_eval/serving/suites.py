@@ -48,11 +48,19 @@ def check_vllm() -> None:
 
 
 def _cache_dict(cache: CacheSpec) -> dict[str, Any]:
-    return {"label": cache.label, "kv_cache_dtype": cache.kv_cache_dtype, "backend": cache.backend}
+    out: dict[str, Any] = {
+        "label": cache.label,
+        "kv_cache_dtype": cache.kv_cache_dtype,
+        "backend": cache.backend,
+    }
+    if cache.env:
+        out["env"] = dict(cache.env)
+    return out
 
 
-def _env(opts: ServingOptions) -> dict[str, str]:
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if opts.engine_in_process else {}
+def _env(opts: ServingOptions, cache: CacheSpec) -> dict[str, str]:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if opts.engine_in_process else {}
+    return {**env, **dict(cache.env)}
 
 
 def serving_jobs(opts: ServingOptions, models_root: Path, kind: str) -> list[EngineJob]:
@@ -112,7 +120,7 @@ def serving_jobs(opts: ServingOptions, models_root: Path, kind: str) -> list[Eng
                         "max_num_seqs": opts.max_num_seqs,
                         "gpu_memory_utilization": opts.gpu_memory_utilization,
                     },
-                    env=_env(opts),
+                    env=_env(opts, cache),
                 )
             )
     return jobs
@@ -173,7 +181,7 @@ def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
             llm_kwargs={**base, **extra, **cache.llm_kwargs()},
             workload=workload,
             meta={**meta, "role": role, "label": label},
-            env=_env(opts),
+            env=_env(opts, cache),
         )
         for role, cache, extra, label in plan
     ]
@@ -236,7 +244,8 @@ def _kv_tokens(record: dict[str, Any]) -> int | None:
 
 def _spec(record: dict[str, Any]) -> CacheSpec:
     cache = record["cache"]
-    return CacheSpec(cache["label"], cache["kv_cache_dtype"], cache.get("backend"))
+    env = tuple(sorted((cache.get("env") or {}).items()))
+    return CacheSpec(cache["label"], cache["kv_cache_dtype"], cache.get("backend"), env)
 
 
 def _group(record: dict[str, Any]) -> tuple[str, int]:
