@@ -55,7 +55,7 @@ def main() -> int:
     from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
-    from kvarn_eval.suites import _text_chunks
+    from kvarn_eval.suites import text_chunks
     from kvarn_math.baselines import KVarN, Method
     from kvarn_math.layout import Preset
 
@@ -93,10 +93,10 @@ def main() -> int:
         )
     text, source = find_wikitext()
     if args.layers is None:
-        every = _text_chunks(lm.tokenizer, text, args.chunks + args.calib_chunks, args.tokens)
+        every = text_chunks(lm.tokenizer, text, args.chunks + args.calib_chunks, args.tokens)
         valid, calib = every[: args.chunks], every[args.chunks :]
     else:
-        valid = _text_chunks(lm.tokenizer, text, args.skip + args.chunks, args.tokens)[args.skip :]
+        valid = text_chunks(lm.tokenizer, text, args.skip + args.chunks, args.tokens)[args.skip :]
     bf16 = select_methods("bf16", BLOCK)
 
     def run(chunks, methods):  # type: ignore[no-untyped-def]

@@ -104,7 +104,7 @@ def main() -> int:
     from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
-    from kvarn_eval.suites import _text_chunks
+    from kvarn_eval.suites import text_chunks
     from kvarn_math.baselines import KVarN, Method
     from kvarn_math.hadamard import random_signs, rotate, unrotate
     from kvarn_math.layout import Preset
@@ -276,7 +276,7 @@ def main() -> int:
     lm = load_model(args.model)
     install(lm.model)
     text, source = find_wikitext()
-    chunks = _text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
+    chunks = text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
     methods = [*select_methods("bf16", BLOCK), plain, *variants]
     results = []
     for n in [0, *recent]:  # recentN: every method again, N more tiles exact

@@ -31,7 +31,7 @@ def main() -> int:
     from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
-    from kvarn_eval.suites import _text_chunks
+    from kvarn_eval.suites import text_chunks
 
     pd = importlib.import_module("kvarn_eval.accuracy.pseudo_decode")
     original = pd.quantize_kv
@@ -51,7 +51,7 @@ def main() -> int:
     lm = load_model("smollm2-135m")
     install(lm.model)
     text, source = find_wikitext()
-    chunks = _text_chunks(lm.tokenizer, text, 8, 1024)
+    chunks = text_chunks(lm.tokenizer, text, 8, 1024)
     methods = select_methods("bf16,kvarn_k4v2_g128,kvarn_k4v4_g128", BLOCK)
     rows: dict[str, dict] = {}
     for name, sink in (("k_exact", 0), ("v_exact", 0), ("full", BLOCK)):

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvarn_eval.accuracy.summary import paired_change
     from kvarn_eval.data import find_wikitext
     from kvarn_eval.models import load_model
-    from kvarn_eval.suites import _text_chunks
+    from kvarn_eval.suites import text_chunks
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, threads=args.threads)
     install(lm.model)
     text, source = find_wikitext()
-    chunks = _text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
+    chunks = text_chunks(lm.tokenizer, text, args.chunks, args.tokens)
     methods = select_methods(f"bf16,{args.presets}", BLOCK)
     configs = configurations(args.sinks)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ child processes), the worker against a stand-in vLLM, result tables and the CLI 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -37,6 +38,8 @@ from kvarn_eval.serving.suites import (
     capacity_result,
     greedy_jobs,
     greedy_result,
+    perplexity_jobs,
+    perplexity_result,
     run_jobs,
     serving_jobs,
     throughput_result,
@@ -595,6 +598,39 @@ def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     assert "NO REFERENCE" in no_ref["tables"][0]["title"]
 
 
+def test_perplexity_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_hidden_layers": 30})
+    )
+    opts = _options(ppl_caches="kvarn_k4v2_g128,kvarn_k4v2_g128+recent0", ppl_chunk_size=64)
+    chunks = [[(7 * i + j) % 50 for j in range(40)] for i in range(3)]
+    jobs = perplexity_jobs(opts, str(model), chunks)
+    assert [j.meta["role"] for j in jobs] == ["reference", "noise", "compare", "compare"]
+    ref, noise = jobs[0].llm_kwargs, jobs[1].llm_kwargs
+    assert ref["kv_cache_dtype"] == "auto" and ref["max_num_batched_tokens"] == 64
+    assert ref["max_num_seqs"] == 1 and ref["enable_prefix_caching"] is False
+    assert noise["max_num_batched_tokens"] == 256 and jobs[1].meta["label"].endswith("chunk 256")
+    assert jobs[3].env == {"KVARN_VLLM_RECENT_TILES": "0"} and jobs[2].env == {}
+    records = run_jobs(jobs, tmp_path / "runs", opts, Budget(), echo=lambda s: None)
+    assert all(r["status"] == "ok" for r in records), records[0].get("log_tail")
+    result = perplexity_result(records, {"ppl_chunks": 3, "ppl_tokens": 40})
+    rows = {r["method"]: r for r in result["rows"]}
+    noise_row = rows["bf16@TRITON_ATTN chunk 256"]
+    assert noise_row["ppl_change_pct"] == pytest.approx(0.0) and noise_row["top1_agreement"] == 1
+    kvarn = rows["kvarn_k4v2_g128"]
+    # 0.02 nats worse on every token: exp(0.02) - 1; the top-1 changes at 5 of 39 positions
+    assert kvarn["ppl_change_pct"] == pytest.approx(100 * (math.exp(0.02) - 1))
+    assert kvarn["ppl_change_se"] == pytest.approx(0.0, abs=1e-9)
+    assert kvarn["top1_agreement"] == pytest.approx(34 / 39)
+    assert rows["bf16@TRITON_ATTN"]["is_reference"] and "perplexity" in rows["bf16@TRITON_ATTN"]
+    assert "+2.02 ± 0.00" in result["tables"][0]["rows"][2][3]
+    assert {p["label"] for p in result["points"]} == set(rows) - {"bf16@TRITON_ATTN"}
+    no_ref = perplexity_result(records[1:], {})
+    assert "NO REFERENCE" in no_ref["tables"][0]["title"]
+
+
 # --- the command line ----------------------------------------------------------------------
 
 
@@ -622,6 +658,37 @@ def test_missing_vllm_explains_what_to_install(
     assert cli.main(["bench", "--suites", "capacity", "--out", str(tmp_path)]) == 2
     out = capsys.readouterr().out.replace("\n", "")
     assert "'vllm' is missing" in out and "vllm==0.26" in out
+
+
+def test_vllm_perplexity_from_the_command_line(
+    fake_vllm: Path,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The suite's glue: the model's tokenizer cuts --text into chunks, the engines score them,
+    the table compares them with the reference."""
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the cat sat on the mat and the dog ran"] * 40))
+    argv = [
+        "bench", "--suites", "vllm_perplexity", "--greedy-model", str(tiny_model_dir),
+        "--text", str(text), "--vllm-ppl-chunks", "2", "--vllm-ppl-tokens", "24",
+        "--ppl-caches", "kvarn_k4v2_g128+recent0", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "vllm_perplexity: 2 chunks x 24 tokens" in out and "kvarn_k4v2_g128+recent0" in out
+    payload = json.loads((tmp_path / "out" / "results.json").read_text())
+    (result,) = payload["results"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["kvarn_k4v2_g128+recent0"]["ppl_change_pct"] > 0
+    assert result["settings"]["text_source"] == str(text)
+    spec = json.loads(next((tmp_path / "out" / "runs").rglob("*spec*.json")).read_text())
+    assert len(spec["workload"]["chunks"]) == 2 and len(spec["workload"]["chunks"][0]) == 24
 
 
 def test_bench_and_report_end_to_end(

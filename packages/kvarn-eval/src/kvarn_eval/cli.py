@@ -73,7 +73,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
     defaults = ServingOptions()
     gpu = bench.add_argument_group(
-        "GPU suites (kernels, throughput, capacity, vllm_greedy)",
+        "GPU suites (kernels, throughput, capacity, vllm_greedy, vllm_perplexity)",
         "Each vLLM engine runs in its own process; a crash or timeout is recorded and the run "
         "goes on. Per-run records land in OUT/runs/ as soon as each finishes.",
     )
@@ -148,7 +148,8 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
     gpu.add_argument(
         "--greedy-model",
         default=None,
-        help="model of vllm_greedy (default --model; a .gguf file is converted once)",
+        help="model of vllm_greedy and vllm_perplexity (default --model; a .gguf file is "
+        "converted once)",
     )
     gpu.add_argument(
         "--greedy-caches",
@@ -173,6 +174,30 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         default=defaults.greedy_noise_max_num_seqs,
         help="vllm_greedy's noise run: the reference cache again with this max_num_seqs "
         f"({defaults.greedy_noise_max_num_seqs}; 0 skips it)",
+    )
+    gpu.add_argument(
+        "--ppl-caches",
+        default=defaults.ppl_caches,
+        help=f"caches of vllm_perplexity; the first bf16 one is the reference ({defaults.ppl_caches})",
+    )
+    gpu.add_argument(
+        "--vllm-ppl-chunks",
+        type=_positive,
+        default=defaults.ppl_chunks,
+        help=f"text chunks vllm_perplexity scores ({defaults.ppl_chunks}; the text is --text)",
+    )
+    gpu.add_argument(
+        "--vllm-ppl-tokens",
+        type=_positive,
+        default=defaults.ppl_tokens,
+        help=f"tokens per chunk in vllm_perplexity ({defaults.ppl_tokens})",
+    )
+    gpu.add_argument(
+        "--vllm-ppl-chunk-size",
+        type=_positive,
+        default=defaults.ppl_chunk_size,
+        help="vllm_perplexity's prefill chunk (max_num_batched_tokens, one request at a time): "
+        f"each attends to the cache the earlier ones wrote ({defaults.ppl_chunk_size}, a kvarn tile)",
     )
     gpu.add_argument("--kernel-quick", action="store_true", help="kvarn_kernels.bench --quick")
     gpu.add_argument(
@@ -207,6 +232,10 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
         greedy_prompts=args.vllm_greedy_prompts,
         greedy_tokens=args.vllm_greedy_tokens,
         greedy_noise_max_num_seqs=args.noise_max_num_seqs,
+        ppl_caches=args.ppl_caches,
+        ppl_chunks=args.vllm_ppl_chunks,
+        ppl_tokens=args.vllm_ppl_tokens,
+        ppl_chunk_size=args.vllm_ppl_chunk_size,
         kernel_quick=args.kernel_quick,
         kernel_presets=args.kernel_presets,
     )

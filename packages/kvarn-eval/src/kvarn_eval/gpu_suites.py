@@ -7,8 +7,11 @@
   (vLLM, dummy weights); records each engine's KV capacity too.
 * ``capacity``: KV cache tokens per model shape and cache (reuses ``throughput``'s engines).
 * ``vllm_greedy``: greedy-generation fidelity through vLLM's real kernels against bf16.
+* ``vllm_perplexity``: perplexity of a real model through vLLM's real kernels, prefilling in
+  tile-sized chunks (pseudo-decode), against bf16.
 
-Nothing here imports vLLM, torch or Triton: every engine and the kernel benchmark run in their
+Nothing here imports vLLM, torch or Triton (the perplexity suite's tokenizer comes from
+``transformers``): every engine and the kernel benchmark run in their
 own processes (:mod:`kvarn_eval.serving.runner`).
 """
 
@@ -27,6 +30,8 @@ from kvarn_eval.serving.suites import (
     check_vllm,
     greedy_jobs,
     greedy_result,
+    perplexity_jobs,
+    perplexity_result,
     run_jobs,
     serving_jobs,
     settings_of,
@@ -80,6 +85,30 @@ def _vllm_greedy(ctx: BenchContext) -> dict[str, Any]:
         on_record=lambda done: ctx.checkpoint(greedy_result(done, settings)),
     )
     return greedy_result(records, settings)
+
+
+def _vllm_perplexity(ctx: BenchContext) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from kvarn_eval.data import find_wikitext
+    from kvarn_eval.models import resolve_model_dir
+    from kvarn_eval.suites import text_chunks
+
+    opts = ctx.options.serving
+    model_dir = resolve_model_dir(opts.greedy_model or ctx.options.model)
+    text, source = find_wikitext(ctx.options.text_file)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chunks = text_chunks(tokenizer, text, opts.ppl_chunks, opts.ppl_tokens)
+    settings = {**settings_of(opts), "model": model_dir, "text_source": source}
+    records = run_jobs(
+        perplexity_jobs(opts, model_dir, chunks),
+        ctx.out_dir / "runs" / "vllm_perplexity",
+        opts,
+        _budget(ctx),
+        echo=ctx.echo,
+        on_record=lambda done: ctx.checkpoint(perplexity_result(done, settings)),
+    )
+    return perplexity_result(records, settings)
 
 
 def _check_serving(options: BenchOptions) -> None:
@@ -255,6 +284,16 @@ register_suite(
         "vllm_greedy",
         "greedy-generation agreement with bf16 through vLLM's real kernels (GPU)",
         _vllm_greedy,
+        needs_gpu=True,
+        loads_model=False,
+        preflight=_check_serving,
+    )
+)
+register_suite(
+    Suite(
+        "vllm_perplexity",
+        "perplexity through vLLM's real kernels, prefilled in tile-sized chunks, against bf16 (GPU)",
+        _vllm_perplexity,
         needs_gpu=True,
         loads_model=False,
         preflight=_check_serving,

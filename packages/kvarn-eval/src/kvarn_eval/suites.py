@@ -255,7 +255,7 @@ def leading_bos(tokenizer: Any) -> int | None:
     return int(bos) if ids and ids[0] == bos else None
 
 
-def _text_chunks(tokenizer: Any, text: str, num_chunks: int, chunk_len: int) -> list[list[int]]:
+def text_chunks(tokenizer: Any, text: str, num_chunks: int, chunk_len: int) -> list[list[int]]:
     """``num_chunks`` consecutive chunks of ``chunk_len`` tokens of ``text``.
 
     Models trained with a BOS token (Gemma) expect it first: each chunk then starts with it
@@ -295,7 +295,7 @@ def _run_perplexity(ctx: BenchContext, suite: str, text: str, source: str) -> di
     opts = ctx.options
     lm = ctx.model
     methods, skipped = ctx.methods(opts.methods)
-    chunks = _text_chunks(lm.tokenizer, text, opts.num_chunks, opts.chunk_len)
+    chunks = text_chunks(lm.tokenizer, text, opts.num_chunks, opts.chunk_len)
     advance = ctx.progress(suite, len(chunks) * len(methods))
     result = evaluate_perplexity(
         lm.model,
@@ -330,7 +330,7 @@ def _greedy(ctx: BenchContext) -> dict[str, Any]:
     if "fp32" not in [m.name for m in methods]:
         methods = [*select_methods("fp32", opts.block_size), *methods]
     text, source = find_wikitext(opts.text_file)
-    prompts = _text_chunks(lm.tokenizer, text, opts.greedy_prompts, opts.greedy_prompt_len)
+    prompts = text_chunks(lm.tokenizer, text, opts.greedy_prompts, opts.greedy_prompt_len)
     advance = ctx.progress("greedy", len(methods))
     result = evaluate_greedy(
         lm.model,

@@ -1,4 +1,4 @@
-"""Throughput, capacity and greedy fidelity through vLLM (GPU), each engine in its own process.
+"""Throughput, capacity, greedy fidelity and perplexity through vLLM (GPU), each engine in its own process.
 
 :mod:`.shapes` writes dummy-weight model folders of real shapes, :mod:`.caches` names the KV
 caches compared, :mod:`.runner` runs one engine per process, :mod:`.worker` is that process,

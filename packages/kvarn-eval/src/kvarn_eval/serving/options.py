@@ -1,4 +1,5 @@
-"""Options of the GPU suites (capacity, throughput, greedy fidelity through vLLM, kernels)."""
+"""Options of the GPU suites (capacity, throughput, greedy fidelity and perplexity through vLLM,
+kernels)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,21 @@ class ServingOptions:
         max_seconds: wall-clock budget of all GPU runs (``None``: unlimited).
         engine_in_process: run vLLM's engine core inside the worker process
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of its own process.
-        greedy_model: model of the vLLM greedy suite (``None``: the bench's ``--model``).
+        greedy_model: model of the vLLM greedy and perplexity suites (``None``: the bench's
+            ``--model``).
         greedy_caches: caches of the vLLM greedy suite; the first bf16 one is the reference.
         greedy_prompts: prompts of the fixed prompt set.
         greedy_tokens: greedy tokens generated per prompt.
         greedy_noise_max_num_seqs: the reference cache again with this concurrency limit
             (other batch shapes, other rounding): the bf16-vs-bf16 noise floor (0: skip).
-        greedy_gpu_memory_utilization: memory share of the (small) greedy model's engines.
+        greedy_gpu_memory_utilization: memory share of the (small) greedy model's engines
+            (the perplexity suite's too).
+        ppl_caches: caches of the vLLM perplexity suite; the first bf16 one is the reference.
+        ppl_chunks: text chunks it scores.
+        ppl_tokens: tokens per chunk.
+        ppl_chunk_size: prefill chunk (vLLM's ``max_num_batched_tokens``, one request at a
+            time): every chunk of a prompt attends to the cache its earlier chunks wrote, as
+            decoding would (pseudo-decode; 128 is a kvarn tile).
         kernel_quick: the kernel microbenchmark's ``--quick`` grid.
         kernel_presets: kvarn presets of the kernel microbenchmark (comma-separated).
     """
@@ -59,6 +68,10 @@ class ServingOptions:
     greedy_tokens: int = 64
     greedy_noise_max_num_seqs: int = 8
     greedy_gpu_memory_utilization: float = 0.3
+    ppl_caches: str = "bf16@TRITON_ATTN,fp8@TRITON_ATTN,turboquant_4bit_nc,kvarn"
+    ppl_chunks: int = 8
+    ppl_tokens: int = 1024
+    ppl_chunk_size: int = 128
     kernel_quick: bool = False
     kernel_presets: str = "kvarn_k4v2_g128"
 
@@ -69,6 +82,7 @@ class ServingOptions:
             raise ValueError("gpu_models must name at least one model shape")
         parse_caches(self.caches)
         parse_caches(self.greedy_caches)
+        parse_caches(self.ppl_caches)
         if not self.prompt_lens or min(self.prompt_lens) < 1:
             raise ValueError(f"prompt_lens must be positive, got {self.prompt_lens}")
         for name in (
@@ -77,6 +91,7 @@ class ServingOptions:
             "tensor_parallel_size",
             "greedy_prompts",
             "greedy_tokens",
+            "ppl_chunks",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -91,6 +106,11 @@ class ServingOptions:
             raise ValueError(f"run_timeout must be > 0, got {self.run_timeout}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+        if self.ppl_tokens < 2 or self.ppl_chunk_size < 1:
+            raise ValueError(
+                f"ppl_tokens must be >= 2 and ppl_chunk_size >= 1, got {self.ppl_tokens} and "
+                f"{self.ppl_chunk_size}"
+            )
         if self.greedy_noise_max_num_seqs < 0:
             raise ValueError(
                 f"greedy_noise_max_num_seqs must be >= 0, got {self.greedy_noise_max_num_seqs}"

@@ -1,9 +1,10 @@
-"""The GPU suites through vLLM: ``capacity``, ``throughput`` and ``vllm_greedy``.
+"""The GPU suites through vLLM: ``capacity``, ``throughput``, ``vllm_greedy`` and
+``vllm_perplexity``.
 
 Each suite turns the options into :class:`~kvarn_eval.serving.runner.EngineJob` s (one engine
 per model shape and cache), runs them one by one in their own processes within the time
 budget, and builds its result from the run records alone (:func:`capacity_result`,
-:func:`throughput_result`, :func:`greedy_result`), so that ``kvarn-eval report`` can rebuild the
+:func:`throughput_result`, :func:`greedy_result`, :func:`perplexity_result`), so that ``kvarn-eval report`` can rebuild the
 same tables from the record files of several runs. A throughput run records the capacity of its
 engine too; ``capacity`` reuses it when both suites run with the same engine settings.
 """
@@ -28,6 +29,8 @@ __all__ = [
     "check_vllm",
     "greedy_jobs",
     "greedy_result",
+    "perplexity_jobs",
+    "perplexity_result",
     "serving_jobs",
     "throughput_result",
 ]
@@ -134,6 +137,18 @@ def _model_geometry(model_dir: str) -> tuple[int, int]:
     return int(head_dim), int(config["num_hidden_layers"])
 
 
+def _reference_and_rest(spec: str) -> tuple[CacheSpec, list[CacheSpec]]:
+    """The first bf16 cache of ``spec`` (``bf16@TRITON_ATTN`` when there is none) and the
+    others, in order."""
+    from kvarn_eval.serving.caches import parse_cache
+
+    caches = parse_caches(spec)
+    reference = next((c for c in caches if c.is_reference), None)
+    if reference is None:
+        reference = parse_cache("bf16@TRITON_ATTN")
+    return reference, [c for c in caches if c is not reference]
+
+
 def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
     """Jobs of the ``vllm_greedy`` suite: the reference, the noise run, the compared caches.
 
@@ -146,14 +161,8 @@ def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
         model_dir: a Hugging Face folder with weights and tokenizer.
     """
     from kvarn_eval.fidelity import make_prompts
-    from kvarn_eval.serving.caches import parse_cache
 
-    caches = parse_caches(opts.greedy_caches)
-    reference = next((c for c in caches if c.is_reference), None)
-    if reference is None:
-        reference = parse_cache("bf16@TRITON_ATTN")
-        caches.insert(0, reference)
-    caches.remove(reference)
+    reference, caches = _reference_and_rest(opts.greedy_caches)
     head_dim, num_layers = _model_geometry(model_dir)
     prompts = make_prompts(opts.greedy_prompts)
     base: dict[str, Any] = {
@@ -177,6 +186,63 @@ def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
         EngineJob(
             suite="vllm_greedy",
             name=f"greedy/{label}",
+            cache=_cache_dict(cache),
+            llm_kwargs={**base, **extra, **cache.llm_kwargs()},
+            workload=workload,
+            meta={**meta, "role": role, "label": label},
+            env=_env(opts, cache),
+        )
+        for role, cache, extra, label in plan
+    ]
+
+
+def perplexity_jobs(
+    opts: ServingOptions, model_dir: str, chunks: Sequence[Sequence[int]]
+) -> list[EngineJob]:
+    """Jobs of the ``vllm_perplexity`` suite: the reference, the noise run, the compared caches.
+
+    Each engine serves one request at a time with prefill chunks of ``ppl_chunk_size`` tokens,
+    so every chunk of a text attends to the cache its earlier chunks wrote (pseudo-decode
+    through the real kernels); prefix caching is off, so every token is computed. The noise run
+    is the reference cache with chunks 4x as long: another batching of the same exact
+    attention.
+
+    Args:
+        opts: the GPU options.
+        model_dir: a Hugging Face folder with weights and tokenizer.
+        chunks: token ids of the text chunks to score.
+    """
+    reference, caches = _reference_and_rest(opts.ppl_caches)
+    head_dim, num_layers = _model_geometry(model_dir)
+    longest = max(len(c) for c in chunks)
+    step = opts.ppl_chunk_size
+    base: dict[str, Any] = {
+        "model": model_dir,
+        "max_model_len": longest + 16,
+        "gpu_memory_utilization": opts.greedy_gpu_memory_utilization,
+        "enforce_eager": True,
+        "max_num_seqs": 1,
+        "max_num_batched_tokens": step,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": False,
+        "seed": 0,
+    }
+    workload = {"kind": "perplexity", "chunks": [list(c) for c in chunks]}
+    meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
+    plan: list[tuple[str, CacheSpec, dict[str, Any], str]] = [
+        ("reference", reference, {}, reference.label),
+        (
+            "noise",
+            reference,
+            {"max_num_batched_tokens": 4 * step},
+            f"{reference.label} chunk {4 * step}",
+        ),
+    ]
+    plan += [("compare", c, {}, c.label) for c in caches]
+    return [
+        EngineJob(
+            suite="vllm_perplexity",
+            name=f"perplexity/{label}",
             cache=_cache_dict(cache),
             llm_kwargs={**base, **extra, **cache.llm_kwargs()},
             workload=workload,
@@ -554,6 +620,108 @@ def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -
             "ylabel": "greedy token agreement with the reference (%)",
             # The panel names the model: greedy agreement means little without it.
             "title": f"vllm_greedy, {Path(str(settings.get('model') or '?')).name}",
+        },
+    }
+
+
+def perplexity_result(
+    records: Sequence[dict[str, Any]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``vllm_perplexity`` suite's result: perplexity of each run, its change against the
+    reference paired chunk by chunk (standard error), and the share of positions whose top-1
+    token equals the reference's.
+
+    Args:
+        records: the reference (``meta.role == "reference"``), noise and compared runs.
+        settings: what the run was asked for.
+    """
+    from kvarn_eval.accuracy.summary import paired_change
+
+    def scored(r: dict[str, Any]) -> bool:
+        return bool(r.get("chunk_nll"))
+
+    reference = next(
+        (r for r in records if r.get("meta", {}).get("role") == "reference" and scored(r)), None
+    )
+    rows = []
+    for r in records:
+        spec, meta = _spec(r), r.get("meta", {})
+        row: dict[str, Any] = {
+            "method": meta.get("label", spec.label),
+            "cache": spec.label,
+            "family": spec.family,
+            "role": meta.get("role"),
+            "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
+            "kv_cache_tokens": _kv_tokens(r),
+            "status": r.get("status"),
+            "error": _first_line(r.get("error")),
+            "is_reference": r is reference,
+        }
+        if scored(r):
+            nll = [float(x) for x in r["chunk_nll"]]
+            row["perplexity"] = math.exp(sum(nll) / len(nll))
+            row["chunks"] = len(nll)
+        if reference is not None and scored(r) and r is not reference:
+            base = [float(x) for x in reference["chunk_nll"]]
+            if len(base) != len(r["chunk_nll"]):
+                row["problems"] = ["scored another number of chunks than the reference"]
+            else:
+                row["ppl_change_pct"], row["ppl_change_se"] = paired_change(
+                    [float(x) for x in r["chunk_nll"]], base
+                )
+                pairs = [
+                    (a, b)
+                    for mine, ref in zip(r["top1"], reference["top1"], strict=True)
+                    for a, b in zip(mine, ref, strict=True)
+                ]
+                row["top1_agreement"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+        rows.append(row)
+    header = [
+        "cache", "bits/elem", "perplexity", "change %", "top-1 agree %", "KV tokens", "status",
+    ]  # fmt: skip
+    table_rows = [
+        [
+            row["method"] + (" (reference)" if row["is_reference"] else ""),
+            _fmt(row["bits_per_element"], ".2f"),
+            _fmt(row.get("perplexity"), ".3f"),
+            "-"
+            if row.get("ppl_change_pct") is None
+            else f"{row['ppl_change_pct']:+.2f} ± {row['ppl_change_se']:.2f}",
+            _fmt(_pct(row.get("top1_agreement")), ".1f"),
+            _fmt(row["kv_cache_tokens"]),
+            _status_text(row),
+        ]
+        for row in rows
+    ]
+    title = (
+        f"vllm_perplexity: {settings.get('ppl_chunks')} chunks x {settings.get('ppl_tokens')} "
+        f"tokens of {settings.get('text_source', 'text')}, prefill chunks of "
+        f"{settings.get('ppl_chunk_size')} tokens (each attends to the cache the earlier ones "
+        f"wrote), {settings.get('model')}; change against the reference, paired by chunk"
+        + ("" if reference else " (NO REFERENCE RUN: nothing compared)")
+    )
+    return {
+        "suite": "vllm_perplexity",
+        "kind": "perplexity",
+        "settings": settings,
+        "reference": None if reference is None else reference.get("meta", {}).get("label"),
+        "rows": rows,
+        "tables": [{"title": title, "header": header, "rows": table_rows}],
+        "plot_file": "accuracy",
+        "points": [
+            {
+                "label": row["method"],
+                "family": row["family"],
+                "x": row["bits_per_element"],
+                "y": row["ppl_change_pct"],
+            }
+            for row in rows
+            if row.get("ppl_change_pct") is not None
+        ],
+        "axes": {
+            "xlabel": "bits per element (scales included, log scale)",
+            "ylabel": "perplexity change against the reference (%)",
+            "title": f"vllm_perplexity, {Path(str(settings.get('model') or '?')).name}",
         },
     }
 

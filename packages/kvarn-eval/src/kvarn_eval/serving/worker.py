@@ -140,6 +140,32 @@ def _run_greedy(llm: Any, job: dict[str, Any], record: dict[str, Any]) -> None:
     record["sample_texts"] = [o.outputs[0].text for o in outs[:3]]
 
 
+def _run_perplexity(llm: Any, job: dict[str, Any], record: dict[str, Any]) -> None:
+    """Score every chunk's tokens (``prompt_logprobs``): mean NLL per chunk, and the model's
+    top-1 token at every scored position."""
+    from vllm import SamplingParams
+
+    chunks = [list(c) for c in job["workload"]["chunks"]]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, seed=0)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
+    record["generate_seconds"] = round(time.perf_counter() - start, 2)
+    nll, top1 = [], []
+    for out, chunk in zip(outs, chunks, strict=True):
+        losses, best = [], []
+        for pos, entry in enumerate(out.prompt_logprobs or []):
+            if entry is None:  # the first token has no prediction
+                continue
+            losses.append(-float(entry[chunk[pos]].logprob))
+            best.append(int(min(entry.items(), key=lambda kv: kv[1].rank)[0]))
+        if not losses:
+            raise RuntimeError("vLLM returned no prompt logprobs for a chunk")
+        nll.append(sum(losses) / len(losses))
+        top1.append(best)
+    record["chunk_nll"] = nll
+    record["top1"] = top1
+
+
 def run(job: dict[str, Any], record: dict[str, Any], save: Callable[[], None]) -> None:
     """Start the engine of ``job`` and run its workload, filling ``record``.
 
@@ -167,6 +193,8 @@ def run(job: dict[str, Any], record: dict[str, Any], save: Callable[[], None]) -
         _run_throughput(llm, job, record, save)
     elif kind == "greedy":
         _run_greedy(llm, job, record)
+    elif kind == "perplexity":
+        _run_perplexity(llm, job, record)
     else:
         raise ValueError(f"unknown workload kind {kind!r}")
 

@@ -2,8 +2,10 @@
 
 It mimics what the worker reads from vLLM 0.26: ``llm.llm_engine.vllm_config.cache_config``
 (``num_gpu_blocks``, ``block_size``), the ``GPU KV cache size`` log line, kvarn's staging line,
-``RequestOutput`` with ``prompt_token_ids``, ``outputs[0].token_ids`` / ``text`` and ``metrics``
-(the fields of ``RequestStateStats``). Behaviour is steered by environment variables:
+``RequestOutput`` with ``prompt_token_ids``, ``outputs[0].token_ids`` / ``text``, ``metrics``
+(the fields of ``RequestStateStats``) and, with ``prompt_logprobs``, ``prompt_logprobs`` (None,
+then per position a dict token -> ``Logprob(logprob, rank)`` holding the prompt's token and the
+top-1; a kvarn cache scores 0.02 nats worse and changes the top-1 at every 8th position). Behaviour is steered by environment variables:
 ``FAKE_VLLM_FAIL`` (raise at start-up), ``FAKE_VLLM_SLEEP`` (seconds per generate call after the
 first two), ``FAKE_VLLM_HANG_AT_EXIT`` (never exit after the worker is done).
 """
@@ -18,6 +20,12 @@ from types import SimpleNamespace
 
 __version__ = "0.26.0-fake"
 CALLS: list[dict] = []
+
+
+class Logprob:
+    def __init__(self, logprob, rank):
+        self.logprob = logprob
+        self.rank = rank
 
 
 class SamplingParams:
@@ -69,11 +77,23 @@ class LLM:
                 first_token_latency=0.01 * (i + 1),
                 num_generation_tokens=n,
             )
+            prompt_logprobs = None
+            if getattr(params, "prompt_logprobs", None) is not None:
+                prompt_logprobs = [None]
+                for pos in range(1, len(ids)):
+                    lp = -1.0 - 0.01 * (pos % 5) - 0.02 * shift
+                    other = (ids[pos] + 1) % 50
+                    if pos % 4 == 0 or (shift and pos % 8 == 1):
+                        entry = {ids[pos]: Logprob(lp, 2), other: Logprob(-0.5, 1)}
+                    else:
+                        entry = {ids[pos]: Logprob(lp, 1)}
+                    prompt_logprobs.append(entry)
             outs.append(
                 SimpleNamespace(
                     prompt_token_ids=ids,
                     outputs=[SimpleNamespace(token_ids=tokens, text=f"text {i}")],
                     metrics=metrics,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         print(f"fake generate: {len(prompts)} prompts", file=sys.stderr, flush=True)
