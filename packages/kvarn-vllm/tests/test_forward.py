@@ -53,6 +53,7 @@ class Harness:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
+        md._SINK_STATE.clear()  # no earlier test's first-tile owners (rows are reused)
         self.vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
         self.vc.cache_config.block_size = G
         torch.set_default_dtype(torch.float16)

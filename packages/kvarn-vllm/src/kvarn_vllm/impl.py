@@ -247,7 +247,7 @@ def _make_impl_class() -> type:
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
             if md.context is not None and _use_dense_context(md.context, self.workspace):
-                self._context_dense(md.context, query, kv_cache, staging, output, n)
+                self._context_dense(md.context, query, key, value, kv_cache, staging, output, n)
             elif md.context is not None:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
@@ -273,18 +273,28 @@ def _make_impl_class() -> type:
                     output.index_copy_(0, g.token_index, res)
             return output
 
-        def _context_dense(self, g, query, kv_cache, staging, output, n):
+        def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
             """Chunks after cached tokens through dense attention: rows are taken in runs
-            whose contexts fit the workspace together; each row's cache is dequantized into
-            it in the model dtype (tile 0 from the sink rows where the row keeps it exact,
-            open tiles from staging), in the rotated frame, and attended by FlashAttention's
-            varlen kernel with the rotated queries. A sliding-window layer takes only the
-            tiles some query of the row can see. A row whose context alone exceeds the
-            workspace goes through the multi-query kernel. The host knows every length (no
-            speculative decoding), so the batching is a loop over rows on the host."""
+            whose contexts fit the workspace together; each row's context is written into it
+            in the model dtype and the rotated frame: the cached tokens dequantized from their
+            records (tile 0 from the sink rows where the row keeps it exact, recent and open
+            tiles from staging), the chunk's own tokens exact from this step's K/V (as a
+            first chunk attends them, and as decoding would: a query never reads its own
+            tile quantized); then FlashAttention's varlen kernel attends them with the
+            rotated queries. A sliding-window layer takes only the tiles some query of the
+            row can see. A row whose context alone exceeds the workspace goes through the
+            multi-query kernel, which reads the chunk's completed tiles from their records. The
+            host knows every length (no speculative decoding), so the batching is a loop over
+            rows on the host."""
             h = g.host
             gsize = self.preset.group_size
             q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+            fresh_k = fresh_v = None
+            if key is not None and value is not None:  # a KV-sharing layer has none: staging
+                idx = g.token_index
+                k_sel = key[:n] if idx is None else key.index_select(0, idx)
+                v_sel = value[:n] if idx is None else value.index_select(0, idx)
+                fresh_k, fresh_v = kernels.rotate(k_sel), kernels.rotate(v_sel)
             res = torch.empty_like(q)
             ws = self.workspace
             qs = [int(x) for x in g.query_start_loc_host]
@@ -306,9 +316,15 @@ def _make_impl_class() -> type:
                 for i in range(lo, hi):
                     seq_len, quant = int(h["seq_lens"][i]), int(h["quantized_lens"][i])
                     slot, first = int(h["staging_slots"][i]), firsts[i]
+                    # This step's tokens [fresh, seq_len) come exact from the batch.
+                    fresh = seq_len - (qs[i + 1] - qs[i]) if fresh_k is not None else seq_len
+                    quant = min(quant, fresh)  # records below, exact at and above
                     if quant > first:
-                        blocks = g.block_table[i, first // gsize : quant // gsize].contiguous()
-                        n_q = quant - first
+                        # Whole tiles (the one holding `fresh` is complete when quant > fresh
+                        # would have been: it has a record); exact rows overwrite the rest.
+                        end = -(-quant // gsize) * gsize
+                        blocks = g.block_table[i, first // gsize : end // gsize].contiguous()
+                        n_q = end - first
                         kernels.dequantize(
                             kv_cache,
                             blocks,
@@ -320,12 +336,16 @@ def _make_impl_class() -> type:
                         if first == 0 and int(h["sink_lens"][i]) and base:
                             sink_slot = int(h["sink_slots"][i])
                             ws[:, off : off + gsize] = staging[sink_slot, :, :gsize]
-                    staged = max(quant, first)  # positions [staged, seq_len) from staging
-                    pos = torch.arange(staged, seq_len, device=q.device)
+                    staged = max(quant, first)  # positions [staged, fresh) from staging
+                    pos = torch.arange(staged, fresh, device=q.device)
                     rows = kernels.staging_rows(pos, ring, base)
-                    ws[:, off + staged - first : off + seq_len - first] = staging[
-                        slot
-                    ].index_select(1, rows)
+                    ws[:, off + staged - first : off + fresh - first] = staging[slot].index_select(
+                        1, rows
+                    )
+                    if fresh < seq_len:
+                        a, b = off + fresh - first, off + seq_len - first
+                        ws[0, a:b] = fresh_k[qs[i] : qs[i + 1]]
+                        ws[1, a:b] = fresh_v[qs[i] : qs[i + 1]]
                     off += seq_len - first
                 kv_lens = torch.as_tensor(lens[lo:hi], dtype=torch.int32)
                 cu_k = torch.zeros(hi - lo + 1, dtype=torch.int32)
