@@ -607,12 +607,12 @@ def test_perplexity_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     opts = _options(ppl_caches="kvarn_k4v2_g128,kvarn_k4v2_g128+recent0", ppl_chunk_size=64)
     chunks = [[(7 * i + j) % 50 for j in range(40)] for i in range(3)]
     jobs = perplexity_jobs(opts, str(model), chunks)
-    assert [j.meta["role"] for j in jobs] == ["reference", "noise", "compare", "compare"]
-    ref, noise = jobs[0].llm_kwargs, jobs[1].llm_kwargs
+    assert [j.meta["role"] for j in jobs] == ["reference", "compare", "compare", "noise"]
+    ref, noise = jobs[0].llm_kwargs, jobs[3].llm_kwargs
     assert ref["kv_cache_dtype"] == "auto" and ref["max_num_batched_tokens"] == 64
     assert ref["max_num_seqs"] == 1 and ref["enable_prefix_caching"] is False
-    assert noise["max_num_batched_tokens"] == 256 and jobs[1].meta["label"].endswith("chunk 256")
-    assert jobs[3].env == {"KVARN_VLLM_RECENT_TILES": "0"} and jobs[2].env == {}
+    assert noise["max_num_batched_tokens"] == 256 and jobs[3].meta["label"].endswith("chunk 256")
+    assert jobs[2].env == {"KVARN_VLLM_RECENT_TILES": "0"} and jobs[1].env == {}
     records = run_jobs(jobs, tmp_path / "runs", opts, Budget(), echo=lambda s: None)
     assert all(r["status"] == "ok" for r in records), records[0].get("log_tail")
     result = perplexity_result(records, {"ppl_chunks": 3, "ppl_tokens": 40})
@@ -625,7 +625,7 @@ def test_perplexity_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     assert kvarn["ppl_change_se"] == pytest.approx(0.0, abs=1e-9)
     assert kvarn["top1_agreement"] == pytest.approx(34 / 39)
     assert rows["bf16@TRITON_ATTN"]["is_reference"] and "perplexity" in rows["bf16@TRITON_ATTN"]
-    assert "+2.02 ± 0.00" in result["tables"][0]["rows"][2][3]
+    assert "+2.02 ± 0.00" in result["tables"][0]["rows"][1][3]
     assert {p["label"] for p in result["points"]} == set(rows) - {"bf16@TRITON_ATTN"}
     no_ref = perplexity_result(records[1:], {})
     assert "NO REFERENCE" in no_ref["tables"][0]["title"]

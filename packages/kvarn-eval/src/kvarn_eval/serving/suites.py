@@ -229,8 +229,10 @@ def perplexity_jobs(
     }
     workload = {"kind": "perplexity", "chunks": [list(c) for c in chunks]}
     meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
+    # The noise run last: a budget that runs short drops it before a compared cache.
     plan: list[tuple[str, CacheSpec, dict[str, Any], str]] = [
         ("reference", reference, {}, reference.label),
+        *[("compare", c, {}, c.label) for c in caches],
         (
             "noise",
             reference,
@@ -238,7 +240,6 @@ def perplexity_jobs(
             f"{reference.label} chunk {4 * step}",
         ),
     ]
-    plan += [("compare", c, {}, c.label) for c in caches]
     return [
         EngineJob(
             suite="vllm_perplexity",
