@@ -43,7 +43,9 @@ def test_argument_errors_exit_2(
     [
         (["bench", "--suites", "wikitext,nope"], "unknown suite 'nope'"),
         (["bench", "--methods", "bf16,k9v9"], "unknown method 'k9v9'"),
-        (["bench", "--tokens", "200"], "chunk_len must be at least two blocks"),
+        (["bench", "--tokens", "300"], "chunk_len must be at least 3 blocks (384 tokens)"),
+        (["bench", "--recent-blocks", "0", "--tokens", "200"], "chunk_len must be at least 2"),
+        (["bench", "--recent-blocks", "-1"], "recent_blocks must be >= 0, got -1"),
         (["bench", "--model", "/no/such/folder"], "neither a built-in"),
         (["bench", "--sink-tokens", "-1"], "sink_tokens must be in [0, 128]"),
         (["bench", "--sink-tokens", "129"], "sink_tokens must be in [0, 128]"),

@@ -97,14 +97,15 @@ def test_greedy_suite_from_the_command_line(tiny_model_dir: Path, tmp_path: Path
     out = tmp_path / "out"
     argv = [
         "bench", "--model", str(tiny_model_dir), "--suites", "greedy", "--text", str(text),
-        "--task-methods", "bf16,kivi_k2v2", "--greedy-prompts", "2", "--greedy-prompt-len", "160",
+        "--task-methods", "bf16,kivi_k2v2", "--greedy-prompts", "2", "--greedy-prompt-len", "192",
         "--greedy-tokens", "8", "--block-size", "64", "--out", str(out), "--threads", "1",
     ]  # fmt: skip
     assert cli.main(argv) == 0
     (result,) = json.loads((out / "results.json").read_text())["results"]
     assert [r["method"] for r in result["rows"]] == ["fp32", "bf16", "kivi_k2v2"]
-    assert result["num_prompts"] == 2 and result["prompt_len"] == 160
-    assert "greedy: 2 prompts of 160 tokens" in (out / "results.md").read_text()
+    assert result["num_prompts"] == 2 and result["prompt_len"] == 192
+    assert result["recent_blocks"] == 1  # kvarn-vllm's default window, for every method
+    assert "greedy: 2 prompts of 192 tokens" in (out / "results.md").read_text()
     assert (out / "accuracy.png").stat().st_size > 0
     bad = cli.main([*argv[:-4], "--greedy-prompt-len", "100", "--out", str(out)])
-    assert bad == 2  # shorter than two blocks: no quantized block would be read
+    assert bad == 2  # shorter than 3 blocks: no quantized block would be read

@@ -320,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sink-tokens N: quantize the first block with its first N tokens replaced "
         "by copies of token N, keeping the sink out of its scales (they are read exact)",
     )
+    bench.add_argument(
+        "--recent-blocks",
+        type=int,
+        default=BenchOptions.recent_blocks,
+        help="complete blocks before a query's own that every method reads exact, as a "
+        "serving engine keeps them in staging (default 1: what kvarn-vllm serves, "
+        "KVARN_VLLM_RECENT_TILES; 0: the published recipe)",
+    )
     bench.add_argument("--text", default=None, help="perplexity text file instead of WikiText-2")
     bench.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     bench.add_argument(
@@ -394,6 +402,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         exact_first_block=not args.no_exact_first_block,
         sink_tokens=args.sink_tokens,
         sink_requantize=args.sink_requantize,
+        recent_blocks=args.recent_blocks,
         text_file=args.text,
         threads=args.threads,
         greedy_prompts=args.greedy_prompts,

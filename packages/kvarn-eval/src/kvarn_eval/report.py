@@ -170,7 +170,8 @@ def task_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def sink_label(result: Mapping[str, Any]) -> str:
-    """Title fragment naming a pseudo-decode result's exact sink (``""`` for none).
+    """Title fragment naming a pseudo-decode result's exact sink and recent window (``""`` for
+    neither).
 
     Args:
         result: a perplexity or greedy result dict; older ones have no ``sink_tokens`` and go
@@ -178,14 +179,16 @@ def sink_label(result: Mapping[str, Any]) -> str:
     """
     block = result["block_size"]
     sink = result.get("sink_tokens")
+    recent = int(result.get("recent_blocks") or 0)  # older results have none: 0
+    window = f", {recent} recent block{'s' if recent > 1 else ''} exact" if recent else ""
     if sink is None:
         sink = block if result["exact_first_block"] else 0
     if sink == block:
-        return ", first block exact"
+        return ", first block exact" + window
     if sink == 0:
-        return ""
+        return window
     rest = " (block 0 quantized without them)" if result.get("sink_requantize") else ""
-    return f", first {sink} tokens exact{rest}"
+    return f", first {sink} tokens exact{rest}{window}"
 
 
 def _title(result: Mapping[str, Any]) -> str:

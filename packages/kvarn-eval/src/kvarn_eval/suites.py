@@ -53,6 +53,8 @@ class BenchOptions:
         sink_tokens: keep only keys ``[0, S)`` exact, ``0 <= S <= block_size``, the rest of
             block 0 read quantized (``None``: ``exact_first_block`` decides).
         sink_requantize: quantize block 0 with its sink tokens replaced by token ``S``.
+        recent_blocks: complete blocks before a query's own that every method reads exact
+            (1: what kvarn-vllm serves by default, ``KVARN_VLLM_RECENT_TILES``).
         text_file: perplexity text for the ``wikitext`` suite instead of WikiText-2.
         threads: torch CPU threads (``None``: torch's default).
         greedy_prompts: prompts of the CPU ``greedy`` suite.
@@ -75,6 +77,7 @@ class BenchOptions:
     exact_first_block: bool = True
     sink_tokens: int | None = None
     sink_requantize: bool = False
+    recent_blocks: int = 1
     text_file: str | None = None
     threads: int | None = None
     greedy_prompts: int = 8
@@ -87,10 +90,14 @@ class BenchOptions:
         for name in ("num_chunks", "items", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_len < 2 * self.block_size:
+        if self.recent_blocks < 0:
+            raise ValueError(f"recent_blocks must be >= 0, got {self.recent_blocks}")
+        need = (2 + self.recent_blocks) * self.block_size
+        if self.chunk_len < need:
             raise ValueError(
-                f"chunk_len must be at least two blocks ({2 * self.block_size} tokens) for any "
-                f"quantized cache to be read, got {self.chunk_len}"
+                f"chunk_len must be at least {2 + self.recent_blocks} blocks ({need} tokens) for "
+                f"any quantized cache to be read (the first block and {self.recent_blocks} "
+                f"recent ones are exact), got {self.chunk_len}"
             )
         if self.sink_tokens is not None and not 0 <= self.sink_tokens <= self.block_size:
             raise ValueError(
@@ -104,10 +111,11 @@ class BenchOptions:
         for name in ("greedy_prompts", "greedy_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.greedy_prompt_len < 2 * self.block_size:
+        if self.greedy_prompt_len < need:
             raise ValueError(
-                f"greedy_prompt_len must be at least two blocks ({2 * self.block_size} tokens) "
-                f"for generated tokens to read a quantized block, got {self.greedy_prompt_len}"
+                f"greedy_prompt_len must be at least {2 + self.recent_blocks} blocks ({need} "
+                f"tokens) for generated tokens to read a quantized block, got "
+                f"{self.greedy_prompt_len}"
             )
 
 
@@ -286,6 +294,7 @@ def _cache_options(opts: BenchOptions) -> dict[str, Any]:
         "exact_first_block": opts.exact_first_block,
         "sink_tokens": opts.sink_tokens,
         "sink_requantize": opts.sink_requantize,
+        "recent_blocks": opts.recent_blocks,
     }
 
 

@@ -100,6 +100,7 @@ class GreedyResult(MethodRows):
     rows: list[GreedyRow]
     sink_tokens: int = 0
     sink_requantize: bool = False
+    recent_blocks: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -116,6 +117,7 @@ def evaluate_greedy(
     exact_first_block: bool = True,
     sink_tokens: int | None = None,
     sink_requantize: bool = False,
+    recent_blocks: int = 0,
     source: str = "",
     advance: Callable[[str], None] | None = None,
 ) -> GreedyResult:
@@ -133,6 +135,7 @@ def evaluate_greedy(
         sink_tokens: keys ``[0, S)`` read exact by every query (``None``: the whole first block
             with ``exact_first_block``, else none); see :class:`PseudoDecodeConfig`.
         sink_requantize: quantize block 0 without its sink tokens (copies of token ``S``).
+        recent_blocks: complete blocks before a query's own that it reads exact.
         source: where the prompts come from (stored).
         advance: called with the method name after each method (progress bars).
     """
@@ -149,7 +152,9 @@ def evaluate_greedy(
     outputs: dict[str, list[list[int]]] = {}
     sink = PseudoDecodeConfig(None, block_size, exact_first_block, sink_tokens).sink
     for method in sorted(methods, key=lambda m: m.name != reference):
-        config = PseudoDecodeConfig(method, block_size, exact_first_block, sink, sink_requantize)
+        config = PseudoDecodeConfig(
+            method, block_size, exact_first_block, sink, sink_requantize, recent_blocks
+        )
         outputs[method.name] = greedy_generate(model, ids, new_tokens, config)
         if advance is not None:
             advance(method.name)
@@ -179,6 +184,7 @@ def evaluate_greedy(
         rows=rows,
         sink_tokens=sink,
         sink_requantize=sink_requantize,
+        recent_blocks=recent_blocks,
         seconds=time.perf_counter() - start,
     )
 

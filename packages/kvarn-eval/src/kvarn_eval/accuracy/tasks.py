@@ -235,6 +235,7 @@ class TaskResult(MethodRows):
     rows: list[TaskRow]
     sink_tokens: int = 0
     sink_requantize: bool = False
+    recent_blocks: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -264,12 +265,13 @@ def evaluate_task(
     exact_first_block: bool = True,
     sink_tokens: int | None = None,
     sink_requantize: bool = False,
+    recent_blocks: int = 0,
     advance: Callable[[str], None] | None = None,
 ) -> TaskResult:
     """Score ``items`` with every method under pseudo-decode.
 
-    ``block_size``, ``exact_first_block``, ``sink_tokens`` and ``sink_requantize`` are those of
-    :class:`PseudoDecodeConfig`.
+    ``block_size``, ``exact_first_block``, ``sink_tokens``, ``sink_requantize`` and
+    ``recent_blocks`` are those of :class:`PseudoDecodeConfig`.
     """
     names = [m.name for m in methods]
     if reference not in names:
@@ -286,7 +288,7 @@ def evaluate_task(
         for item in items:
             for method in methods:
                 config = PseudoDecodeConfig(
-                    method, block_size, exact_first_block, sink, sink_requantize
+                    method, block_size, exact_first_block, sink, sink_requantize, recent_blocks
                 )
                 with pseudo_decode(config):
                     sums, greedy = _score_batch(model, item, pad_id)
@@ -339,5 +341,6 @@ def evaluate_task(
         rows=rows,
         sink_tokens=sink,
         sink_requantize=sink_requantize,
+        recent_blocks=recent_blocks,
         seconds=time.perf_counter() - start,
     )
