@@ -676,8 +676,7 @@ def _make_builder_class() -> type:
             buf = self._device_buf
 
             dev_seq = self._view(buf, "seq_lens", num_reqs)
-            dev_quant = self._view(buf, "quantized_lens", num_reqs)
-            dev_read = self._view(buf, "read_lens", num_reqs)
+            dev_read = self._view(buf, "read_lens", num_reqs)  # attention's split
             dev_slots = self._view(buf, "slots", num_reqs)
             dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
             dev_sink_slots = self._view(buf, "sink_slots", num_reqs) if self.config.sink else None
@@ -693,14 +692,7 @@ def _make_builder_class() -> type:
                     code = tiles[:, 0]
                     ids = flat[code.clamp(min=0).long()].to(torch.int32)
                     tiles[:, 0] = torch.where(code >= 0, ids, code)
-                dev_plan = replace(
-                    plan,
-                    tiles=tiles,
-                    writes=writes,
-                    seq_lens=dev_seq,
-                    quantized_lens=dev_quant,
-                    read_lens=None if plan.read_lens is None else dev_read,
-                )
+                dev_plan = self._plan_views(plan, buf, num_reqs, tiles, writes)
 
             groups: dict[str, RowGroup | None] = {"decode": None, "fresh": None, "context": None}
             for kind, (rows, n_tokens, max_q, max_s, sub_qsl) in group_hosts.items():
@@ -802,20 +794,23 @@ def _make_builder_class() -> type:
             writes = self._view(buf, "writes", num_tokens, 3)
             tiles.copy_(plan.tiles)
             writes.copy_(plan.writes)
-            dev_seq = self._view(buf, "seq_lens", num_reqs)
-            dev_quant = self._view(buf, "quantized_lens", num_reqs)
-            dev_seq.copy_(seq)
-            dev_quant.copy_(plan.quantized_lens)
+            self._view(buf, "seq_lens", num_reqs).copy_(seq)
+            self._view(buf, "quantized_lens", num_reqs).copy_(plan.quantized_lens)
+            self._view(buf, "read_lens", num_reqs).copy_(plan.attention_lens)
             spec["quantized"].index_copy_(0, slots[:real].long(), plan.quantized_lens[:real])
-            dev_read = self._view(buf, "read_lens", num_reqs)
-            dev_read.copy_(plan.attention_lens)
+            return self._plan_views(plan, buf, num_reqs, tiles, writes)
+
+        def _plan_views(self, plan, buf, num_reqs: int, tiles, writes):
+            """``plan`` on the persistent buffer: its tiles and writes as given, its per-row
+            lengths as the buffer's views (what CUDA graphs replay)."""
+            read = self._view(buf, "read_lens", num_reqs)
             return replace(
                 plan,
                 tiles=tiles,
                 writes=writes,
-                seq_lens=dev_seq,
-                quantized_lens=dev_quant,
-                read_lens=None if plan.read_lens is None else dev_read,
+                seq_lens=self._view(buf, "seq_lens", num_reqs),
+                quantized_lens=self._view(buf, "quantized_lens", num_reqs),
+                read_lens=None if plan.read_lens is None else read,
             )
 
         def _build_draft_step(self, cam, record: StepRecord):

@@ -175,17 +175,31 @@ def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
     }
     workload = {"kind": "greedy", "prompts": prompts, "max_tokens": opts.greedy_tokens}
     meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
-    plan: list[tuple[str, CacheSpec, dict[str, Any], str]] = [
-        ("reference", reference, {}, reference.label)
-    ]
+    plan: _Plan = [("reference", reference, {}, reference.label)]
     if opts.greedy_noise_max_num_seqs:
         n = opts.greedy_noise_max_num_seqs
         plan.append(("noise", reference, {"max_num_seqs": n}, f"{reference.label} seqs<={n}"))
     plan += [("compare", c, {}, c.label) for c in caches]
+    return _model_jobs("vllm_greedy", "greedy", plan, base, workload, meta, opts)
+
+
+_Plan = list[tuple[str, CacheSpec, dict[str, Any], str]]
+
+
+def _model_jobs(
+    suite: str,
+    prefix: str,
+    plan: _Plan,
+    base: dict[str, Any],
+    workload: dict[str, Any],
+    meta: dict[str, Any],
+    opts: ServingOptions,
+) -> list[EngineJob]:
+    """One job per ``(role, cache, extra engine arguments, label)`` of ``plan`` on a real model."""
     return [
         EngineJob(
-            suite="vllm_greedy",
-            name=f"greedy/{label}",
+            suite=suite,
+            name=f"{prefix}/{label}",
             cache=_cache_dict(cache),
             llm_kwargs={**base, **extra, **cache.llm_kwargs()},
             workload=workload,
@@ -230,7 +244,7 @@ def perplexity_jobs(
     workload = {"kind": "perplexity", "chunks": [list(c) for c in chunks]}
     meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
     # The noise run last: a budget that runs short drops it before a compared cache.
-    plan: list[tuple[str, CacheSpec, dict[str, Any], str]] = [
+    plan: _Plan = [
         ("reference", reference, {}, reference.label),
         *[("compare", c, {}, c.label) for c in caches],
         (
@@ -240,18 +254,7 @@ def perplexity_jobs(
             f"{reference.label} chunk {4 * step}",
         ),
     ]
-    return [
-        EngineJob(
-            suite="vllm_perplexity",
-            name=f"perplexity/{label}",
-            cache=_cache_dict(cache),
-            llm_kwargs={**base, **extra, **cache.llm_kwargs()},
-            workload=workload,
-            meta={**meta, "role": role, "label": label},
-            env=_env(opts, cache),
-        )
-        for role, cache, extra, label in plan
-    ]
+    return _model_jobs("vllm_perplexity", "perplexity", plan, base, workload, meta, opts)
 
 
 def run_jobs(
@@ -529,6 +532,22 @@ def throughput_result(
     }
 
 
+def _model_row(record: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+    """The columns every row of a real-model suite (greedy, perplexity) starts with."""
+    spec, meta = _spec(record), record.get("meta", {})
+    return {
+        "method": meta.get("label", spec.label),
+        "cache": spec.label,
+        "family": spec.family,
+        "role": meta.get("role"),
+        "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
+        "kv_cache_tokens": _kv_tokens(record),
+        "status": record.get("status"),
+        "error": _first_line(record.get("error")),
+        "is_reference": record is reference,
+    }
+
+
 def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
     """The ``vllm_greedy`` suite's result: each run's greedy tokens against the reference's.
 
@@ -552,18 +571,7 @@ def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -
         reference = first("noise")
     rows = []
     for r in records:
-        spec, meta = _spec(r), r.get("meta", {})
-        row: dict[str, Any] = {
-            "method": meta.get("label", spec.label),
-            "cache": spec.label,
-            "family": spec.family,
-            "role": meta.get("role"),
-            "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
-            "kv_cache_tokens": _kv_tokens(r),
-            "status": r.get("status"),
-            "error": _first_line(r.get("error")),
-        }
-        row["is_reference"] = r is reference
+        row = _model_row(r, reference)
         if reference is not None and r.get("outputs") and r is not reference:
             try:
                 row.update(compare_outputs(reference["outputs"], r["outputs"]))
@@ -646,18 +654,7 @@ def perplexity_result(
     )
     rows = []
     for r in records:
-        spec, meta = _spec(r), r.get("meta", {})
-        row: dict[str, Any] = {
-            "method": meta.get("label", spec.label),
-            "cache": spec.label,
-            "family": spec.family,
-            "role": meta.get("role"),
-            "bits_per_element": spec.bits_per_element(meta["head_dim"], meta.get("num_layers")),
-            "kv_cache_tokens": _kv_tokens(r),
-            "status": r.get("status"),
-            "error": _first_line(r.get("error")),
-            "is_reference": r is reference,
-        }
+        row = _model_row(r, reference)
         if scored(r):
             nll = [float(x) for x in r["chunk_nll"]]
             row["perplexity"] = math.exp(sum(nll) / len(nll))
