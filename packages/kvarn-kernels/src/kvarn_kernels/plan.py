@@ -66,7 +66,7 @@ class StorePlan:
         num_tiles: real entries of ``tiles``.
         num_writes: real entries of ``writes``.
         group_size: ``G`` of the preset it was planned for.
-        staging_tiles: ``S``.
+        staging_tiles: ``S``, tiles of the ring per slot (the open ones and ``recent_tiles``).
         sink: staging has the ``G`` sink rows in front (tile 0 kept exact).
         recent_tiles: ``R``, complete tiles kept in the ring besides their records.
         read_lens: int32 ``[B]`` tokens attention should read from records (the rest from

@@ -605,7 +605,14 @@ def _make_builder_class() -> type:
                     max_writes=num_reqs if uniform_decode else None,
                     sink=self.config.sink,
                     recent_tiles=self.config.recent_tiles,
-                    exact_start=self._exact_start[slots] if record is not None else None,
+                    # (never past what is cached: a row whose request was not reported
+                    # as added keeps a start that may be stale; the plan then stays safe)
+                    exact_start=np.minimum(
+                        self._exact_start[slots],
+                        num_cached // self.preset.group_size * self.preset.group_size,
+                    )
+                    if record is not None
+                    else None,
                 )
                 if record is not None:
                     quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
