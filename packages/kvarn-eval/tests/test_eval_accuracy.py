@@ -149,6 +149,9 @@ def test_quantized_fraction() -> None:
     assert quantized_fraction(100, 64, True) == 0.0  # block 1 reads only the exact sink
     assert quantized_fraction(150, 64, True) == pytest.approx(64 / 151)
     assert quantized_fraction(200, 64, False) == pytest.approx(192 / 201)
+    # one recent block exact too: the query at 200 (block 3) reads blocks 2 and 3 exact
+    assert quantized_fraction(200, 64, True, recent_blocks=1) == pytest.approx(64 / 201)
+    assert quantized_fraction(150, 64, True, recent_blocks=1) == 0.0
     assert quantized_fraction(100, 64, True, sink_tokens=4) == pytest.approx(60 / 101)
     assert quantized_fraction(200, 64, False, sink_tokens=64) == pytest.approx(128 / 201)
 

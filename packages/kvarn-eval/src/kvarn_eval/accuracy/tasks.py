@@ -151,17 +151,22 @@ def prepare_items(
 
 
 def quantized_fraction(
-    position: int, block_size: int, exact_first_block: bool, sink_tokens: int | None = None
+    position: int,
+    block_size: int,
+    exact_first_block: bool,
+    sink_tokens: int | None = None,
+    recent_blocks: int = 0,
 ) -> float:
     """Share of the keys ``0..position`` that the query at ``position`` reads quantized.
 
     Keys ``[0, S)`` are exact: ``S = sink_tokens`` when given, else ``block_size`` with
-    ``exact_first_block`` and 0 without.
+    ``exact_first_block`` and 0 without; so are the query's own block and the
+    ``recent_blocks`` before it.
     """
-    block_start = (position // block_size) * block_size
+    exact_from = max(0, (position // block_size - recent_blocks) * block_size)
     if sink_tokens is None:
         sink_tokens = block_size if exact_first_block else 0
-    quantized = max(0, block_start - sink_tokens)
+    quantized = max(0, exact_from - sink_tokens)
     return quantized / (position + 1)
 
 
@@ -326,7 +331,9 @@ def evaluate_task(
             )
         )
     context_lengths = [len(it.context) for it in items]
-    fractions = [quantized_fraction(n - 1, block_size, True, sink) for n in context_lengths]
+    fractions = [
+        quantized_fraction(n - 1, block_size, True, sink, recent_blocks) for n in context_lengths
+    ]
     return TaskResult(
         suite=suite,
         kind=kind,
