@@ -691,6 +691,54 @@ def test_vllm_perplexity_from_the_command_line(
     assert len(spec["workload"]["chunks"]) == 2 and len(spec["workload"]["chunks"][0]) == 24
 
 
+def test_report_merges_perplexity_runs_per_model(
+    fake_vllm: Path,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Perplexity runs of two models with the same caches stay two results, each against its
+    own reference; a second folder of one model adds its caches to that model's table."""
+    import shutil
+
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the cat sat on the mat and the dog ran"] * 40))
+    common = ["--suites", "vllm_perplexity", "--text", str(text), "--vllm-ppl-chunks", "2"]
+    common += ["--vllm-ppl-tokens", "24"]
+    runs = {
+        "a": [str(tiny_model_dir), "kvarn_k4v2_g128"],
+        "b": [str(other), "kvarn_k4v2_g128"],
+        "c": [str(tiny_model_dir), "bf16@TRITON_ATTN,fp8@TRITON_ATTN"],
+    }
+    for name, (model, caches) in runs.items():
+        argv = ["bench", *common, "--greedy-model", model, "--ppl-caches", caches]
+        assert cli.main([*argv, "--out", str(tmp_path / name)]) == 0
+    merged = tmp_path / "merged"
+    dirs = [str(tmp_path / name) for name in runs]
+    capsys.readouterr()
+    assert cli.main(["report", *dirs, "--out", str(merged), "--no-plot"]) == 0
+    payload = json.loads((merged / "results.json").read_text())
+    ppl = [r for r in payload["results"] if r["suite"] == "vllm_perplexity"]
+    by_model = {Path(r["settings"]["model"]).name: r for r in ppl}
+    assert sorted(by_model) == sorted([tiny_model_dir.name, "other-model"])
+    tiny = {row["method"] for row in by_model[tiny_model_dir.name]["rows"]}
+    assert {"kvarn_k4v2_g128", "fp8@TRITON_ATTN", "bf16@TRITON_ATTN"} <= tiny
+    assert {row["method"] for row in by_model["other-model"]["rows"]} >= {"kvarn_k4v2_g128"}
+    # the tiny model's reference ran twice (folders a and c): the later one is kept, and said
+    assert any("bf16@TRITON_ATTN: kept the run" in line for line in payload["left_out"])
+    assert all(
+        r.get("ppl_change_pct") is not None
+        for r in by_model["other-model"]["rows"]
+        if r["role"] == "compare"
+    )
+
+
 def test_bench_and_report_end_to_end(
     fake_vllm: Path,
     tmp_path: Path,

@@ -3,8 +3,9 @@
 A GPU call of ten minutes runs a few engines; a table of every cache and model takes several
 calls. Each call's folder keeps one record per engine run under ``runs/<suite>/`` (the worker's
 partial result, completed by the parent with status and log facts; the job's ``.spec.json``
-beside it). :func:`collect_results` merges the records of several folders into one capacity,
-throughput and vLLM-greedy result each, and keeps the other suites' results as they are.
+beside it). :func:`collect_results` merges the records of several folders into one capacity and
+one throughput result, one vLLM-greedy and one vLLM-perplexity result per real model, and keeps
+the other suites' results as they are.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvarn_eval.serving.suites import capacity_result, greedy_result, throughput_result
+from kvarn_eval.serving.suites import (
+    capacity_result,
+    greedy_result,
+    perplexity_result,
+    throughput_result,
+)
 
 __all__ = ["collect_results", "load_records"]
 
-_REBUILT = ("capacity", "throughput", "vllm_greedy")
+_REBUILT = ("capacity", "throughput", "vllm_greedy", "vllm_perplexity")
+# Suites on a real model: their runs compare within one model only.
+_PER_MODEL = {"vllm_greedy": greedy_result, "vllm_perplexity": perplexity_result}
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -30,7 +38,8 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def load_records(folder: Path) -> list[dict[str, Any]]:
-    """Every run record under ``folder/runs/`` (suites capacity, throughput, vllm_greedy).
+    """Every run record under ``folder/runs/`` (suites capacity, throughput, vllm_greedy,
+    vllm_perplexity).
 
     A record the parent never completed (the bench itself was killed) is completed from its
     ``.spec.json`` and marked ``interrupted``.
@@ -56,7 +65,9 @@ def load_records(folder: Path) -> list[dict[str, Any]]:
                     "name": spec["name"],
                     "cache": spec["cache"],
                     "meta": spec.get("meta", {}),
-                    "workload": {k: v for k, v in spec["workload"].items() if k != "prompts"},
+                    "workload": {
+                        k: v for k, v in spec["workload"].items() if k not in ("prompts", "chunks")
+                    },
                     "status": "ok" if record.get("complete") else "interrupted",
                 }
             record["source"] = str(folder)
@@ -65,16 +76,19 @@ def load_records(folder: Path) -> list[dict[str, Any]]:
 
 
 def _key(record: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
-    """What a record measured: its suite, its run name (model, parallelism, cache) and, for
-    throughput, its prompt lengths (two engines of one cache, one per prompt length, are two
-    measurements, not a run and its repeat)."""
+    """What a record measured: its suite, its run name (model, parallelism, cache; the real
+    model for greedy and perplexity runs) and, for throughput, its prompt lengths (two engines
+    of one cache, one per prompt length, are two measurements, not a run and its repeat)."""
     lens: tuple[int, ...] = ()
+    name = record["name"]
     if record["suite"] == "throughput":
         workload = record.get("workload") or {}
         lens = tuple(
             sorted(int(n) for n in workload.get("prompt_lens") or record.get("bursts") or ())
         )
-    return record["suite"], record["name"], lens
+    elif record["suite"] in _PER_MODEL:
+        name = f"{Path(str(record.get('meta', {}).get('model', '?'))).name}/{name}"
+    return record["suite"], name, lens
 
 
 def _merge(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -116,8 +130,8 @@ def collect_results(
         folders: bench output folders.
 
     Returns:
-        The results (other suites first, as stored; then capacity, throughput, vllm_greedy
-        rebuilt from the merged records), the files they came from, and a line per run
+        The results (other suites first, as stored; then capacity, throughput and, per real
+        model, vllm_greedy and vllm_perplexity rebuilt from the merged records), the files they came from, and a line per run
         record left out because another folder had the same suite and run name.
     """
     kept: list[dict[str, Any]] = []
@@ -152,6 +166,10 @@ def collect_results(
         )
     if by_suite["throughput"]:
         results.append(throughput_result(by_suite["throughput"], settings.get("throughput", {})))
-    if by_suite["vllm_greedy"]:
-        results.append(greedy_result(by_suite["vllm_greedy"], settings.get("vllm_greedy", {})))
+    for suite, build in _PER_MODEL.items():
+        models: dict[str, list[dict[str, Any]]] = {}
+        for r in by_suite[suite]:
+            models.setdefault(str(r.get("meta", {}).get("model")), []).append(r)
+        for model, runs in models.items():
+            results.append(build(runs, {**settings.get(suite, {}), "model": model}))
     return results, sources, dropped
