@@ -609,9 +609,12 @@ def test_perplexity_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     jobs = perplexity_jobs(opts, str(model), chunks)
     assert [j.meta["role"] for j in jobs] == ["reference", "compare", "compare", "noise"]
     ref, noise = jobs[0].llm_kwargs, jobs[3].llm_kwargs
-    assert ref["kv_cache_dtype"] == "auto" and ref["max_num_batched_tokens"] == 64
-    assert ref["max_num_seqs"] == 1 and ref["enable_prefix_caching"] is False
-    assert noise["max_num_batched_tokens"] == 256 and jobs[3].meta["label"].endswith("chunk 256")
+    # three texts side by side, 64 tokens of each per step
+    assert ref["kv_cache_dtype"] == "auto" and ref["max_num_batched_tokens"] == 3 * 64
+    assert ref["long_prefill_token_threshold"] == 64 and ref["max_num_seqs"] == 3
+    assert ref["enable_prefix_caching"] is False
+    assert noise["long_prefill_token_threshold"] == 256 and noise["max_num_batched_tokens"] == 768
+    assert jobs[3].meta["label"].endswith("chunk 256")
     assert jobs[2].env == {"KVARN_VLLM_RECENT_TILES": "0"} and jobs[1].env == {}
     records = run_jobs(jobs, tmp_path / "runs", opts, Budget(), echo=lambda s: None)
     assert all(r["status"] == "ok" for r in records), records[0].get("log_tail")

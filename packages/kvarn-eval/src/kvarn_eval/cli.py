@@ -196,7 +196,8 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         "--vllm-ppl-chunk-size",
         type=_positive,
         default=defaults.ppl_chunk_size,
-        help="vllm_perplexity's prefill chunk (max_num_batched_tokens, one request at a time): "
+        help="vllm_perplexity's prefill chunk (tokens of each text per step, all texts side by "
+        "side): "
         f"each attends to the cache the earlier ones wrote ({defaults.ppl_chunk_size}, a kvarn tile)",
     )
     gpu.add_argument("--kernel-quick", action="store_true", help="kvarn_kernels.bench --quick")

@@ -42,9 +42,9 @@ class ServingOptions:
         ppl_caches: caches of the vLLM perplexity suite; the first bf16 one is the reference.
         ppl_chunks: text chunks it scores.
         ppl_tokens: tokens per chunk.
-        ppl_chunk_size: prefill chunk (vLLM's ``max_num_batched_tokens``, one request at a
-            time): every chunk of a prompt attends to the cache its earlier chunks wrote, as
-            decoding would (pseudo-decode; 128 is a kvarn tile).
+        ppl_chunk_size: prefill chunk, tokens of each text per step (all texts side by side;
+            vLLM's ``long_prefill_token_threshold``): every chunk of a text attends to the cache
+            its earlier chunks wrote, as decoding would (pseudo-decode; 128 is a kvarn tile).
         kernel_quick: the kernel microbenchmark's ``--quick`` grid.
         kernel_presets: kvarn presets of the kernel microbenchmark (comma-separated).
     """

@@ -215,11 +215,12 @@ def perplexity_jobs(
 ) -> list[EngineJob]:
     """Jobs of the ``vllm_perplexity`` suite: the reference, the noise run, the compared caches.
 
-    Each engine serves one request at a time with prefill chunks of ``ppl_chunk_size`` tokens,
-    so every chunk of a text attends to the cache its earlier chunks wrote (pseudo-decode
-    through the real kernels); prefix caching is off, so every token is computed. The noise run
-    is the reference cache with chunks 4x as long: another batching of the same exact
-    attention.
+    Each engine prefills every text at once, side by side, ``ppl_chunk_size`` tokens of each
+    per step (vLLM's ``long_prefill_token_threshold``, with a token budget of one chunk per
+    text), so every chunk of a text attends to the cache its earlier chunks wrote
+    (pseudo-decode through the real kernels); prefix caching is off, so every token is
+    computed. The noise run is the reference cache with chunks 4x as long: another batching of
+    the same exact attention.
 
     Args:
         opts: the GPU options.
@@ -229,14 +230,18 @@ def perplexity_jobs(
     reference, caches = _reference_and_rest(opts.ppl_caches)
     head_dim, num_layers = _model_geometry(model_dir)
     longest = max(len(c) for c in chunks)
-    step = opts.ppl_chunk_size
+    step, n = opts.ppl_chunk_size, len(chunks)
+
+    def chunked(size: int) -> dict[str, Any]:
+        return {"max_num_batched_tokens": n * size, "long_prefill_token_threshold": size}
+
     base: dict[str, Any] = {
         "model": model_dir,
         "max_model_len": longest + 16,
         "gpu_memory_utilization": opts.greedy_gpu_memory_utilization,
         "enforce_eager": True,
-        "max_num_seqs": 1,
-        "max_num_batched_tokens": step,
+        "max_num_seqs": n,
+        **chunked(step),
         "enable_chunked_prefill": True,
         "enable_prefix_caching": False,
         "seed": 0,
@@ -247,12 +252,7 @@ def perplexity_jobs(
     plan: _Plan = [
         ("reference", reference, {}, reference.label),
         *[("compare", c, {}, c.label) for c in caches],
-        (
-            "noise",
-            reference,
-            {"max_num_batched_tokens": 4 * step},
-            f"{reference.label} chunk {4 * step}",
-        ),
+        ("noise", reference, chunked(4 * step), f"{reference.label} chunk {4 * step}"),
     ]
     return _model_jobs("vllm_perplexity", "perplexity", plan, base, workload, meta, opts)
 
