@@ -65,8 +65,10 @@ def staging_shape(
     staging_tiles: int = 1,
     sink: bool = False,
 ) -> tuple[int, int, int, int, int]:
-    """``(num_slots, 2, (S + sink)*G, num_kv_heads, head_dim)``; ``S = staging_tiles`` (2: spec
-    decode); ``sink``: ``G`` more rows per slot keep each request's exact first tile."""
+    """``(num_slots, 2, (S + sink)*G, num_kv_heads, head_dim)``; ``S = staging_tiles``, the ring
+    (open tiles: 1, or 2 with speculative decoding; plus the recent tiles a plan keeps, see
+    ``plan_store(recent_tiles=)``); ``sink``: ``G`` more rows per slot keep each request's exact
+    first tile."""
     lay = tile_layout(preset, head_dim)
     _positive("staging_tiles", staging_tiles)
     return (

@@ -53,7 +53,8 @@ def warmup(
         num_kv_heads: KV heads of a layer (on this rank).
         dtype: the model dtype (queries, keys, values, staging).
         device: where the engine runs.
-        staging_tiles: ``S`` of the engine's staging (2 under speculative decoding).
+        staging_tiles: ``S``, ring tiles of the engine's staging (the open ones, 2 under
+            speculative decoding, plus any recent tiles the engine keeps exact).
         sink: whether staging keeps each request's exact first tile (the engine then passes
             ``sink_lens`` to every attention call).
         sliding_window: a sliding-window layer's window (the kernels take it as a runtime
