@@ -76,15 +76,24 @@ def _vllm_greedy(ctx: BenchContext) -> dict[str, Any]:
     opts = ctx.options.serving
     model_dir = resolve_model_dir(opts.greedy_model or ctx.options.model)
     settings = {**settings_of(opts), "model": model_dir}
+    return _run_model_suite(
+        ctx, "vllm_greedy", greedy_jobs(opts, model_dir), greedy_result, settings
+    )
+
+
+def _run_model_suite(
+    ctx: BenchContext, suite: str, jobs: Any, build: Any, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Run a real-model suite's engines in turn, checkpointing ``build``'s partial result."""
     records = run_jobs(
-        greedy_jobs(opts, model_dir),
-        ctx.out_dir / "runs" / "vllm_greedy",
-        opts,
+        jobs,
+        ctx.out_dir / "runs" / suite,
+        ctx.options.serving,
         _budget(ctx),
         echo=ctx.echo,
-        on_record=lambda done: ctx.checkpoint(greedy_result(done, settings)),
+        on_record=lambda done: ctx.checkpoint(build(done, settings)),
     )
-    return greedy_result(records, settings)
+    return build(records, settings)
 
 
 def _vllm_perplexity(ctx: BenchContext) -> dict[str, Any]:
@@ -100,15 +109,8 @@ def _vllm_perplexity(ctx: BenchContext) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chunks = text_chunks(tokenizer, text, opts.ppl_chunks, opts.ppl_tokens)
     settings = {**settings_of(opts), "model": model_dir, "text_source": source}
-    records = run_jobs(
-        perplexity_jobs(opts, model_dir, chunks),
-        ctx.out_dir / "runs" / "vllm_perplexity",
-        opts,
-        _budget(ctx),
-        echo=ctx.echo,
-        on_record=lambda done: ctx.checkpoint(perplexity_result(done, settings)),
-    )
-    return perplexity_result(records, settings)
+    jobs = perplexity_jobs(opts, model_dir, chunks)
+    return _run_model_suite(ctx, "vllm_perplexity", jobs, perplexity_result, settings)
 
 
 def _check_serving(options: BenchOptions) -> None:

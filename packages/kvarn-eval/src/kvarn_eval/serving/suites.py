@@ -606,31 +606,20 @@ def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -
             else ""
         )
     )
-    return {
-        "suite": "vllm_greedy",
-        "kind": "greedy",
-        "settings": settings,
-        "reference": None if reference is None else reference.get("meta", {}).get("label"),
-        "rows": rows,
-        "tables": [{"title": title, "header": header, "rows": table_rows}],
-        "plot_file": "accuracy",
-        "points": [
-            {
-                "label": row["method"],
-                "family": row["family"],
-                "x": row["bits_per_element"],
-                "y": 100 * row["token_agreement"],
-            }
+    return _model_result(
+        "vllm_greedy",
+        "greedy",
+        settings,
+        reference,
+        rows,
+        {"title": title, "header": header, "rows": table_rows},
+        [
+            (row, 100 * row["token_agreement"])
             for row in rows
             if row.get("token_agreement") is not None
         ],
-        "axes": {
-            "xlabel": "bits per element (scales included, log scale)",
-            "ylabel": "greedy token agreement with the reference (%)",
-            # The panel names the model: greedy agreement means little without it.
-            "title": f"vllm_greedy, {Path(str(settings.get('model') or '?')).name}",
-        },
-    }
+        "greedy token agreement with the reference (%)",
+    )
 
 
 def perplexity_result(
@@ -698,28 +687,47 @@ def perplexity_result(
         f"wrote), {settings.get('model')}; change against the reference, paired by chunk"
         + ("" if reference else " (NO REFERENCE RUN: nothing compared)")
     )
+    return _model_result(
+        "vllm_perplexity",
+        "perplexity",
+        settings,
+        reference,
+        rows,
+        {"title": title, "header": header, "rows": table_rows},
+        [(row, row["ppl_change_pct"]) for row in rows if row.get("ppl_change_pct") is not None],
+        "perplexity change against the reference (%)",
+    )
+
+
+def _model_result(
+    suite: str,
+    kind: str,
+    settings: dict[str, Any],
+    reference: dict[str, Any] | None,
+    rows: list[dict[str, Any]],
+    table: dict[str, Any],
+    points: list[tuple[dict[str, Any], float]],
+    ylabel: str,
+) -> dict[str, Any]:
+    """The result of a real-model suite: its rows and table, and ``points`` (row, y) plotted
+    against bits per element in a panel that names the model (the numbers mean little
+    without it)."""
     return {
-        "suite": "vllm_perplexity",
-        "kind": "perplexity",
+        "suite": suite,
+        "kind": kind,
         "settings": settings,
         "reference": None if reference is None else reference.get("meta", {}).get("label"),
         "rows": rows,
-        "tables": [{"title": title, "header": header, "rows": table_rows}],
+        "tables": [table],
         "plot_file": "accuracy",
         "points": [
-            {
-                "label": row["method"],
-                "family": row["family"],
-                "x": row["bits_per_element"],
-                "y": row["ppl_change_pct"],
-            }
-            for row in rows
-            if row.get("ppl_change_pct") is not None
+            {"label": row["method"], "family": row["family"], "x": row["bits_per_element"], "y": y}
+            for row, y in points
         ],
         "axes": {
             "xlabel": "bits per element (scales included, log scale)",
-            "ylabel": "perplexity change against the reference (%)",
-            "title": f"vllm_perplexity, {Path(str(settings.get('model') or '?')).name}",
+            "ylabel": ylabel,
+            "title": f"{suite}, {Path(str(settings.get('model') or '?')).name}",
         },
     }
 
