@@ -90,3 +90,48 @@ def test_gguf_file_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert calls == [gguf.resolve()]
     with pytest.raises(ValueError, match="neither a built-in"):
         models.resolve_model_dir(str(tmp_path / "missing.gguf"))
+
+
+class _FakeTokenizer:
+    """Splits the probe into pieces of ``width`` characters, BOS 2 in front when ``bos``."""
+
+    bos_token_id = 2
+
+    def __init__(self, width: int, bos: bool) -> None:
+        self.width, self.bos = width, bos
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = [100 + i for i in range(0, len(text), self.width)]
+        return {"input_ids": ([2] if self.bos and add_special_tokens else []) + ids}
+
+
+def test_check_tokenizer_refuses_a_broken_conversion() -> None:
+    good = _FakeTokenizer(5, bos=True)
+    models.check_tokenizer(good, _FakeTokenizer(5, bos=True), True, "m")
+    models.check_tokenizer(_FakeTokenizer(4, False), _FakeTokenizer(4, False), False, "m")
+    # transformers 5.17 on Gemma-3: the saved tokenizer reloads as characters
+    with pytest.raises(RuntimeError, match=r"reloads differently \(.* tokens against"):
+        models.check_tokenizer(good, _FakeTokenizer(1, bos=True), True, "gemma")
+    # ... and the one it read from the GGUF already splits too finely, without BOS
+    with pytest.raises(RuntimeError, match="into 2.0 characters per token"):
+        models.check_tokenizer(_FakeTokenizer(2, True), _FakeTokenizer(2, True), True, "g")
+    with pytest.raises(RuntimeError, match="adds a BOS token but the tokenizer does not"):
+        models.check_tokenizer(_FakeTokenizer(5, False), _FakeTokenizer(5, False), True, "g")
+    with pytest.raises(RuntimeError, match="convert with transformers 5.24 or later"):
+        models.check_tokenizer(_FakeTokenizer(5, False), _FakeTokenizer(5, False), True, "g")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
+def test_gguf_adds_bos_reads_the_metadata(tmp_path: Path) -> None:
+    import gguf
+
+    for value in (True, False):
+        path = tmp_path / f"bos_{value}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_add_bos_token(value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert models.gguf_adds_bos(path) is value
+    assert models.gguf_adds_bos(tmp_path / "missing.gguf") is None

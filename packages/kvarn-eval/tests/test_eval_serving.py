@@ -87,6 +87,13 @@ def test_parse_cache_kvarn_settings() -> None:
         parse_cache("kvarn_k4v2_g128+recent9")
     with pytest.raises(ValueError, match="only a kvarn preset takes a '\\+' setting"):
         parse_cache("fp8+recent0")
+    both = parse_cache("kvarn_k4v2_g128+recent0+mqa")
+    assert both.label == "kvarn_k4v2_g128+recent0+mqa"
+    assert both.env == (("KVARN_VLLM_RECENT_TILES", "0"), ("KVARN_VLLM_DENSE_CONTEXT", "0"))
+    with pytest.raises(ValueError, match="sets KVARN_VLLM_RECENT_TILES twice"):
+        parse_cache("kvarn_k4v2_g128+recent0+recent2")
+    with pytest.raises(ValueError, match="unknown kvarn setting 'dense'"):
+        parse_cache("kvarn_k4v2_g128+mqa+dense")
 
 
 def test_parse_caches_groups() -> None:

@@ -126,15 +126,24 @@ def build_paged(
     )
 
 
+def through_dtype(x: npt.NDArray[np.float32], dtype: torch.dtype) -> npt.NDArray[np.float32]:
+    """Original-frame K/V as a kernel sees them: rotated, rounded to ``dtype``, un-rotated in
+    float64."""
+    if dtype == torch.float32:
+        return x
+    from kvarn_math import unrotate
+
+    r = torch.from_numpy(rotate(x, axis=-1)).to(dtype).double().numpy()
+    return unrotate(r, axis=-1).astype(np.float32)
+
+
 def staged_reference(ref: QuantizedSequence, dtype: torch.dtype) -> QuantizedSequence:
     """The reference seeing the staged tail as rounded to ``dtype`` (then un-rotated in float64)."""
     if dtype == torch.float32:
         return ref
-    from kvarn_math import unrotate
 
     def through(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        r = torch.from_numpy(rotate(x, axis=-1)).to(dtype).double().numpy()
-        return unrotate(r, axis=-1).astype(np.float32)
+        return through_dtype(x, dtype)
 
     first_k = None if ref.first_k is None else through(ref.first_k)
     first_v = None if ref.first_v is None else through(ref.first_v)

@@ -178,8 +178,10 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
     rows = []
     ptrs = {"q_ptr": "*bf16", "stage_ptr": "*bf16", "cache_u8_ptr": "*u8"}
     ptrs |= {"cache_f16_ptr": "*fp16", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    ptrs |= {"fk_ptr": "*bf16", "fv_ptr": "*bf16"}
     # (preset, decode): the 4-bit-key path and the generic one, decode and multi-query blocks
-    # of 16 query tokens at GQA group 4 (as the launcher sizes them).
+    # of 16 query tokens at GQA group 4 (as the launcher sizes them); multi-query with the
+    # step's own K/V (FRESH, what kvarn-vllm launches; without it is a subset).
     cases = [("kvarn_k4v2_g128", True), ("kvarn_k3v2_g128", True), ("kvarn_k4v4_g64", True)]
     cases += [("kvarn_k4v2_g128", False), ("kvarn_k3v2_g128", False)]
     for name, decode in cases:
@@ -200,6 +202,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 FP32=False,
                 SUB=launch["SUB"],
                 PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
+                FRESH=not decode,
             )
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
@@ -208,6 +211,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 # Other query dtypes at the largest head size: fp16, and fp32 (exact dots).
                 for dt in ("fp16", "fp32"):
                     dptrs = {**ptrs, "q_ptr": f"*{dt}", "stage_ptr": f"*{dt}"}
+                    dptrs |= {"fk_ptr": f"*{dt}", "fv_ptr": f"*{dt}"}
                     dconsts = {**consts, "FP32": dt == "fp32"}
                     rows.append(
                         compile_kernel(

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from kernel_testing import build_paged, examples, staged_reference
-from kvarn_math import get_preset, reference_attention
+from kernel_testing import build_paged, examples, staged_reference, through_dtype
+from kvarn_math import get_preset, reference_attention, rotate
 from kvarn_math.testing import assert_close_rms, make_kv
 
 pytestmark = pytest.mark.interpreter
@@ -322,6 +322,128 @@ def test_multi_query_speculative_staging(case: dict[str, object]) -> None:
 @given(mqa_cases(), st.sampled_from([torch.float16, torch.bfloat16]))
 def test_multi_query_half(case: dict[str, object], dtype: torch.dtype) -> None:
     _run_mqa(case, dtype)
+
+
+@st.composite
+def fresh_cases(draw: st.DrawFn) -> dict[str, object]:
+    """Chunks of any length up to the whole sequence: their own tokens may fill whole tiles
+    (whose records the step's store just wrote), start inside a tile or in the sink tile."""
+    case = draw(decode_cases())
+    case["lens"] = case["lens"][:2]
+    case["num_q"] = [draw(st.integers(1, t)) for t in case["lens"]]
+    case["splits"] = draw(st.integers(1, 3))
+    return case
+
+
+def run_fresh(
+    case: dict[str, object], dtype: torch.dtype, device: str = "cpu", tol: float | None = None
+) -> None:
+    """Multi-query attention with ``fresh_kv`` against kvarn-math's ``exact_kv`` reference; the
+    staged copies of the queries' own positions are NaN (so they must not be read)."""
+    preset, d, h = case["preset"], case["head_dim"], case["num_kv_heads"]
+    hq = h * case["group"]
+    seqs = _sequences(case["lens"], h, d, case["seed"])
+    g = get_preset(preset).group_size
+    batch = build_paged(seqs, preset, dtype, device, seed=case["seed"], sinks=case.get("sinks"))
+    nqs = case["num_q"]
+    loc = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
+    base = 0 if batch.sink_lens is None else g
+    fresh_k, fresh_v = [], []
+    for b, ((k, v), nq) in enumerate(zip(seqs, nqs, strict=True)):
+        t = k.shape[0]
+        fresh_k.append(torch.from_numpy(rotate(k[t - nq :], axis=-1)).to(dtype))
+        fresh_v.append(torch.from_numpy(rotate(v[t - nq :], axis=-1)).to(dtype))
+        # The queries' own positions must come from fresh_kv: their staged copies are NaN.
+        # (Staged: the tail [quantized_len, t), and tile 0 in the sink rows where kept.)
+        slot, qlen = int(batch.staging_slots[b]), int(batch.quantized_lens[b])
+        for pos in range(t - nq, t):
+            if pos >= qlen or (pos < base and int(batch.sink_lens[b])):
+                row = pos if pos < base else base + (pos - base) % g
+                batch.staging[slot, :, row] = float("nan")
+    q = make_kv((int(loc[-1]), hq, d), "gaussian", case["seed"] + 7)
+    scale = 1.0 / np.sqrt(d)
+    out = kk.multi_query_attention(
+        torch.from_numpy(q).to(device, dtype),
+        torch.from_numpy(loc).to(device),
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        scale,
+        sliding_window=case["window"],
+        max_query_len=max(nqs),
+        num_splits=case["splits"],
+        sink_lens=batch.sink_lens,
+        fresh_kv=(torch.cat(fresh_k).to(device), torch.cat(fresh_v).to(device)),
+    )
+    q_in = torch.from_numpy(q).to(dtype).float().numpy()
+    for b, ((k, v), ref) in enumerate(zip(seqs, batch.refs, strict=True)):
+        rows = slice(int(loc[b]), int(loc[b + 1]))
+        t, nq = k.shape[0], nqs[b]
+        exact = (through_dtype(k[t - nq :], dtype), through_dtype(v[t - nq :], dtype))
+        want = reference_attention(
+            q_in[rows], staged_reference(ref, dtype), scale, case["window"], exact_kv=exact
+        )
+        got = out[rows].float().cpu().numpy()
+        assert_close_rms(want, got, TOL[dtype] if tol is None else tol, what=f"sequence {b}")
+
+
+@examples(15)
+@given(fresh_cases())
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 1,
+        "group": 2,
+        # 200 tokens, the last 150 the chunk: tiles [64, 128) and half of [0, 64) are its own
+        # and have records; positions [128, 200) are staged (and NaN there).
+        "lens": [200, 70],
+        "num_q": [150, 70],
+        "splits": 2,
+        "window": None,
+        "seed": 4,
+        "sinks": [True, True, False],
+    }
+)
+def test_multi_query_fresh_kv_reads_own_tokens_exact(case: dict[str, object]) -> None:
+    """With ``fresh_kv`` a chunk attends its own tokens exact from the step's K/V, whatever
+    tiles its store completed, and earlier positions as stored (kvarn_math's exact_kv)."""
+    run_fresh(case, torch.float32)
+
+
+@examples(3)
+@given(fresh_cases(), st.sampled_from([torch.float16, torch.bfloat16]))
+def test_multi_query_fresh_kv_half(case: dict[str, object], dtype: torch.dtype) -> None:
+    run_fresh(case, dtype)
+
+
+def test_multi_query_fresh_kv_checks() -> None:
+    preset, d = "kvarn_k4v2_g64", 64
+    seqs = _sequences([100], 2, d, 3)
+    batch = build_paged(seqs, preset, torch.float32, "cpu")
+    q = torch.zeros((4, 4, d))
+    args = (
+        torch.tensor([0, 4], dtype=torch.int32),
+        batch.kv_cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.125,
+    )
+    good = torch.zeros((4, 2, d))
+    with pytest.raises(ValueError, match="fresh_kv must be a"):
+        kk.multi_query_attention(q, *args, fresh_kv=good)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"fresh_kv\[1\] must have shape \[4, 2, 64\]"):
+        kk.multi_query_attention(q, *args, fresh_kv=(good, torch.zeros((3, 2, d))))
+    with pytest.raises(ValueError, match=r"fresh_kv\[0\] must have dtype"):
+        kk.multi_query_attention(q, *args, fresh_kv=(good.half(), good))
 
 
 def test_decode_equals_single_token_multi_query() -> None:

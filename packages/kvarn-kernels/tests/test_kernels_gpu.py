@@ -11,6 +11,7 @@ from kvarn_math import PRESETS, encode_tiles, get_preset, reference_attention, r
 from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
+from test_kernels_attention import run_fresh
 from test_kernels_store import assert_records_match
 
 pytestmark = pytest.mark.gpu
@@ -178,6 +179,26 @@ def test_multi_query_attention_realistic(dtype: torch.dtype) -> None:
         rows = slice(int(loc[b]), int(loc[b + 1]))
         want = reference_attention(q_in[rows], staged_reference(ref, dtype), scale)
         assert_close_rms(want, out[rows].float().cpu().numpy(), TOL[dtype], what=f"seq {b}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 700])
+def test_multi_query_fresh_kv_realistic(dtype: torch.dtype, window: int | None) -> None:
+    """Long chunks attend their own tokens from the step's K/V, not from the records their
+    store completed (nor from staging, NaN there): 1500 of 2000 tokens, 300 of 700."""
+    case = {
+        "preset": "kvarn_k4v2_g128",
+        "head_dim": 128,
+        "num_kv_heads": 8,
+        "group": 4,
+        "lens": [2000, 700],
+        "num_q": [1500, 300],
+        "splits": None,
+        "window": window,
+        "seed": 21,
+        "sinks": [True, False, False],
+    }
+    run_fresh(case, dtype, DEV, TOL[dtype])
 
 
 def test_rotate_and_dequantize_on_gpu() -> None:

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kvarn_math.attention import dense_attention, dense_kv, quantize_sequence, reference_attention
-from kvarn_math.hadamard import rotate
+from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import get_preset
 from kvarn_math.testing import kv_sequences, make_kv
 from kvarn_math.tile import dequantize_tiles
@@ -86,6 +86,25 @@ def test_reference_attention_is_close_to_exact(preset: str, max_err: float) -> N
     np.testing.assert_allclose(
         reference_attention(q, short), dense_attention(q, k[:100], v[:100]), rtol=1e-4, atol=1e-5
     )
+
+
+def test_reference_attention_exact_kv_reads_the_queries_own_tokens_exact() -> None:
+    # 300 tokens, the last 200 the chunk's own: positions [100, 256) sit in completed tiles
+    # (records), [256, 300) in the tail; with exact_kv all of [100, 300) is attended exact.
+    k = make_kv((300, 2, 64), "outlier_channels", 5)
+    v = make_kv((300, 2, 64), "gaussian", 6)
+    q = make_kv((200, 4, 64), "gaussian", 7)
+    seq = quantize_sequence(k, v, "kvarn_k4v2_g128")
+    k_rot, v_rot = dense_kv(seq)
+    k_rot[100:] = rotate(k[100:], axis=-1)
+    v_rot[100:] = rotate(v[100:], axis=-1)
+    want = unrotate(dense_attention(rotate(q, axis=-1), k_rot, v_rot), axis=-1)
+    got = reference_attention(q, seq, exact_kv=(k[100:], v[100:]))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # and it differs from reading the completed tiles as stored
+    assert np.abs(reference_attention(q, seq) - got).max() > 1e-3
+    with pytest.raises(ValueError, match="exact_kv must be two"):
+        reference_attention(q, seq, exact_kv=(k[:10], v[:10]))
 
 
 def test_attention_argument_errors() -> None:

@@ -131,7 +131,8 @@ class Harness:
     def quantized(self, slot, q_rows, recent=None):
         """kvarn-math's reference: the same sequence stored as tiles + open tail, the tiles as
         the cache's own records (checked to encode exactly these tokens, ``_records``), the
-        last ``recent`` complete ones (default: the builder's) read exact."""
+        last ``recent`` complete ones (default: the builder's) read exact, and several query
+        rows' own tokens exact (a chunk or verify step attends them from the step's K/V)."""
         from kvarn_math.attention import quantize_sequence, reference_attention
         from kvarn_math.hadamard import rotate, unrotate
 
@@ -145,7 +146,10 @@ class Harness:
             recent = self.builder.config.recent_tiles
         seq = quantize_sequence(kf, vf, PRESET, recent_tiles=recent)
         seq = cached_records(self.kv_cache, self.block_table[slot], kf, vf, seq, PRESET, D)
-        ref = torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
+        n = q_rows.shape[0]
+        own = (kf[kf.shape[0] - n :], vf[vf.shape[0] - n :]) if n > 1 else None
+        ref = reference_attention(q_rows.float().numpy(), seq, D**-0.5, exact_kv=own)
+        ref = torch.from_numpy(ref)
         return ref, seq.records.shape[0] > seq.recent_tiles
 
 

@@ -26,21 +26,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0, exact_from=None):
+def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
     """``out`` against kvarn-math's attention over the same tokens, tile 0 exact, the last
-    ``recent`` complete tiles exact (and every position from ``exact_from`` on, when given: a
-    chunk's own tokens on the dense path), and the other
+    ``recent`` complete tiles exact, the queries' own tokens exact (a chunk attends them from the
+    step's K/V, on the dense path and through the multi-query kernel alike), and the other
     complete tiles as the records the cache holds in ``block_row`` (checked to encode exactly
     these tokens, ``_records``): within 2%, and much closer to it than to exact attention when
     records are read (so the records, not exact K/V, were read)."""
-    from kvarn_math.attention import (
-        QuantizedSequence,
-        dense_attention,
-        dense_kv,
-        quantize_sequence,
-        reference_attention,
-    )
-    from kvarn_math.hadamard import rotate, unrotate
+    from kvarn_math.attention import QuantizedSequence, quantize_sequence, reference_attention
     from kvarn_math.layout import get_preset
 
     kf, vf = k.float().numpy(), v.float().numpy()
@@ -51,14 +44,10 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0, 
         get_preset(PRESET), D, np.zeros((0, HKV, lay.tile_bytes), np.uint8), kf, vf
     )
     qn = q.float().numpy()
-    if exact_from is None:
-        ref = torch.from_numpy(reference_attention(qn, seq, D**-0.5, sliding_window=window))
-    else:
-        k_rot, v_rot = dense_kv(seq)
-        k_rot[exact_from:] = rotate(kf[exact_from:], axis=-1)
-        v_rot[exact_from:] = rotate(vf[exact_from:], axis=-1)
-        o = dense_attention(rotate(qn, axis=-1), k_rot, v_rot, D**-0.5, sliding_window=window)
-        ref = torch.from_numpy(unrotate(o, axis=-1).astype(np.float32))
+    own = (kf[kf.shape[0] - qn.shape[0] :], vf[vf.shape[0] - qn.shape[0] :])
+    ref = torch.from_numpy(
+        reference_attention(qn, seq, D**-0.5, sliding_window=window, exact_kv=own)
+    )
     exact = torch.from_numpy(reference_attention(qn, exact_seq, D**-0.5, sliding_window=window))
 
     def rel(a, b):
@@ -232,8 +221,8 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
             assert workspace.shape[1] == ws_tokens
         assert kimpl._use_dense_context(meta.context, workspace) == (dense_context != "off")
         k, v = history[(li, 2)]
-        # The dense path reads the chunk's own tokens (from 101 on) exact; the multi-query
-        # kernel reads its completed tile from the record.
+        # The dense path and the multi-query kernel read the chunk's own tokens (from 101 on)
+        # exact, although the store completed their tile.
         _near_reference(
             out[:69],
             q[:69],
@@ -244,7 +233,6 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
             kv_caches[names[li]],
             tables[li][2],
             recent,
-            exact_from=101 if dense_context == "on" else None,
         )
     # One tensor, two groups: group 0 quantized the 170-token request's two tiles into blocks 3
     # and 4, group 1 into 13 and 14 (the sink's record too, for prefix-cache hits); nothing else
@@ -271,7 +259,6 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
             kv_caches[names[li]],
             tables[li][2],
             recent,
-            exact_from=170 if dense_context == "on" else None,
         )
 
     # Preemption and recompute: the 170-token request (row 2) is preempted and resumed in the

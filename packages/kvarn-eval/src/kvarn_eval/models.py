@@ -204,6 +204,9 @@ def convert_gguf(spec: BuiltinModel | Path, out_dir: Path) -> Path:
         stage = tmp_path / "model"
         rebuilt.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
+        check_tokenizer(
+            tokenizer, AutoTokenizer.from_pretrained(stage), gguf_adds_bos(gguf_path), name
+        )
         _write_flat_rope_theta(stage / "config.json")
         (stage / "kvarn-source.json").write_text(
             json.dumps(
@@ -219,6 +222,66 @@ def convert_gguf(spec: BuiltinModel | Path, out_dir: Path) -> Path:
             shutil.rmtree(out_dir)
         stage.rename(out_dir)
     return out_dir
+
+
+# An English probe: a working subword tokenizer gives 4-5 characters per token here (SmolLM2
+# 4.6, Gemma-3 4.8 through transformers 5.24); transformers 5.17 reads Gemma-3's GGUF vocabulary
+# into one giving 2.2 without BOS (and saves it so that it reloads as single characters, 1.0),
+# which scored perplexity 20,606 through vLLM (H200, 2026-11-30; 24.2 with a working one).
+TOKENIZER_PROBE = (
+    "The quick brown fox jumps over the lazy dog. Perplexity is measured on WikiText-2, "
+    "a collection of good and featured articles from the English Wikipedia."
+)
+MIN_CHARS_PER_TOKEN = 3.0
+
+
+def gguf_adds_bos(path: Path) -> bool | None:
+    """The GGUF's ``tokenizer.ggml.add_bos_token`` (``None`` when absent or unreadable)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+        return None if field is None else bool(field.parts[field.data[0]][0])
+    except Exception:  # a GGUF gguf cannot read has failed to load before this anyway
+        return None
+
+
+def check_tokenizer(original: Any, saved: Any, adds_bos: bool | None, name: str) -> None:
+    """Refuse a converted tokenizer that does not tokenize as it should: the saved one must
+    reload to the same ids as the one read from the GGUF, give at least
+    :data:`MIN_CHARS_PER_TOKEN` characters per token on an English probe, and start with BOS
+    when the GGUF says so.
+
+    Raises:
+        RuntimeError: naming the check, the numbers and the transformers version.
+    """
+    import transformers
+
+    fix = (
+        f"transformers {transformers.__version__} cannot convert this GGUF's tokenizer; "
+        "convert with transformers 5.24 or later (pip install -U transformers), or pass a "
+        "Hugging Face folder"
+    )
+    want = list(original(TOKENIZER_PROBE)["input_ids"])
+    got = list(saved(TOKENIZER_PROBE)["input_ids"])
+    if got != want:
+        raise RuntimeError(
+            f"GGUF conversion of {name}: the saved tokenizer reloads differently ({len(got)} "
+            f"tokens against {len(want)} for a {len(TOKENIZER_PROBE)}-character probe); {fix}"
+        )
+    body = list(saved(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
+    per_token = len(TOKENIZER_PROBE) / max(1, len(body))
+    if per_token < MIN_CHARS_PER_TOKEN:
+        raise RuntimeError(
+            f"GGUF conversion of {name}: the tokenizer splits English into {per_token:.1f} "
+            f"characters per token (a working one gives 4-5); {fix}"
+        )
+    bos = getattr(saved, "bos_token_id", None)
+    if adds_bos and (bos is None or not got or got[0] != bos):
+        raise RuntimeError(
+            f"GGUF conversion of {name}: the GGUF adds a BOS token but the tokenizer does not "
+            f"(ids start {got[:3]}, BOS {bos}); {fix}"
+        )
 
 
 def _write_flat_rope_theta(config_path: Path) -> None:

@@ -5,8 +5,9 @@ An engine that never warms them up compiles mid-serving: the H200 profile of 202
 about 11 s of a 12-prompt 16K burst spent that way (the multi-query kernel once per query
 block size, the dense-context kernels, the split variants). :func:`warmup` launches each
 variant once on a scratch cache of a few tiles: the store (tile quantization and staging
-writes), decode, multi-query attention for every query block size, the combine kernel,
-dequantization and both rotations. Step-varying integers (split counts, window, row counts)
+writes), decode, multi-query attention for every query block size (with and without the
+step's own K/V), the combine kernel, dequantization and both rotations. Step-varying integers
+(split counts, window, row counts)
 and the alignment of the per-sequence metadata are not specialized by the kernels, so one
 launch covers every value.
 """
@@ -112,11 +113,16 @@ def warmup(
         launches += 2
         for n in sizes:
             q = randn(n, num_q_heads, head_dim)
-            multi_query_attention(
-                q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
-                max_query_len=n, **common,
-            )  # fmt: skip
-            launches += 2
+            # Without and with the step's own K/V (a KV-sharing layer has none).
+            for fresh in (
+                None,
+                (randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)),
+            ):
+                multi_query_attention(
+                    q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
+                    max_query_len=n, fresh_kv=fresh, **common,
+                )  # fmt: skip
+                launches += 2
     k, _ = dequantize(cache, table[0, :2].contiguous(), p, head_dim, dtype=dtype)
     unrotate(rotate(k))
     launches += 3

@@ -241,6 +241,7 @@ def reference_attention(
     seq: QuantizedSequence,
     scale: float | None = None,
     sliding_window: int | None = None,
+    exact_kv: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
 ) -> F32:
     """Attention of ``T_q`` query tokens (the sequence's last positions) over a quantized sequence.
 
@@ -250,11 +251,27 @@ def reference_attention(
         seq: the stored sequence (its last ``T_q`` tokens are the queries' own K/V).
         scale: softmax scale, default ``1 / sqrt(D)``.
         sliding_window: optional window in tokens.
+        exact_kv: optional original-frame ``(k, v)``, each ``[T_q, H_kv, D]``: the queries' own
+            K/V, attended exactly instead of as stored (a chunk of several tokens attends its
+            own tokens exact, as a first chunk and decoding do, even where this step
+            completed their tiles; earlier positions are read as stored).
 
     Returns:
         ``[T_q, H_q, D]`` float32 in the original frame.
     """
     k_rot, v_rot = dense_kv(seq)
+    if exact_kv is not None:
+        tq = np.asarray(q).shape[0]
+        ek = np.asarray(exact_kv[0], dtype=np.float32)
+        ev = np.asarray(exact_kv[1], dtype=np.float32)
+        want = (tq, *k_rot.shape[1:])
+        if ek.shape != want or ev.shape != want:
+            raise ValueError(
+                f"exact_kv must be two [T_q, H_kv, D] = {list(want)} arrays, got "
+                f"{list(ek.shape)} and {list(ev.shape)}"
+            )
+        k_rot[k_rot.shape[0] - tq :] = rotate(ek, axis=-1)
+        v_rot[v_rot.shape[0] - tq :] = rotate(ev, axis=-1)
     q_rot = rotate(np.asarray(q, dtype=np.float32), axis=-1)
     out_rot = dense_attention(q_rot, k_rot, v_rot, scale=scale, sliding_window=sliding_window)
     return unrotate(out_rot, axis=-1).astype(np.float32)

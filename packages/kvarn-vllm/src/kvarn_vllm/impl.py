@@ -5,9 +5,10 @@ Where the modes differ on purpose (the docs say so too):
 * a prompt's first chunk (nothing cached) attends its own K/V **exactly** (vLLM's
   FlashAttention when installed, else its Triton varlen kernel), as the published fork does;
 * every other query reads the cache as this step's store left it: complete tiles
-  quantized, the open tile from staging (exact, rotated frame). So a chunked-prefill
-  continuation or a prefix-cache hit sees quantized tiles where an unchunked prefill
-  of the same prompt saw exact K/V. A continuation chunk of 64+ tokens dequantizes its
+  quantized, the open tile (and the recent ones) from staging (exact, rotated frame), and its
+  own step's tokens exact from the step's K/V. So a chunked-prefill continuation or a
+  prefix-cache hit sees quantized tiles where an unchunked prefill of the same prompt saw
+  exact K/V, but never its own tokens quantized. A continuation chunk of 64+ tokens dequantizes its
   row's cache once into a preallocated workspace and runs FlashAttention over it (the
   default, ``KVARN_VLLM_DENSE_CONTEXT=0`` turns it off); rows whose context does not fit
   the workspace, and short continuations, go through the multi-query kernel.
@@ -251,6 +252,7 @@ def _make_impl_class() -> type:
             elif md.context is not None:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+                own = self._own_kv(g, key, value, n)
                 res = kernels.multi_query_attention(
                     q,
                     g.query_start_loc,
@@ -268,10 +270,22 @@ def _make_impl_class() -> type:
                     sink_lens=g.sink_lens,
                     sink_slots=g.sink_slots,
                     batch_invariant=self.config.batch_invariant,
+                    fresh_kv=own,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
             return output
+
+        def _own_kv(self, g, key, value, n):
+            """The context rows' own K/V from this step, rotated (what staging would hold):
+            a chunk attends its own tokens exact even where its store completed their tiles.
+            ``None`` for a KV-sharing layer (no K/V of its own: everything from the cache)."""
+            if key is None or value is None:
+                return None
+            idx = g.token_index
+            k_sel = key[:n] if idx is None else key.index_select(0, idx)
+            v_sel = value[:n] if idx is None else value.index_select(0, idx)
+            return kernels.rotate(k_sel), kernels.rotate(v_sel)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
             """Chunks after cached tokens through dense attention: rows are taken in runs
@@ -283,18 +297,14 @@ def _make_impl_class() -> type:
             tile quantized); then FlashAttention's varlen kernel attends them with the
             rotated queries. A sliding-window layer takes only the tiles some query of the
             row can see. A row whose context alone exceeds the workspace goes through the
-            multi-query kernel, which reads the chunk's completed tiles from their records. The
+            multi-query kernel, which reads the chunk's own tokens exact the same way. The
             host knows every length (no speculative decoding), so the batching is a loop over
             rows on the host."""
             h = g.host
             gsize = self.preset.group_size
             q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
-            fresh_k = fresh_v = None
-            if key is not None and value is not None:  # a KV-sharing layer has none: staging
-                idx = g.token_index
-                k_sel = key[:n] if idx is None else key.index_select(0, idx)
-                v_sel = value[:n] if idx is None else value.index_select(0, idx)
-                fresh_k, fresh_v = kernels.rotate(k_sel), kernels.rotate(v_sel)
+            own = self._own_kv(g, key, value, n)  # a KV-sharing layer has none: staging
+            fresh_k, fresh_v = (None, None) if own is None else own
             res = torch.empty_like(q)
             ws = self.workspace
             qs = [int(x) for x in g.query_start_loc_host]
@@ -310,7 +320,10 @@ def _make_impl_class() -> type:
             for lo, hi in dense_runs(lens, ws.shape[1]):
                 q_lo, q_hi = qs[lo], qs[hi]
                 if lens[lo] > ws.shape[1]:  # one row, too long to dequantize
-                    self._context_mqa(g, q[q_lo:q_hi], kv_cache, staging, lo, hi, res[q_lo:q_hi])
+                    own_rows = None if own is None else (own[0][q_lo:q_hi], own[1][q_lo:q_hi])
+                    self._context_mqa(
+                        g, q[q_lo:q_hi], kv_cache, staging, lo, hi, res[q_lo:q_hi], own_rows
+                    )
                     continue
                 off = 0
                 for i in range(lo, hi):
@@ -387,8 +400,9 @@ def _make_impl_class() -> type:
             else:
                 output.index_copy_(0, g.token_index, res)
 
-        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out):
-            """Rows ``lo:hi`` of a context group through the multi-query kernel."""
+        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own):
+            """Rows ``lo:hi`` of a context group through the multi-query kernel (``own``: their
+            tokens' K/V from this step, rotated)."""
             kernels.multi_query_attention(
                 q,
                 g.query_start_loc[lo : hi + 1] - g.query_start_loc[lo],
@@ -406,6 +420,7 @@ def _make_impl_class() -> type:
                 sink_lens=None if g.sink_lens is None else g.sink_lens[lo:hi],
                 sink_slots=None if g.sink_slots is None else g.sink_slots[lo:hi],
                 batch_invariant=self.config.batch_invariant,
+                fresh_kv=own,
             )
 
         def _fresh(self, g, query, key, value, output, n):

@@ -4,9 +4,11 @@ A cache is written ``DTYPE`` or ``DTYPE@BACKEND``: ``bf16@FLASH_ATTN`` is vLLM's
 (``kv_cache_dtype="auto"``, bf16 for bf16 models) on FlashAttention, ``bf16@TRITON_ATTN`` the same
 cache on vLLM's Triton backend, ``fp8@TRITON_ATTN`` vLLM's fp8 cache, ``turboquant_4bit_nc`` a
 TurboQuant preset (vLLM picks its backend), ``kvarn_k4v2_g128`` a KVarN preset (the kvarn-vllm
-plugin picks its backend; naming one is an error). A kvarn preset may carry a serving setting
-after a ``+``: ``kvarn_k4v2_g128+recent0`` reads no complete tile exact from staging
-(``KVARN_VLLM_RECENT_TILES=0`` in its engine's environment; ``recentN`` for N = 0-4). Names are
+plugin picks its backend; naming one is an error). A kvarn preset may carry serving settings,
+each after a ``+``: ``kvarn_k4v2_g128+recent0`` reads no complete tile exact from staging
+(``KVARN_VLLM_RECENT_TILES=0`` in its engine's environment; ``recentN`` for N = 0-4), ``+mqa``
+runs continuation chunks through the multi-query kernel instead of dequantizing the context for
+FlashAttention (``KVARN_VLLM_DENSE_CONTEXT=0``). Names are
 checked here, without importing vLLM, against the values vLLM 0.26 accepts (a test compares with
 vLLM's own list).
 
@@ -64,8 +66,12 @@ TURBOQUANT_BF16_BOUNDARY_LAYERS = 2  # at each end (TurboQuantConfig.get_boundar
 # backends a bf16 or fp8 cache may be pinned to (vLLM's AttentionBackendEnum names)
 ATTENTION_BACKENDS: tuple[str, ...] = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 _ALIASES = {"bf16": "auto", "fp16": "auto"}
-# kvarn serving settings a cache label may carry after "+": pattern -> environment variable
-_KVARN_SETTINGS = {r"recent([0-4])": "KVARN_VLLM_RECENT_TILES"}
+# kvarn serving settings a cache label may carry after "+": pattern -> (environment variable,
+# its value; None: the pattern's group)
+_KVARN_SETTINGS: dict[str, tuple[str, str | None]] = {
+    r"recent([0-4])": ("KVARN_VLLM_RECENT_TILES", None),
+    r"mqa": ("KVARN_VLLM_DENSE_CONTEXT", "0"),
+}
 
 DEFAULT_CACHES: tuple[str, ...] = (
     "bf16@FLASH_ATTN",
@@ -159,31 +165,34 @@ class CacheSpec:
 
 
 def parse_cache(text: str) -> CacheSpec:
-    """Parse ``DTYPE``, ``DTYPE@BACKEND`` or ``KVARN_PRESET+SETTING``.
+    """Parse ``DTYPE``, ``DTYPE@BACKEND`` or ``KVARN_PRESET+SETTING[+SETTING...]``.
 
     Args:
         text: e.g. ``bf16@FLASH_ATTN``, ``fp8``, ``turboquant_4bit_nc``, ``kvarn_k4v2_g128``,
-            ``kvarn_k4v2_g128+recent0``.
+            ``kvarn_k4v2_g128+recent0``, ``kvarn_k4v2_g128+recent0+mqa``.
 
     Raises:
         ValueError: an unknown dtype, backend or setting, a backend named for a kvarn or
             TurboQuant cache (they bring their own), or a setting on a cache that is not kvarn.
     """
     name, _, backend = text.strip().partition("@")
-    name, plus, setting = name.partition("+")
-    env: tuple[tuple[str, str], ...] = ()
-    if plus:
-        if name not in PRESETS:
-            raise ValueError(f"{text!r}: only a kvarn preset takes a '+' setting")
-        for pattern, var in _KVARN_SETTINGS.items():
+    name, *settings = name.split("+")
+    env: dict[str, str] = {}
+    if settings and name not in PRESETS:
+        raise ValueError(f"{text!r}: only a kvarn preset takes a '+' setting")
+    for setting in settings:
+        for pattern, (var, value) in _KVARN_SETTINGS.items():
             match = re.fullmatch(pattern, setting)
             if match:
-                env = ((var, match.group(1)),)
+                if var in env:
+                    raise ValueError(f"{text!r} sets {var} twice")
+                env[var] = match.group(1) if value is None else value
                 break
         else:
             raise ValueError(
                 f"unknown kvarn setting {setting!r} in {text!r}; expected recentN (N = 0-4: "
-                "complete tiles read exact from staging)"
+                "complete tiles read exact from staging) or mqa (continuation chunks through "
+                "the multi-query kernel)"
             )
     dtype = _ALIASES.get(name, name)
     known = (*VLLM_CACHE_DTYPES, *PRESETS)
@@ -205,8 +214,10 @@ def parse_cache(text: str) -> CacheSpec:
                 f"{text!r}: {dtype} chooses its own attention backend; drop '@{backend}'"
             )
     label = ("bf16" if dtype == "auto" else dtype) + (f"@{backend}" if backend else "")
-    label += f"+{setting}" if plus else ""
-    return CacheSpec(label=label, kv_cache_dtype=dtype, backend=backend or None, env=env)
+    label += "".join(f"+{setting}" for setting in settings)
+    return CacheSpec(
+        label=label, kv_cache_dtype=dtype, backend=backend or None, env=tuple(env.items())
+    )
 
 
 def parse_caches(spec: str) -> list[CacheSpec]:

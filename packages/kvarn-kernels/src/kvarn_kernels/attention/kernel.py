@@ -4,8 +4,9 @@ Stage 1 (``attention_partial_kernel``): one program = (sequence, KV head, query 
 Its rows are ``BLOCK_Q`` query tokens x the ``GROUP`` query heads of the KV head, so every tile is
 read once per KV head.  It rotates the queries in registers, walks its share of the sequence's
 steps of ``SUB`` positions (the exact first tile from the staging's sink rows when the sequence
-keeps one, quantized tiles through the block table, then the staged open tokens), dequantizes in
-registers and keeps an fp32 online softmax (base 2).  Stage 2
+keeps one, quantized tiles through the block table, then the staged open tokens; with ``FRESH``,
+the queries' own positions from the step's K/V instead), dequantizes in registers and keeps an
+fp32 online softmax (base 2).  Stage 2
 (``attention_combine_kernel``) merges the splits and un-rotates the output.
 
 Score of a quantized tile, with the scale folding of the record format:
@@ -60,10 +61,33 @@ def _online_update(s, m_i, l_i, acc):
 
 
 @triton.jit
-def _visible(pos, qpos, window):
-    # Causal, and inside the sliding window when window > 0: pos in (qpos - window, qpos].
+def _visible(pos, qpos, window, kv_end, CLIP: tl.constexpr):
+    # Causal, and inside the sliding window when window > 0: pos in (qpos - window, qpos];
+    # with CLIP also before kv_end.
     vis = pos[None, :] <= qpos[:, None]
+    if CLIP:
+        vis = vis & (pos[None, :] < kv_end)
     return vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+
+
+@triton.jit
+def _exact_step(q, qpos, window, pos, valid, kv_end, m_i, l_i, acc, k_ptrs, v_ptrs, FP32):
+    """Online-softmax update with one step of unquantized (rotated) keys and values at
+    ``k_ptrs`` / ``v_ptrs`` (``[SUB, D]``), positions ``pos``, rows with ``valid`` loaded."""
+    k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
+    if FP32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = dot_lowp(q.to(k.dtype), tl.trans(k))
+    vis = _visible(pos, qpos, window, kv_end, False) & valid[None, :]  # valid clips
+    s = tl.where(vis, s, float("-inf"))
+    p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+    v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    if FP32:
+        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc += dot_lowp(p.to(v.dtype), v)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -78,32 +102,73 @@ def _dense_step(
     stage,
     stride_skv,
     stride_sp,
-    seq_len,
+    kv_end,
     D: tl.constexpr,
     SUB: tl.constexpr,
     SG: tl.constexpr,
     SINK_ROWS: tl.constexpr,
     FP32: tl.constexpr,
 ):
-    """Online-softmax update with one step of unquantized (rotated) tokens from staging."""
+    """One step of unquantized (rotated) tokens from staging, positions before ``kv_end``."""
     pos = c * SUB + tl.arange(0, SUB)
     d = tl.arange(0, D)
-    valid = pos < seq_len
     s_off = staging_rows(pos, SG, SINK_ROWS).to(tl.int64)[:, None] * stride_sp + d[None, :]
-    k = tl.load(stage + s_off, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
-    if FP32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = dot_lowp(q.to(k.dtype), tl.trans(k))
-    vis = _visible(pos, qpos, window) & valid[None, :]
-    s = tl.where(vis, s, float("-inf"))
-    p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
-    v = tl.load(stage + stride_skv + s_off, mask=valid[:, None], other=0.0)
-    if FP32:
-        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc += dot_lowp(p.to(v.dtype), v)
-    return m_i, l_i, acc
+    return _exact_step(
+        q,
+        qpos,
+        window,
+        pos,
+        pos < kv_end,
+        kv_end,
+        m_i,
+        l_i,
+        acc,
+        stage + s_off,
+        stage + stride_skv + s_off,
+        FP32,
+    )
+
+
+@triton.jit
+def _fresh_step(
+    q,
+    qpos,
+    window,
+    c,
+    m_i,
+    l_i,
+    acc,
+    fk,
+    fv,
+    stride_fkt,
+    stride_fvt,
+    row0,
+    fresh_start,
+    seq_len,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """One step of the queries' own K/V from this step (rotated frame), positions
+    ``[fresh_start, seq_len)``: position ``p`` is row ``row0 + p`` of ``fk`` / ``fv``."""
+    pos = c * SUB + tl.arange(0, SUB)
+    d = tl.arange(0, D)
+    valid = (pos >= fresh_start) & (pos < seq_len)
+    row = (row0 + pos).to(tl.int64)[:, None]
+    return _exact_step(
+        q,
+        qpos,
+        window,
+        pos,
+        valid,
+        seq_len,
+        m_i,
+        l_i,
+        acc,
+        fk + row * stride_fkt + d[None, :],
+        fv + row * stride_fvt + d[None, :],
+        FP32,
+    )
 
 
 @triton.jit
@@ -162,6 +227,7 @@ def _attend_step(
     q_amax,
     qpos,
     window,
+    kv_end,
     c,
     m_i,
     l_i,
@@ -179,8 +245,10 @@ def _attend_step(
     KEY_BITS: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     FP32: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
-    """Online-softmax update with one step (SUB tokens) of a quantized tile, from its bytes."""
+    """Online-softmax update with one step (SUB tokens) of a quantized tile, from its bytes
+    (``CLIP``: keys at and past ``kv_end`` hidden too)."""
     j = tl.arange(0, SUB)
     k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
     qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
@@ -190,7 +258,7 @@ def _attend_step(
         raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
     bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
     s = (raw + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok)[None, :])
-    s = tl.where(_visible(c * SUB + j, qpos, window), s, float("-inf"))
+    s = tl.where(_visible(c * SUB + j, qpos, window, kv_end, CLIP), s, float("-inf"))
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
 
     v_codes = unpack_loaded(v_raw, SUB, D, VALUE_BITS)  # [SUB, D]
@@ -293,6 +361,7 @@ def _attend_step_phased(
     q_amax,
     qpos,
     window,
+    kv_end,
     c,
     masked,
     m_i,
@@ -319,12 +388,13 @@ def _attend_step_phased(
     SUB: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     FP32: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     """One step for 4-bit keys without any register reshuffle: the low and high nibbles of the
     key bytes are the even and odd tokens (softmax does not care about order), each value bit
     offset is a channel phase with its own accumulator (interleaved once, after the loop).
-    ``masked``: some key of the step is hidden from some row (causal or window); else the
-    per-element masks are skipped."""
+    ``masked``: some key of the step is hidden from some row (causal, window, or at and past
+    ``kv_end`` with ``CLIP``); else the per-element masks are skipped."""
     NBK: tl.constexpr = SUB // 2
     mm = tl.arange(0, NBK)
     qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
@@ -340,8 +410,8 @@ def _attend_step_phased(
     s1 = (s1 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok1)[None, :])
     if masked:
         pos0 = c * SUB + 2 * mm
-        s0 = tl.where(_visible(pos0, qpos, window), s0, float("-inf"))
-        s1 = tl.where(_visible(pos0 + 1, qpos, window), s1, float("-inf"))
+        s0 = tl.where(_visible(pos0, qpos, window, kv_end, CLIP), s0, float("-inf"))
+        s1 = tl.where(_visible(pos0 + 1, qpos, window, kv_end, CLIP), s1, float("-inf"))
     m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
     alpha = tl.exp2(m_i - m_new)
     p0 = tl.exp2(s0 - m_new[:, None])
@@ -474,6 +544,12 @@ def attention_partial_kernel(
     slots_ptr,
     sink_lens_ptr,
     sink_slots_ptr,
+    fk_ptr,
+    fv_ptr,
+    stride_fkt,
+    stride_fkh,
+    stride_fvt,
+    stride_fvh,
     acc_ptr,
     ml_ptr,
     num_q_heads,
@@ -496,6 +572,7 @@ def attention_partial_kernel(
     FP32: tl.constexpr,
     SUB: tl.constexpr,
     PHASED: tl.constexpr,
+    FRESH: tl.constexpr,
     OFF_KC: tl.constexpr,
     OFF_KS: tl.constexpr,
     OFF_KZ: tl.constexpr,
@@ -509,6 +586,10 @@ def attention_partial_kernel(
 
     ``split_steps > 0``: split s covers the steps ``[s, s + 1) * split_steps`` (batch-invariant
     mode), else the visible steps are cut into ``num_splits`` equal parts.
+
+    ``FRESH``: the queries' own positions ``[seq_len - nq, seq_len)`` are read from ``fk`` /
+    ``fv`` ``[num_q_tokens, Hkv, D]`` (this step's K/V, rotated frame; a query's row holds its
+    own token), the positions before them as stored (records, sink rows, staging).
 
     Writes ``acc`` ``[num_q_tokens, Hq, num_splits, D]`` (unnormalized, rotated frame) and
     ``ml`` ``[num_q_tokens, Hq, num_splits, 2]`` (running max in log2 units, softmax denominator).
@@ -574,7 +655,15 @@ def attention_partial_kernel(
 
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
         head_off = (stride_cb, hkv.to(tl.int64) * stride_ch)
+        # Keys at and past kv_end come from the step's K/V (FRESH): the records and staging
+        # give only the positions before the queries' own.
+        kv_end = seq_len
         c_end = tl.minimum(c1, n_quant)
+        c_stage = c1
+        if FRESH:
+            kv_end = seq_len - nq
+            c_end = tl.minimum(c1, tl.cdiv(tl.minimum(qlen, kv_end), SUB))
+            c_stage = tl.minimum(c1, tl.cdiv(kv_end, SUB))
         # Steps of tile 0 read from the sink rows of staging when the sequence has its exact
         # first tile there (then its quantized record, kept for prefix-cache sharing, is skipped).
         n_sink = qlen * 0
@@ -620,11 +709,14 @@ def attention_partial_kernel(
                 # of its last one, is visible to every row: no per-element masks (decode steps
                 # over quantized tiles are all such steps unless a window cuts them).
                 masked = (c * SUB + SUB - 1 > q_lo) | ((window > 0) & (c * SUB <= q_hi - window))
+                if FRESH:
+                    masked = masked | (c * SUB + SUB > kv_end)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
                     qs,
                     q_amax,
                     qpos,
                     window,
+                    kv_end,
                     c,
                     masked,
                     m_i,
@@ -651,6 +743,7 @@ def attention_partial_kernel(
                     SUB,
                     VALUE_BITS,
                     FP32,
+                    FRESH,
                 )
             # Channel d = PV * n + phase: interleave the phase accumulators once.
             if VALUE_BITS == 2:
@@ -711,6 +804,7 @@ def attention_partial_kernel(
                     q_amax,
                     qpos,
                     window,
+                    kv_end,
                     c,
                     m_i,
                     l_i,
@@ -728,6 +822,7 @@ def attention_partial_kernel(
                     KEY_BITS,
                     VALUE_BITS,
                     FP32,
+                    FRESH,
                 )
                 k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
                 v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
@@ -754,14 +849,14 @@ def attention_partial_kernel(
                 sink_stage,
                 stride_skv,
                 stride_sp,
-                seq_len,
+                kv_end,
                 D,
                 SUB,
                 SG,
                 SINK_ROWS,
                 FP32,
             )
-        for c in range(tl.maximum(c0, n_quant), c1):
+        for c in range(tl.maximum(c0, n_quant), c_stage):
             m_i, l_i, acc = _dense_step(
                 q,
                 qpos,
@@ -773,13 +868,36 @@ def attention_partial_kernel(
                 stage,
                 stride_skv,
                 stride_sp,
-                seq_len,
+                kv_end,
                 D,
                 SUB,
                 SG,
                 SINK_ROWS,
                 FP32,
             )
+        if FRESH:
+            fk = fk_ptr + hkv.to(tl.int64) * stride_fkh
+            fv = fv_ptr + hkv.to(tl.int64) * stride_fvh
+            for c in range(tl.maximum(c0, kv_end // SUB), c1):
+                m_i, l_i, acc = _fresh_step(
+                    q,
+                    qpos,
+                    window,
+                    c,
+                    m_i,
+                    l_i,
+                    acc,
+                    fk,
+                    fv,
+                    stride_fkt,
+                    stride_fvt,
+                    q_first - kv_end,
+                    kv_end,
+                    seq_len,
+                    D,
+                    SUB,
+                    FP32,
+                )
 
         part = (tok * num_q_heads + head.to(tl.int64)) * num_splits + split
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])

@@ -264,6 +264,7 @@ def _run(
     sink_lens: torch.Tensor | None,
     sink_slots: torch.Tensor | None = None,
     invariant: bool | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
@@ -317,6 +318,7 @@ def _run(
         (num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device
     )
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
+    fk, fv = (query, query) if fresh_kv is None else fresh_kv  # unread without FRESH
     off = layout.offsets
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
@@ -341,6 +343,12 @@ def _run(
         staging_slots,
         seq_lens if sink_lens is None else sink_lens,  # unread without a sink
         staging_slots if sink_slots is None else sink_slots,  # unread without a sink
+        fk,
+        fv,
+        fk.stride(0),
+        fk.stride(1),
+        fv.stride(0),
+        fv.stride(1),
         acc,
         ml,
         num_q_heads,
@@ -362,6 +370,7 @@ def _run(
         DECODE=decode,
         FP32=fp32,
         PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
+        FRESH=fresh_kv is not None,
         OFF_KC=off["k_codes"],
         OFF_KS=off["k_scale"],
         OFF_KZ=off["k_zero"],
@@ -499,6 +508,7 @@ def multi_query_attention(
     sink_lens: torch.Tensor | None = None,
     sink_slots: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -508,6 +518,13 @@ def multi_query_attention(
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
     are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``: as
     :func:`decode_attention` (batch-invariant mode runs every query row with decode's launch).
+
+    ``fresh_kv``: optional ``(k, v)``, each ``[num_q_tokens, Hkv, D]`` in query's dtype and the
+    rotated frame (:func:`kvarn_kernels.rotate`), row ``i`` the K/V of query row ``i``'s own
+    token. The queries' own positions are then attended exactly from them, even where the
+    step's store completed their tiles (a long chunk would otherwise read its own earlier
+    tokens from their fresh records); the positions before them are read as stored. This is
+    what :func:`kvarn_math.reference_attention` computes with ``exact_kv``.
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
@@ -536,6 +553,14 @@ def multi_query_attention(
         )
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    if fresh_kv is not None:
+        if not isinstance(fresh_kv, (tuple, list)) or len(fresh_kv) != 2:
+            raise ValueError("fresh_kv must be a (k, v) pair of tensors")
+        want = (query.shape[0], num_kv_heads, query.shape[2])
+        for name, t in zip(("fresh_kv[0]", "fresh_kv[1]"), fresh_kv, strict=True):
+            check_tensor(name, t, dtype=(query.dtype,), shape=want, last_dim_contiguous=True)
+            check_same_device(**{"query": query, name: t})
+        fresh_kv = (fresh_kv[0], fresh_kv[1])
     return _run(
         query,
         query_start_loc,
@@ -555,4 +580,5 @@ def multi_query_attention(
         sink_lens,
         sink_slots,
         batch_invariant,
+        fresh_kv,
     )
