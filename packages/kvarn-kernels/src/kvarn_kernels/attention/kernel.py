@@ -71,7 +71,7 @@ def _visible(pos, qpos, window, kv_end, CLIP: tl.constexpr):
 
 
 @triton.jit
-def _exact_step(q, qpos, window, pos, valid, kv_end, m_i, l_i, acc, k_ptrs, v_ptrs, FP32):
+def _exact_step(q, qpos, window, pos, valid, m_i, l_i, acc, k_ptrs, v_ptrs, FP32):
     """Online-softmax update with one step of unquantized (rotated) keys and values at
     ``k_ptrs`` / ``v_ptrs`` (``[SUB, D]``), positions ``pos``, rows with ``valid`` loaded."""
     k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
@@ -79,7 +79,7 @@ def _exact_step(q, qpos, window, pos, valid, kv_end, m_i, l_i, acc, k_ptrs, v_pt
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = dot_lowp(q.to(k.dtype), tl.trans(k))
-    vis = _visible(pos, qpos, window, kv_end, False) & valid[None, :]  # valid clips
+    vis = _visible(pos, qpos, window, 0, False) & valid[None, :]  # valid bounds the positions
     s = tl.where(vis, s, float("-inf"))
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
     v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
@@ -119,7 +119,6 @@ def _dense_step(
         window,
         pos,
         pos < kv_end,
-        kv_end,
         m_i,
         l_i,
         acc,
@@ -161,7 +160,6 @@ def _fresh_step(
         window,
         pos,
         valid,
-        seq_len,
         m_i,
         l_i,
         acc,
