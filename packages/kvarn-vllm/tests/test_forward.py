@@ -207,6 +207,36 @@ def test_steps_prefill_decode_mixed_chunked(vllm_config_factory, monkeypatch, re
     assert not torch.isnan(out).any()
 
 
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_continuation_own_kv_to_the_multi_query_kernel(vllm_config_factory, monkeypatch, invariant):
+    """A continuation through the multi-query kernel gets the step's own K/V, rotated (so it
+    attends its own tokens exact, checked against kvarn-math above), except in batch-invariant
+    mode, where it reads them from the cache as decoding does."""
+    from kvarn_vllm import kernels
+    from kvarn_vllm.config import INVARIANT_ENV
+
+    monkeypatch.setenv(INVARIANT_ENV, invariant)
+    seen = []
+    real = kernels.multi_query_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("fresh_kv"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "multi_query_attention", spy)
+    h = Harness(vllm_config_factory, monkeypatch)
+    h.step([(0, 0, 40, [9])])
+    meta, _, out, _ = h.step([(0, 40, 50, [9, 11])])  # 50 < 64 tokens: the multi-query kernel
+    assert meta.context is not None and len(seen) == 1
+    if invariant == "1":
+        assert seen[0] is None
+    else:
+        k, v = seen[0]
+        assert k.shape == v.shape == (50, HKV, D)
+        assert torch.equal(k, kernels.rotate(h.kv[0][0][40:90].to(k.dtype)))
+    assert not torch.isnan(out).any()
+
+
 def test_capture_and_replay_share_buffers(vllm_config_factory, monkeypatch):
     """A full CUDA graph captured on capture metadata reads the real step's values."""
     from vllm.v1.attention.backend import CommonAttentionMetadata

@@ -7,9 +7,8 @@ block size, the dense-context kernels, the split variants). :func:`warmup` launc
 variant once on a scratch cache of a few tiles: the store (tile quantization and staging
 writes), decode, multi-query attention for every query block size (with and without the
 step's own K/V), the combine kernel, dequantization and both rotations. Step-varying integers
-(split counts, window, row counts)
-and the alignment of the per-sequence metadata are not specialized by the kernels, so one
-launch covers every value.
+(split counts, window, row counts) and the alignment of the per-sequence metadata are not
+specialized by the kernels, so one launch covers every value.
 """
 
 from __future__ import annotations

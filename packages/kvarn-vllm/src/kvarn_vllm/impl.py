@@ -8,10 +8,12 @@ Where the modes differ on purpose (the docs say so too):
   quantized, the open tile (and the recent ones) from staging (exact, rotated frame), and its
   own step's tokens exact from the step's K/V. So a chunked-prefill continuation or a
   prefix-cache hit sees quantized tiles where an unchunked prefill of the same prompt saw
-  exact K/V, but never its own tokens quantized. A continuation chunk of 64+ tokens dequantizes its
-  row's cache once into a preallocated workspace and runs FlashAttention over it (the
-  default, ``KVARN_VLLM_DENSE_CONTEXT=0`` turns it off); rows whose context does not fit
-  the workspace, and short continuations, go through the multi-query kernel.
+  exact K/V, but never its own tokens quantized (except in batch-invariant mode, where the
+  multi-query kernel reads them as decoding does, so that a verify row's bits equal decode's).
+  A continuation chunk of 64+ tokens dequantizes its row's cache once into a preallocated
+  workspace and runs FlashAttention over it (the default, ``KVARN_VLLM_DENSE_CONTEXT=0``
+  turns it off); rows whose context does not fit the workspace, and short continuations, go
+  through the multi-query kernel.
 
 Staging for the open tiles (``[num_slots, 2, S*G, num_kv_heads, head_dim]``, model dtype)
 is allocated here, in ``__init__``: vLLM builds the model before it profiles memory, so
@@ -252,7 +254,7 @@ def _make_impl_class() -> type:
             elif md.context is not None:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
-                own = self._own_kv(g, key, value, n)
+                own = None if self.config.batch_invariant else self._own_kv(g, key, value, n)
                 res = kernels.multi_query_attention(
                     q,
                     g.query_start_loc,
@@ -279,7 +281,9 @@ def _make_impl_class() -> type:
         def _own_kv(self, g, key, value, n):
             """The context rows' own K/V from this step, rotated (what staging would hold):
             a chunk attends its own tokens exact even where its store completed their tiles.
-            ``None`` for a KV-sharing layer (no K/V of its own: everything from the cache)."""
+            ``None`` for a KV-sharing layer (no K/V of its own: everything from the cache).
+            The multi-query kernel does not get them in batch-invariant mode: there it reads
+            a row's own tokens from the cache, step for step as the decode kernel does."""
             if key is None or value is None:
                 return None
             idx = g.token_index
@@ -320,7 +324,9 @@ def _make_impl_class() -> type:
             for lo, hi in dense_runs(lens, ws.shape[1]):
                 q_lo, q_hi = qs[lo], qs[hi]
                 if lens[lo] > ws.shape[1]:  # one row, too long to dequantize
-                    own_rows = None if own is None else (own[0][q_lo:q_hi], own[1][q_lo:q_hi])
+                    own_rows = None
+                    if own is not None and not self.config.batch_invariant:
+                        own_rows = (own[0][q_lo:q_hi], own[1][q_lo:q_hi])
                     self._context_mqa(
                         g, q[q_lo:q_hi], kv_cache, staging, lo, hi, res[q_lo:q_hi], own_rows
                     )
