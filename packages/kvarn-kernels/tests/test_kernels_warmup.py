@@ -33,6 +33,8 @@ def test_warmup_runs_every_path(sink: bool, window: int | None) -> None:
     paths = 1 + int(window is not None)  # unmasked and windowed
     assert summary["query_block_sizes"] == [1, 2, 4, 8, 16, 32]
     assert summary["launches"] == 2 + paths * 2 * (1 + 2 * 6) + 3  # MQA with and without fresh_kv
+    only = kk.warmup("kvarn_k4v4_g64", 64, 4, 2, torch.float32, "cpu", own_kv=(True,))
+    assert only["launches"] == 2 + 2 * (1 + 6) + 3
     assert summary["seconds"] > 0
     assert kk.compiled_variants() == {}  # the interpreter compiles nothing
 

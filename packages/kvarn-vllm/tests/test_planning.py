@@ -271,7 +271,20 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
         "sink": True,
         "sliding_window": 4096,
         "batch_invariant": False,
+        "own_kv": (True,),  # no KV-sharing layer: multi-query only with the step's K/V
     }
+    # With a KV-sharing layer both multi-query variants; batch-invariant mode, only without.
+    from kvarn_vllm import impl
+
+    monkeypatch.setitem(impl._STAGING, "shared_layers", 2)
+    monkeypatch.setattr(md, "_WARMED", set())
+    md.warm_kernels(*args)
+    assert calls[-1][1]["own_kv"] == (False, True)
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+    monkeypatch.setattr(md, "_WARMED", set())
+    md.warm_kernels(*_warm_args("cuda"))
+    assert calls[-1][1]["own_kv"] == (False,) and calls[-1][1]["batch_invariant"]
+    del calls[1:]
     monkeypatch.setattr(md, "_WARMED", set())
     monkeypatch.setenv("KVARN_VLLM_WARMUP", "0")
     assert md.warm_kernels(*args) is None and len(calls) == 1

@@ -14,6 +14,7 @@ specialized by the kernels, so one launch covers every value.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ def warmup(
     sink: bool = False,
     sliding_window: int | None = None,
     batch_invariant: bool | None = None,
+    own_kv: Sequence[bool] = (False, True),
 ) -> dict[str, Any]:
     """Launch every kernel variant an engine with this shape uses, on scratch tensors.
 
@@ -61,11 +63,15 @@ def warmup(
             value; passing it also warms the masked path).
         batch_invariant: the mode the engine passes to the attention kernels (``None``: the
             ``KVARN_KERNELS_BATCH_INVARIANT`` environment variable).
+        own_kv: the multi-query variants the engine launches: without the step's own K/V
+            (``False``) and with it (``True``, ``multi_query_attention(fresh_kv=...)``).
 
     Returns:
         ``{"launches": n, "seconds": s, "query_block_sizes": [...]}``.
     """
     p, _ = check_preset(preset, head_dim)
+    if not own_kv or any(not isinstance(x, bool) for x in own_kv):
+        raise ValueError(f"own_kv must be a non-empty sequence of bools, got {own_kv!r}")
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -112,11 +118,12 @@ def warmup(
         launches += 2
         for n in sizes:
             q = randn(n, num_q_heads, head_dim)
-            # Without and with the step's own K/V (a KV-sharing layer has none).
-            for fresh in (
-                None,
-                (randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim)),
-            ):
+            for own in own_kv:
+                fresh = (
+                    (randn(n, num_kv_heads, head_dim), randn(n, num_kv_heads, head_dim))
+                    if own
+                    else None
+                )
                 multi_query_attention(
                     q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
                     max_query_len=n, fresh_kv=fresh, **common,

@@ -46,6 +46,7 @@ _STAGING: dict[str, Any] = {
     "group_size": 0,
     "sink": False,
     "cache_bytes_per_token": 0.0,
+    "shared_layers": 0,
     "logged": False,
 }
 
@@ -161,7 +162,9 @@ def _make_impl_class() -> type:
                 )
             self.config.check_head_dim(head_size)
             self.staging = None
-            if kv_sharing_target_layer_name is None:
+            if kv_sharing_target_layer_name is not None:
+                _STAGING["shared_layers"] += 1  # attends without K/V of its own
+            else:
                 dtype = (
                     vllm_config.model_config.dtype
                     if vllm_config.model_config

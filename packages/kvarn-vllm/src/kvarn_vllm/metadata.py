@@ -69,10 +69,17 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
     if not env_flag(WARMUP_ENV, True) or getattr(device, "type", "cpu") != "cuda":
         return None
     from kvarn_vllm import kernels
+    from kvarn_vllm.impl import staging_report
 
     model = vllm_config.model_config
     num_q_heads = int(model.get_num_attention_heads(vllm_config.parallel_config))
     window = getattr(kv_cache_spec, "sliding_window", None)
+    # The multi-query variants the layers launch (impl's forward): with the step's own K/V,
+    # without it in batch-invariant mode and for layers that share another's KV cache.
+    if config.batch_invariant:
+        own_kv: tuple[bool, ...] = (False,)
+    else:
+        own_kv = (False, True) if staging_report()["shared_layers"] else (True,)
     key = (
         str(device),
         config.preset.name,
@@ -84,6 +91,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         config.sink,
         config.batch_invariant,
         window,
+        own_kv,
     )
     if key in _WARMED:
         return None
@@ -99,6 +107,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         sink=config.sink,
         sliding_window=window,
         batch_invariant=config.batch_invariant,
+        own_kv=own_kv,
     )
     logger.info(
         "kvarn: compiled the kernels before serving (%d launches, query blocks %s) in %.1f s; "
