@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 from kernel_testing import nan_like_staging, unwritten_cache
-from kvarn_math import QuantizedSequence, get_preset, quantize_sequence, reference_attention
+from kvarn_math import (
+    QuantizedSequence,
+    get_preset,
+    quantize_sequence,
+    reference_attention,
+    step_sequence,
+)
 from kvarn_math.testing import assert_close_rms, make_kv
 
 pytestmark = pytest.mark.interpreter
@@ -19,8 +25,8 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
 
     With ``sink`` the first tile stays exact in the staging's sink rows (attention reads it
     there) while its quantized record is still written, identical to the no-sink record.
-    With ``recent`` the last complete tile stays in the ring too and attention reads it there
-    (the plan's ``attention_lens``), its record written all the same.
+    With ``recent`` the complete tile before the step's token stays in the ring too and
+    attention reads it there (the plan's ``attention_lens``), its record written all the same.
     """
     preset, d, h, hq = "kvarn_k4v2_g64", 64, 2, 4
     g = get_preset(preset).group_size
@@ -79,12 +85,14 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
                 sink_lens=sink_lens,
             )
             for b, (k, v) in enumerate(seqs):
-                ref = quantize_sequence(
+                ref = step_sequence(
                     k[: cached[b]],
                     v[: cached[b]],
                     preset,
-                    keep_first_tile=sink and cached[b] >= g,
+                    cached[b] - 1,
                     recent_tiles=recent,
+                    ring_tiles=s_tiles,
+                    keep_first_tile=sink and cached[b] >= g,
                 )
                 want = reference_attention(q[b : b + 1], ref, d**-0.5)
                 assert_close_rms(want, out[b : b + 1].numpy(), 1e-4, what=f"step {cached}, seq {b}")

@@ -4,8 +4,9 @@ Each token is identified by ``(position, version)``: a speculative token that is
 later rewritten at the same position with a new version.  Applying the plans in order (tiles
 first, then staging writes, as store_kv launches them) must leave every quantized tile holding
 exactly the final committed tokens of its positions, each tile quantized once, and the staging
-holding ``[read_len, seq_len)``: the open tokens, and with recent tiles the last complete tiles
-too, from the first position the request wrote itself (a prefix-cache hit stays records only).
+holding ``[read_len, seq_len)``: the open tokens, and with recent tiles the complete tiles before
+the step's first new token too (``kvarn_math.recent_window_start``), from the first position the
+request wrote itself (a prefix-cache hit stays records only).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples
 from kvarn_kernels import plan_store, plan_store_device
+from kvarn_math.attention import recent_window_start
 
 G = 64
 
@@ -135,7 +137,10 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
         quant = plan.quantized_lens.tolist()
         read = plan.attention_lens.tolist()
         for i in range(n):
-            assert read[i] == min(max(hits[i], quant[i] - recent * G), quant[i])
+            total = cached[i] + new[i]
+            assert read[i] == recent_window_start(
+                cached[i], total, quant[i], G, recent, s_tiles, hits[i]
+            )
             # staging holds [read_len, seq_len): attention reads exact tokens from there
             for pos in range(read[i], cached[i] + new[i]):
                 assert sim.staging[(slots[i], sim.row(pos))] == (pos, version[i][pos])

@@ -2,7 +2,14 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvarn_math.attention import dense_attention, dense_kv, quantize_sequence, reference_attention
+from kvarn_math.attention import (
+    dense_attention,
+    dense_kv,
+    quantize_sequence,
+    recent_window_start,
+    reference_attention,
+    step_sequence,
+)
 from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import get_preset
 from kvarn_math.testing import kv_sequences, make_kv
@@ -221,3 +228,75 @@ def test_recent_tiles_rejects_negative() -> None:
     k = make_kv((300, 1, 64), "gaussian", 1)
     with pytest.raises(ValueError, match="recent_tiles must be an int >= 0, got -1"):
         quantize_sequence(k, k, "kvarn_k4v2_g128", recent_tiles=-1)
+
+
+@pytest.mark.parametrize(
+    ("cached", "seq_len", "quantized", "recent", "ring", "start", "want"),
+    [
+        (300, 301, 256, 1, 2, 0, 128),  # decode inside tile 2: tile 1 is the window
+        (383, 384, 384, 1, 2, 0, 128),  # decode completing tile 2: still tile 1
+        (383, 384, 384, 0, 1, 0, 384),  # no window: every complete tile from its record
+        (256, 384, 384, 1, 2, 0, 128),  # tile-aligned chunk: the tile before it
+        (256, 384, 384, 2, 3, 0, 0),  # two tiles before it
+        (256, 384, 384, 2, 3, 128, 128),  # a prefix-cache hit: tile 0 exists only as a record
+        (100, 612, 512, 1, 2, 0, 384),  # a long chunk: the ring holds [356, 612) -> from 384
+        (10, 20, 0, 1, 2, 0, 0),  # nothing quantized yet
+    ],
+)
+def test_recent_window_counts_from_the_steps_first_token(
+    cached: int, seq_len: int, quantized: int, recent: int, ring: int, start: int, want: int
+) -> None:
+    got = recent_window_start(cached, seq_len, quantized, 128, recent, ring, start)
+    assert got == want
+
+
+@given(st.integers(0, 2000), st.integers(1, 300), st.integers(0, 3), st.integers(1, 2))
+def test_recent_window_fits_the_ring(cached: int, new: int, recent: int, open_tiles: int) -> None:
+    g = 64
+    seq_len = cached + new
+    quantized = seq_len // g * g
+    ring = open_tiles + recent
+    read = recent_window_start(cached, seq_len, quantized, g, recent, ring)
+    assert read % g == 0 and read <= quantized
+    assert seq_len - read <= ring * g  # what it reads exact fits staging
+    if recent and seq_len <= (cached // g + open_tiles) * g:
+        # a step within its open tiles keeps the whole window (longer ones read their own)
+        assert read == min(quantized, max(0, (cached // g - recent) * g))
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((10, 5, 0, 64, 1, 2), "num_cached \\(10\\) <= seq_len \\(5\\)"),
+        ((10, 20, 7, 64, 1, 2), "quantized_len \\(7\\) and exact_start \\(0\\) must be multiples"),
+        ((10, 20, 0, 64, -1, 2), "recent_tiles must be an int >= 0, got -1"),
+        ((10, 20, 0, 64, 1, 0), "ring_tiles must be an int >= 1, got 0"),
+    ],
+)
+def test_recent_window_rejects_bad_lengths(args: tuple[int, ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        recent_window_start(*args)
+
+
+def test_step_sequence_keeps_the_window_before_a_completed_tile() -> None:
+    """A decode step completing tile 2 reads tiles 1 and 2 exact, tile 0 as a record."""
+    g = 64
+    k = make_kv((3 * g, 2, 64), "outlier_channels", 3)
+    v = make_kv((3 * g, 2, 64), "gaussian", 4)
+    seq = step_sequence(k, v, "kvarn_k4v2_g64", 3 * g - 1, recent_tiles=1, ring_tiles=2)
+    assert seq.recent_tiles == 2  # its own tile (open when the step began) and the one before
+    k_rot, _ = dense_kv(seq)
+    plain, _ = dense_kv(quantize_sequence(k, v, "kvarn_k4v2_g64"))
+    np.testing.assert_allclose(k_rot[g:], rotate(k[g:], axis=-1), atol=1e-5)
+    np.testing.assert_array_equal(k_rot[:g], plain[:g])
+    # the sink tile is exact anyway: no record of it to count
+    sunk = step_sequence(
+        k[: 2 * g],
+        v[: 2 * g],
+        "kvarn_k4v2_g64",
+        g + 3,
+        recent_tiles=2,
+        ring_tiles=3,
+        keep_first_tile=True,
+    )
+    assert sunk.recent_tiles == 1

@@ -128,12 +128,13 @@ class Harness:
         exact_causal_attention(qk, k, v, out, [0, total], D**-0.5)
         return out[total - num_queries :].float()
 
-    def quantized(self, slot, q_rows, recent=None):
+    def quantized(self, slot, q_rows, recent=None, exact_start=0):
         """kvarn-math's reference: the same sequence stored as tiles + open tail, the tiles as
         the cache's own records (checked to encode exactly these tokens, ``_records``), the
-        last ``recent`` complete ones (default: the builder's) read exact, and several query
-        rows' own tokens exact (a chunk or verify step attends them from the step's K/V)."""
-        from kvarn_math.attention import quantize_sequence, reference_attention
+        step's recent window (``recent`` tiles before its first query's, default the
+        builder's, from ``exact_start`` on) read exact, and several query rows' own tokens
+        exact (a chunk or verify step attends them from the step's K/V)."""
+        from kvarn_math.attention import reference_attention, step_sequence
         from kvarn_math.hadamard import rotate, unrotate
 
         def staged(x):  # the kernels quantize rotated tokens as rounded to the fp16 staging
@@ -144,9 +145,17 @@ class Harness:
         kf, vf = staged(k), staged(v)
         if recent is None:
             recent = self.builder.config.recent_tiles
-        seq = quantize_sequence(kf, vf, PRESET, recent_tiles=recent)
-        seq = cached_records(self.kv_cache, self.block_table[slot], kf, vf, seq, PRESET, D)
         n = q_rows.shape[0]
+        seq = step_sequence(
+            kf,
+            vf,
+            PRESET,
+            kf.shape[0] - n,
+            recent_tiles=recent,
+            ring_tiles=self.builder.config.ring_tiles,
+            exact_start=exact_start,
+        )
+        seq = cached_records(self.kv_cache, self.block_table[slot], kf, vf, seq, PRESET, D)
         own = (kf[kf.shape[0] - n :], vf[vf.shape[0] - n :]) if n > 1 else None
         ref = reference_attention(q_rows.float().numpy(), seq, D**-0.5, exact_kv=own)
         ref = torch.from_numpy(ref)
@@ -157,11 +166,11 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _near_quantized(h, got, slot, q_rows, recent=None):
+def _near_quantized(h, got, slot, q_rows, recent=None, exact_start=0):
     """``got`` matches kvarn-math's attention over the cache's records, and is much closer to
     it than to exact attention where some record is read (so the records, not exact K/V, were
     read; with recent tiles, a short sequence reads none)."""
-    ref, reads_records = h.quantized(slot, q_rows, recent)
+    ref, reads_records = h.quantized(slot, q_rows, recent, exact_start)
     exact = h.exact(slot, q_rows, q_rows.shape[0])
     assert _rel(got, ref) < 0.02, _rel(got, ref)
     if reads_records:
@@ -375,7 +384,7 @@ def test_replay_with_capture_metadata_equals_eager(vllm_config_factory, monkeypa
 
 
 def test_recent_tile_read_exact_except_after_a_prefix_hit(vllm_config_factory, monkeypatch):
-    """With one recent tile, attention reads the last complete tile from staging; a request
+    """With one recent tile, attention reads the tile before its first query's from staging; a request
     that hit the prefix cache has no exact copy of the tiles it shares, and reads their
     records (the builder tracks where each request's own tokens begin)."""
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
@@ -385,6 +394,13 @@ def test_recent_tile_read_exact_except_after_a_prefix_hit(vllm_config_factory, m
     assert meta.plan.quantized_lens.tolist() == [192]
     assert meta.decode.quantized_lens.tolist() == [128]  # tile 2 read from staging
     _near_quantized(h, out, 1, q)  # records of tiles 0-1, tile 2 exact
+    # The window counts from the step's token: the decode step completing tile 3 still
+    # reads tile 2 exact (and its own tile 3), although tiles 0-3 are records after the step.
+    h.step([(1, 201, 54, [3, 5, 6, 8])])
+    meta, q, out, _ = h.step([(1, 255, 1, [3, 5, 6, 8])])
+    assert meta.plan.quantized_lens.tolist() == [256]
+    assert meta.decode.quantized_lens.tolist() == [128]
+    _near_quantized(h, out, 1, q)
 
     # Slot 2: a new request whose first 128 tokens hit the prefix cache (slot 1's tiles 0-1).
     k1, v1 = h.kv[1]
@@ -394,10 +410,10 @@ def test_recent_tile_read_exact_except_after_a_prefix_hit(vllm_config_factory, m
     assert meta.context is not None
     # Tile 1 completed before this request began: no exact copy, its record is read.
     assert meta.context.quantized_lens.tolist() == [128]
-    _near_quantized(h, out, 2, q, recent=0)
+    _near_quantized(h, out, 2, q, exact_start=128)
     # Its own tile 2 completes, then stays exact.
     meta, q, out, _ = h.step([(2, 138, 60, [3, 5, 10, 11])])
     assert meta.plan.quantized_lens.tolist() == [192]
     assert meta.context.quantized_lens.tolist() == [128]
-    _near_quantized(h, out, 2, q, recent=1)
+    _near_quantized(h, out, 2, q, exact_start=128)
     assert not torch.isnan(out).any()

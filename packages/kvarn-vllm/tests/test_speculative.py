@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from _records import cached_records
+from kvarn_math.attention import recent_window_start
 from kvarn_vllm import metadata as md
 
 PRESET, G, HQ, HKV, D, K = "kvarn_k4v4_g64", 64, 2, 1, 64, 4
@@ -152,7 +153,9 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
     assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
     assert h.builder.config.ring_tiles == 2 + int(recent)
     slot = 2
-    rng = np.random.default_rng(1)
+    # Accepted drafts per verify step (of K = 4), rejections mixed in. Verifies at 63 and 127
+    # commit a sampled token that completes a tile (tile 1's keeps tile 0 in its window).
+    schedule = [1, 0, 4, 0, 2, 4, 4, 4, 1, 4, 4, 4, 4, 4, 4, 2, 1, 1, 0, 2]
     # Prompt: 61 tokens, committed (no drafts), a new request in its row.
     k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
     md.STEP.report_added([slot])
@@ -164,8 +167,9 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
     h.kv[slot] = (k0, v0)
     cached = 61
     checked_quantized = set()
-    for step in range(14):
-        accepted = int(rng.choice([0, 0, 1, K, 2]))
+    completing = set()
+    for step in range(len(schedule)):
+        accepted = schedule[step]
         real_k, real_v = h.rand(1 + K, HKV, D), h.rand(1 + K, HKV, D)
         # The host only knows an upper bound (as if every earlier draft was accepted).
         md.STEP.report_real(
@@ -180,9 +184,15 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         q, out = h.run(meta, [(slot, cached, (real_k, real_v))])
         # Committed: everything before the step plus its first (sampled) token.
         assert int(meta.plan.quantized_lens[0]) == (cached + 1) // G * G
-        # Attention reads records up to here, the recent tile and the rest from staging.
+        # Attention reads records up to here, the recent window (from the step's first token)
+        # and the rest from staging.
         quantized = int(meta.context.quantized_lens[0])
-        assert quantized == max(0, int(meta.plan.quantized_lens[0]) - int(recent) * G)
+        q_after = int(meta.plan.quantized_lens[0])
+        ring = h.builder.config.ring_tiles
+        want = recent_window_start(cached, cached + 1 + K, q_after, G, int(recent), ring)
+        assert quantized == want
+        if recent == "1" and want < q_after - G:
+            completing.add(step)  # the old rule (q_after - G) would have lost the window
         checked_quantized.add(int(meta.plan.quantized_lens[0]))
         ak, av = h.kv[slot]
         step_k, step_v = torch.cat([ak, real_k]), torch.cat([av, real_v])
@@ -208,12 +218,17 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         base = h.builder.config.sink_rows
         row = cached if cached < base else base + (cached - base) % h.builder.config.ring_tokens
         assert dmeta.plan.writes[0].tolist() == [0, slot, row]
-        assert int(dmeta.decode.quantized_lens[0]) == quantized  # drafts commit nothing
+        # Drafts commit nothing; the window counts from the draft's position.
+        read = recent_window_start(
+            cached, cached + 1, min(q_after, cached // G * G), G, int(recent), ring
+        )
+        assert int(dmeta.decode.quantized_lens[0]) == read
         dq, dout = h.run(dmeta, [(slot, cached, (dk, dv))])
         ak, av = h.kv[slot]
-        assert_matches(h, dout, torch.cat([ak, dk]), torch.cat([av, dv]), quantized, dq, step, slot)
+        assert_matches(h, dout, torch.cat([ak, dk]), torch.cat([av, dv]), read, dq, step, slot)
         # The next verify step rewrites that position with the real token.
     assert {0, 64} <= checked_quantized  # the walk crossed a tile boundary
+    assert completing or recent == "0"  # a verify completed a tile and kept its window
 
 
 def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory, monkeypatch):

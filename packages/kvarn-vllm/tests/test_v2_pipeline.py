@@ -27,17 +27,26 @@ pytestmark = pytest.mark.skipif(
 
 
 def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
-    """``out`` against kvarn-math's attention over the same tokens, tile 0 exact, the last
-    ``recent`` complete tiles exact, the queries' own tokens exact (a chunk attends them from the
+    """``out`` against kvarn-math's attention over the same tokens, tile 0 exact, the step's
+    recent window exact (``recent`` tiles before its first query's, in a ring of ``1 + recent``
+    tiles), the queries' own tokens exact (a chunk attends them from the
     step's K/V, on the dense path and through the multi-query kernel alike), and the other
     complete tiles as the records the cache holds in ``block_row`` (checked to encode exactly
     these tokens, ``_records``): within 2%, and much closer to it than to exact attention when
     records are read (so the records, not exact K/V, were read)."""
-    from kvarn_math.attention import QuantizedSequence, quantize_sequence, reference_attention
+    from kvarn_math.attention import QuantizedSequence, reference_attention, step_sequence
     from kvarn_math.layout import get_preset
 
     kf, vf = k.float().numpy(), v.float().numpy()
-    seq = quantize_sequence(kf, vf, PRESET, keep_first_tile=True, recent_tiles=recent)
+    seq = step_sequence(
+        kf,
+        vf,
+        PRESET,
+        kf.shape[0] - q.shape[0],
+        recent_tiles=recent,
+        ring_tiles=1 + recent,
+        keep_first_tile=True,
+    )
     seq = cached_records(kv_cache, block_row, kf, vf, seq, PRESET, D)
     lay = tile_layout(PRESET, D)
     exact_seq = QuantizedSequence(

@@ -14,7 +14,7 @@ from kvarn_kernels.cache import (
     staging_shape,
 )
 from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
-from kvarn_kernels.plan import StorePlan, plan_store, plan_store_device
+from kvarn_kernels.plan import StorePlan, plan_store, plan_store_device, window_start
 from kvarn_kernels.quantize import encode_tiles, quantize_tiles, store_kv
 from kvarn_kernels.rotation import rotate, unrotate
 from kvarn_kernels.warmup import compiled_variants, warmup
@@ -47,4 +47,5 @@ __all__ = [
     "store_kv",
     "unrotate",
     "warmup",
+    "window_start",
 ]

@@ -17,11 +17,14 @@ sink) is staged there too, for good, and stays exact for attention while its qua
 serves prefix-cache hits. Position ``p`` then lives at row ``p`` for ``p < G`` and at
 ``G + (p - G) % (S*G)`` after, and the ring must hold ``[max(q_after, G), seq_len)``.
 
-With ``recent_tiles = R`` the last ``R`` complete tiles stay in the ring besides their records
-(their fresh tokens are written to staging too), so attention can read them exact: the plan's
-``read_lens = max(exact_start, q_after - R*G)`` is where a request's exact copy begins
-(``exact_start``: the first position the request wrote itself, which is after any prefix-cache
-hit; tiles before it exist only as records). The open tiles then have ``(S - R) * G`` positions.
+With ``recent_tiles = R`` the ``R`` complete tiles before the step's first new token stay in
+the ring besides their records, so attention reads them exact: the plan's ``read_lens``
+(:func:`kvarn_math.recent_window_start`) is
+``min(q_after, max(exact_start, (num_cached // G - R) * G, ceil((seq_len - S*G) / G) * G))``,
+where ``exact_start`` is the first position the request wrote itself (after any prefix-cache
+hit; tiles before it exist only as records) and the last term keeps what is read inside the
+ring. Fresh tokens from ``read_lens`` on are written to staging, which then holds
+``[read_lens, seq_len)``. The open tiles have ``(S - R) * G`` positions.
 
 :func:`plan_store_device` makes the same plan with torch ops on whatever device its inputs live
 on, without a host synchronization and with fixed output shapes: for engines whose host view of
@@ -41,7 +44,14 @@ from kvarn_math.layout import Preset, get_preset
 
 from kvarn_kernels.cache import staging_rows
 
-__all__ = ["TILE_FIELDS", "WRITE_FIELDS", "StorePlan", "plan_store", "plan_store_device"]
+__all__ = [
+    "TILE_FIELDS",
+    "WRITE_FIELDS",
+    "StorePlan",
+    "plan_store",
+    "plan_store_device",
+    "window_start",
+]
 
 TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
 WRITE_FIELDS = ("token_index", "slot", "staging_pos")
@@ -162,11 +172,12 @@ def plan_store(
             CUDA graphs); padding rows hold -1 and are skipped.
         sink: keep tile 0 exact in ``G`` sink rows in front of the staging ring (see the
             module docstring); staging then has ``(S + 1) * G`` positions per slot.
-        recent_tiles: ``R`` in ``[0, S)``: keep the last ``R`` complete tiles in the ring too
-            (see the module docstring); the open tiles get ``(S - R) * G`` positions.
+        recent_tiles: ``R`` in ``[0, S)``: keep the ``R`` complete tiles before the step's
+            first new token in the ring too (see the module docstring); the open tiles get
+            ``(S - R) * G`` positions.
         exact_start: ``[B]`` the first position each request wrote itself (its prefix-cache
             hit length, a multiple of ``G``); default ``floor(num_cached / G) * G``, which is
-            safe but keeps no recent tile before this step's. Only ``read_lens`` uses it.
+            safe but keeps no recent tile before this step's. Only matters with recent tiles.
 
     Returns:
         :class:`StorePlan` with CPU tensors (call ``.to(device)``).
@@ -253,8 +264,12 @@ def plan_store(
                 f"exact_start[{i}] must be a multiple of G={g} and <= num_cached={cached[i]}, "
                 f"got {start_exact[i]}"
             )
-    keep_from = q_after - recent_tiles * g  # fresh tokens from here on go to staging
-    read = np.minimum(np.maximum(start_exact, keep_from), q_after)
+    # Attention reads [read, seq_len) exact (kvarn_math.recent_window_start); the fresh tokens
+    # from there on go to staging, so it holds [read, seq_len) after the step.
+    t64 = torch.from_numpy
+    read = window_start(
+        t64(cached), t64(total), t64(q_after), t64(start_exact), g, recent_tiles, staging_tiles
+    ).numpy()
 
     # Vectorized over requests (a decode step of hundreds of requests costs tens of us).
     first, last = quant // g, q_after // g
@@ -277,11 +292,10 @@ def plan_store(
         )
     tiles = np.stack([block, slots[req], start, staged, fresh], axis=1).reshape(-1, 5)
 
-    # Fresh tokens staged: those past the quantized tiles (and the recent ones), and with a
-    # sink those of tile 0.
-    lo = np.where(cached < base, cached, np.maximum(cached, keep_from))
+    # Fresh tokens staged: those attention reads exact, and with a sink those of tile 0.
+    lo = np.where(cached < base, cached, np.maximum(cached, read))
     wreq, pos = _expand(lo, np.maximum(total - lo, 0))
-    keep = (pos >= keep_from[wreq]) | (pos < base)
+    keep = (pos >= read[wreq]) | (pos < base)
     wreq, pos = wreq[keep], pos[keep]
     rows = staging_rows(pos, sg, base)
     writes = np.stack([qstart[wreq] + pos - cached[wreq], slots[wreq], rows], axis=1).reshape(-1, 3)
@@ -322,6 +336,24 @@ def _pad(name: str, rows: IntArray, size: int | None) -> IntArray:
     out = np.full((size, rows.shape[1]), -1, dtype=np.int64)
     out[: rows.shape[0]] = rows
     return out
+
+
+def window_start(
+    num_cached: torch.Tensor,
+    seq_lens: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    exact_start: torch.Tensor,
+    group_size: int,
+    recent_tiles: int,
+    staging_tiles: int,
+) -> torch.Tensor:
+    """:func:`kvarn_math.recent_window_start` for ``[B]`` int64 tensors on any device."""
+    if not recent_tiles:
+        return quantized_lens
+    g = group_size
+    window = (num_cached // g - recent_tiles) * g
+    ring = -((staging_tiles * g - seq_lens) // g) * g  # whole tiles of the last S*G positions
+    return torch.minimum(quantized_lens, torch.maximum(torch.maximum(exact_start, window), ring))
 
 
 def plan_store_device(
@@ -420,9 +452,8 @@ def plan_store_device(
     q_after = torch.maximum(q_before, committed // g * g)
     slots = staging_slots.to(i64)
     max_blocks = block_table.shape[1]
-    keep_from = q_after - recent_tiles * g  # fresh tokens from here on go to staging
     start_exact = cached // g * g if exact_start is None else exact_start.to(i64)
-    read = torch.minimum(torch.maximum(start_exact, keep_from), q_after)
+    read = window_start(cached, total, q_after, start_exact, g, recent_tiles, staging_tiles)
 
     # Tiles [q_before / G, q_after / G) of every request, flattened in request order.
     counts = (q_after - q_before) // g
@@ -448,7 +479,7 @@ def plan_store_device(
         wowner = torch.searchsorted(qsl[1:], i, right=True).clamp(max=b - 1)
         pos = cached[wowner] + i - qsl[wowner]
         base = g if sink else 0
-        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= keep_from[wowner]) | (pos < base))
+        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= read[wowner]) | (pos < base))
         writes = torch.stack([i, slots[wowner], staging_rows(pos, sg, base)], dim=1)
         writes = torch.where(write_ok[:, None], writes, -1)
     else:

@@ -13,7 +13,9 @@ from kvarn_math.attention import (
     dense_attention,
     dense_kv,
     quantize_sequence,
+    recent_window_start,
     reference_attention,
+    step_sequence,
 )
 from kvarn_math.hadamard import fwht, hadamard_matrix, random_signs, rotate, unrotate
 from kvarn_math.layout import (
@@ -76,7 +78,9 @@ __all__ = [
     "quantize_tiles",
     "random_signs",
     "read_fields",
+    "recent_window_start",
     "reference_attention",
+    "step_sequence",
     "rotate",
     "tile_layout",
     "unpack",

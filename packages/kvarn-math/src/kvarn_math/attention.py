@@ -11,6 +11,10 @@ A sequence of ``T`` tokens of ``H_kv`` KV heads is stored as
   exist (a prefix-cache hit reads them) but attention reads the exact rows, as a serving engine
   does that keeps them in staging besides the open tile.
 
+Which tiles are recent is counted from the step's first new token
+(:func:`recent_window_start`): a step whose queries start in tile ``t`` reads tiles
+``t - R .. t`` exact, as far as the staging ring holds them.
+
 Attention runs in the rotated frame: ``q`` is rotated, scores are ``(q H) . k_rot``, the
 output ``softmax . v_rot`` is un-rotated.  Softmax is computed in float64 here (the kernels
 use fp32 online softmax; float64 makes the reference the more accurate side).
@@ -30,6 +34,8 @@ from kvarn_math.tile import check_finite, decode_tiles, quantize_tiles
 __all__ = [
     "QuantizedSequence",
     "quantize_sequence",
+    "recent_window_start",
+    "step_sequence",
     "dense_kv",
     "reference_attention",
     "dense_attention",
@@ -157,6 +163,98 @@ def quantize_sequence(
         recent_k=k_arr[end - recent : end].copy() if recent else None,
         recent_v=v_arr[end - recent : end].copy() if recent else None,
     )
+
+
+def recent_window_start(
+    num_cached: int,
+    seq_len: int,
+    quantized_len: int,
+    group_size: int,
+    recent_tiles: int,
+    ring_tiles: int,
+    exact_start: int = 0,
+) -> int:
+    """The first position a step reads exact: records before it, exact rows from there on.
+
+    A step appends tokens ``[num_cached, seq_len)``; afterwards ``quantized_len`` tokens are in
+    records (a multiple of ``G``). The exact window starts ``R`` tiles before the tile of the
+    step's first new token: that tile (open when the step began) and the ``R`` before it are
+    read exact even where the step completes them, so a query never loses its window to a tile
+    it completed itself (a decode step that completes a tile, or a tile-aligned chunk, still
+    reads the ``R`` tiles before its own exact). Bounded below by
+
+    * ``exact_start``: positions before it exist only as records (a prefix-cache hit);
+    * the ring: exact rows live in ``ring_tiles`` (``S``) tiles of staging, so only the
+      whole tiles of the last ``S*G`` positions ``[seq_len - S*G, seq_len)`` are there;
+
+    and above by ``quantized_len`` (the open tokens are exact anyway). With ``R = 0`` there is
+    no window: ``quantized_len``.
+
+    Args:
+        num_cached: tokens before the step.
+        seq_len: tokens after the step.
+        quantized_len: tokens in records after the step, a multiple of ``G``.
+        group_size: ``G``.
+        recent_tiles: ``R >= 0``.
+        ring_tiles: ``S >= 1``, staging tiles per request (open ones and recent ones).
+        exact_start: first position the request wrote itself, a multiple of ``G``.
+
+    Raises:
+        ValueError: lengths out of order or not tile multiples, negative ``R``, ``S < 1``.
+    """
+    g = group_size
+    if not isinstance(recent_tiles, int) or recent_tiles < 0:
+        raise ValueError(f"recent_tiles must be an int >= 0, got {recent_tiles!r}")
+    if not isinstance(ring_tiles, int) or ring_tiles < 1:
+        raise ValueError(f"ring_tiles must be an int >= 1, got {ring_tiles!r}")
+    if not 0 <= num_cached <= seq_len or not 0 <= quantized_len <= seq_len:
+        raise ValueError(
+            f"need 0 <= num_cached ({num_cached}) <= seq_len ({seq_len}) and 0 <= "
+            f"quantized_len ({quantized_len}) <= seq_len"
+        )
+    if quantized_len % g or exact_start % g or not 0 <= exact_start <= num_cached:
+        raise ValueError(
+            f"quantized_len ({quantized_len}) and exact_start ({exact_start}) must be "
+            f"multiples of G={g}, exact_start in [0, num_cached={num_cached}]"
+        )
+    if recent_tiles == 0:
+        return quantized_len
+    window = (num_cached // g - recent_tiles) * g
+    ring = -(-(seq_len - ring_tiles * g) // g) * g  # whole tiles of the last S*G positions
+    return min(quantized_len, max(exact_start, window, ring))
+
+
+def step_sequence(
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    preset: str | Preset,
+    num_cached: int,
+    *,
+    recent_tiles: int,
+    ring_tiles: int,
+    exact_start: int = 0,
+    keep_first_tile: bool = False,
+) -> QuantizedSequence:
+    """The sequence as a step that appended ``[num_cached, T)`` reads it (no speculation).
+
+    :func:`quantize_sequence` with its recent window from :func:`recent_window_start`: the
+    records from the window's start on are read exact.
+
+    Args:
+        k, v: ``[T, H_kv, D]`` original-frame keys and values after the step.
+        preset: the cache preset.
+        num_cached: tokens before the step.
+        recent_tiles, ring_tiles, exact_start: as :func:`recent_window_start`.
+        keep_first_tile: as :func:`quantize_sequence` (the sink tile is read exact anyway).
+    """
+    p = get_preset(preset)
+    g = p.group_size
+    t = int(np.shape(k)[0])
+    quantized = t // g * g
+    read = recent_window_start(num_cached, t, quantized, g, recent_tiles, ring_tiles, exact_start)
+    first = g if keep_first_tile and t >= g else 0  # tile 0 is no record then
+    recent = max(0, quantized - max(read, first)) // g
+    return quantize_sequence(k, v, p, keep_first_tile=keep_first_tile, recent_tiles=recent)
 
 
 def dense_kv(seq: QuantizedSequence) -> tuple[F32, F32]:

@@ -23,6 +23,7 @@ __all__ = [
     "store_kv",
     "unrotate",
     "warmup",
+    "window_start",
 ]
 
 _REQUIRED = (
@@ -38,6 +39,7 @@ _REQUIRED = (
     "unrotate",
     "staging_rows",
     "warmup",
+    "window_start",
 )
 
 
@@ -122,3 +124,8 @@ def staging_rows(*args, **kwargs):
 def warmup(*args, **kwargs):
     """``kvarn_kernels.warmup`` (once per process and shape, before serving)."""
     return kernels_module().warmup(*args, **kwargs)
+
+
+def window_start(*args, **kwargs):
+    """``kvarn_kernels.window_start`` (where a step's exact reads begin; device, no sync)."""
+    return kernels_module().window_start(*args, **kwargs)

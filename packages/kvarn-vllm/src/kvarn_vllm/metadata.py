@@ -887,8 +887,11 @@ def _make_builder_class() -> type:
             dev_quant.copy_(quant)
             dev_read = self._view(buf, "read_lens", num_reqs)
             start = self._spec["start"][slots.long()]
-            recent = self.config.recent_tiles * g
-            dev_read.copy_(torch.minimum(torch.maximum(start, quant - recent), quant))
+            dev_read.copy_(
+                kernels.window_start(
+                    last, seq, quant, start, g, self.config.recent_tiles, self.config.ring_tiles
+                )
+            )
             rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
             ok = (rows < real) & (seq > 0)
             writes = torch.stack([rows, slots, kernels.staging_rows(last, sg, base)], dim=1)
