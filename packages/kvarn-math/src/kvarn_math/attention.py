@@ -241,10 +241,13 @@ def step_sequence(
     records from the window's start on are read exact.
 
     Args:
-        k, v: ``[T, H_kv, D]`` original-frame keys and values after the step.
+        k: ``[T, H_kv, D]`` original-frame keys after the step.
+        v: ``[T, H_kv, D]`` original-frame values after the step.
         preset: the cache preset.
         num_cached: tokens before the step.
-        recent_tiles, ring_tiles, exact_start: as :func:`recent_window_start`.
+        recent_tiles: ``R``, as :func:`recent_window_start`.
+        ring_tiles: ``S``, as :func:`recent_window_start`.
+        exact_start: as :func:`recent_window_start`.
         keep_first_tile: as :func:`quantize_sequence` (the sink tile is read exact anyway).
     """
     p = get_preset(preset)
