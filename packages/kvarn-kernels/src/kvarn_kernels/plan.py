@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +58,7 @@ TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
 WRITE_FIELDS = ("token_index", "slot", "staging_pos")
 
 IntArray = npt.NDArray[np.int64]
+LensT = TypeVar("LensT", torch.Tensor, IntArray)
 
 
 @dataclass(frozen=True)
@@ -266,10 +268,7 @@ def plan_store(
             )
     # Attention reads [read, seq_len) exact (kvarn_math.recent_window_start); the fresh tokens
     # from there on go to staging, so it holds [read, seq_len) after the step.
-    t64 = torch.from_numpy
-    read = window_start(
-        t64(cached), t64(total), t64(q_after), t64(start_exact), g, recent_tiles, staging_tiles
-    ).numpy()
+    read = window_start(cached, total, q_after, start_exact, g, recent_tiles, staging_tiles)
 
     # Vectorized over requests (a decode step of hundreds of requests costs tens of us).
     first, last = quant // g, q_after // g
@@ -339,21 +338,25 @@ def _pad(name: str, rows: IntArray, size: int | None) -> IntArray:
 
 
 def window_start(
-    num_cached: torch.Tensor,
-    seq_lens: torch.Tensor,
-    quantized_lens: torch.Tensor,
-    exact_start: torch.Tensor,
+    num_cached: LensT,
+    seq_lens: LensT,
+    quantized_lens: LensT,
+    exact_start: LensT,
     group_size: int,
     recent_tiles: int,
     staging_tiles: int,
-) -> torch.Tensor:
-    """:func:`kvarn_math.recent_window_start` for ``[B]`` int64 tensors on any device."""
+) -> LensT:
+    """:func:`kvarn_math.recent_window_start` for ``[B]`` int tensors (any device) or arrays."""
     if not recent_tiles:
         return quantized_lens
     g = group_size
+    if isinstance(quantized_lens, torch.Tensor):
+        hi, lo = torch.maximum, torch.minimum
+    else:
+        hi, lo = np.maximum, np.minimum
     window = (num_cached // g - recent_tiles) * g
     ring = -((staging_tiles * g - seq_lens) // g) * g  # whole tiles of the last S*G positions
-    return torch.minimum(quantized_lens, torch.maximum(torch.maximum(exact_start, window), ring))
+    return lo(quantized_lens, hi(hi(exact_start, window), ring))
 
 
 def plan_store_device(
