@@ -578,8 +578,8 @@ def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     )
     opts = _options(greedy_caches="kvarn_k4v2_g128,fp8", greedy_prompts=6, greedy_tokens=8)
     jobs = greedy_jobs(opts, str(model))
-    assert [j.meta["role"] for j in jobs] == ["reference", "noise", "compare", "compare"]
-    assert jobs[0].cache["label"] == "bf16@TRITON_ATTN" and jobs[1].llm_kwargs["max_num_seqs"] == 8
+    assert [j.meta["role"] for j in jobs] == ["reference", "compare", "compare", "noise"]
+    assert jobs[0].cache["label"] == "bf16@TRITON_ATTN" and jobs[3].llm_kwargs["max_num_seqs"] == 8
     assert jobs[0].meta["head_dim"] == 64 and jobs[0].llm_kwargs["enforce_eager"] is True
     records = run_jobs(jobs, tmp_path / "runs", opts, Budget(), echo=lambda s: None)
     assert all(r["status"] == "ok" for r in records), records[0].get("log_tail")
@@ -601,7 +601,7 @@ def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     assert stand_in["reference"] == "bf16@TRITON_ATTN seqs<=8"
     rows = {r["method"]: r for r in stand_in["rows"]}
     assert rows["fp8"]["exact_match"] == 1.0 and rows["kvarn_k4v2_g128"]["mean_lcp"] == 5
-    no_ref = greedy_result(records[2:], {})
+    no_ref = greedy_result(records[1:3], {})  # neither the reference nor the noise run
     assert "NO REFERENCE" in no_ref["tables"][0]["title"]
 
 
