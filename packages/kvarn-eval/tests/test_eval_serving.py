@@ -697,6 +697,9 @@ def test_vllm_perplexity_from_the_command_line(
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["kvarn_k4v2_g128+recent0"]["ppl_change_pct"] > 0
     assert result["settings"]["text_source"] == str(text)
+    # the served model is named, not only --model's default (SmolLM2)
+    assert payload["model"]["served"] == str(tiny_model_dir)
+    assert f"serve {tiny_model_dir}" in out
     spec = json.loads(next((tmp_path / "out" / "runs").rglob("*spec*.json")).read_text())
     assert len(spec["workload"]["chunks"]) == 2 and len(spec["workload"]["chunks"][0]) == 24
 

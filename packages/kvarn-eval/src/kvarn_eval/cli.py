@@ -38,6 +38,10 @@ __all__ = ["build_parser", "main", "options_from_args"]
 QUICK = {"num_chunks": 2, "chunk_len": 512, "items": 6}
 
 
+# suites that serve --greedy-model (when given) instead of --model
+_SERVED_MODEL_SUITES = frozenset({"vllm_greedy", "vllm_perplexity"})
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -579,6 +583,11 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         checkpoint=checkpoint,
     )
     console.print(f"kvarn-eval bench: model {options.model}, suites {[s.name for s in suites]}")
+    served = options.serving.greedy_model
+    if served and any(s.name in _SERVED_MODEL_SUITES for s in suites):
+        # the real-model vLLM suites run --greedy-model, not --model: say so in both places
+        payload["model"]["served"] = served
+        console.print(f"vLLM suites {sorted(_SERVED_MODEL_SUITES)} serve {served}")
     if any(s.loads_model for s in suites):
         with console.status("loading the model (a built-in GGUF is converted once, ~1 min)"):
             lm = ctx.model
