@@ -384,8 +384,8 @@ def test_replay_with_capture_metadata_equals_eager(vllm_config_factory, monkeypa
 
 
 def test_recent_tile_read_exact_except_after_a_prefix_hit(vllm_config_factory, monkeypatch):
-    """With one recent tile, attention reads the tile before its first query's from staging; a request
-    that hit the prefix cache has no exact copy of the tiles it shares, and reads their
+    """With one recent tile, attention reads the tile before its first query's from staging; a
+    request that hit the prefix cache has no exact copy of the tiles it shares, and reads their
     records (the builder tracks where each request's own tokens begin)."""
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
     h = Harness(vllm_config_factory, monkeypatch)
