@@ -25,6 +25,9 @@ against the plain preset:
 * ``autorot_tile`` / ``autorot_seq``: keys rotated or not, whichever reconstructs the tile with
   the smaller squared error; decided per tile, or per KV head on its first tile (one flag per
   sequence and head).
+* ``autorot_q_tile`` / ``autorot_q_seq``: the same choice by the attention-score error
+  ``sum (q . (k_hat - k))^2`` over the queries of the tile's own positions (which an engine has
+  when it stores a tile from a prefill chunk), per tile or once per head from the first tile.
 * ``recentN``: "a short exact window of the most recent tokens besides the open tile": each
   query also reads the ``N`` complete tiles before its own exact (every other variant is run
   that way too, as ``<variant>+recentN``).
@@ -185,6 +188,42 @@ def main() -> int:
             return np.where(pick, k_raw, k_rot).astype("float32"), v_hat
 
     @dataclass(frozen=True)
+    class QueryAutoRotation(Method):
+        """Keys rotated or not per KV head, whichever gives the smaller attention-score error
+        ``sum (q . (k_hat - k))^2`` over the queries of the tile's own positions (what an
+        engine has when it stores the tile): per tile (``autorot_q_tile``), or once per head
+        from the first stored tile and then for all its tiles (``autorot_q_seq``)."""
+
+        name: str = f"{args.preset}+autorot_q_tile"
+        per_tile: bool = True
+        reads_queries: bool = True
+
+        def bytes_per_token_per_head(self, head_dim: int) -> float:
+            return plain.bytes_per_token_per_head(head_dim)
+
+        def roundtrip(self, k, v, queries=None):  # type: ignore[no-untyped-def]
+            import numpy as np
+
+            k = np.asarray(k, dtype=np.float32)
+            k_rot, v_hat = plain.roundtrip(k, v)
+            if queries is None:  # no queries for these positions: the preset's own frame
+                return k_rot, v_hat
+            k_raw = unrotate(plain.roundtrip(rotate(k).astype("float32"), v)[0])
+            g = plain.group_size
+            t, h, d = k.shape
+            q = np.asarray(queries, dtype=np.float32).reshape(t // g, g, h, -1, d)
+
+            def score_error(k_hat):  # type: ignore[no-untyped-def]
+                e = (k_hat - k).reshape(t // g, g, h, d)
+                return (np.einsum("nqhjd,nshd->nhqjs", q, e) ** 2).sum(axis=(2, 3, 4))
+
+            raw = score_error(k_raw) < score_error(k_rot)  # [tiles, heads]
+            if not self.per_tile:
+                raw = np.broadcast_to(raw[:1], raw.shape)
+            pick = np.repeat(raw, g, axis=0)[:, :, None]
+            return np.where(pick, k_raw, k_rot).astype("float32"), v_hat
+
+    @dataclass(frozen=True)
     class OtherBits(KVarN):
         """KVarN with other key / value bit widths at the preset's tile (``kXvY``), e.g. k3v3,
         which has exactly k4v2's bytes (3 + 3 = 4 + 2 bits, the same scales)."""
@@ -262,6 +301,10 @@ def main() -> int:
             variants.append(
                 AutoRotation(name=f"{args.preset}+{name}", per_tile=name == "autorot_tile")
             )
+        elif name in ("autorot_q_tile", "autorot_q_seq"):
+            variants.append(
+                QueryAutoRotation(name=f"{args.preset}+{name}", per_tile=name == "autorot_q_tile")
+            )
         elif name in ("norot_k", "norot"):
             variants.append(NoRotation(name=f"{args.preset}+{name}", values=name == "norot"))
         elif name.startswith("signs") and name[5:].isdigit():
@@ -269,7 +312,8 @@ def main() -> int:
         else:
             parser.error(
                 f"unknown variant {name!r}: expected clip, clip_v, signsN, kXvY, refitN[_v], "
-                "norot_k, norot, autorot_tile, autorot_seq, recentN or itersN"
+                "norot_k, norot, autorot_tile, autorot_seq, autorot_q_tile, autorot_q_seq, "
+                "recentN or itersN"
             )
 
     started = time.time()

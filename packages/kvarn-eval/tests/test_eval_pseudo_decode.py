@@ -255,6 +255,31 @@ def test_quantize_kv_touches_only_read_blocks() -> None:
     assert np.array_equal(v_hat[1, :, BLOCK : 4 * BLOCK].permute(1, 0, 2).numpy(), want_v)
 
 
+def test_quantize_kv_hands_the_stored_positions_queries_to_methods_that_read_them() -> None:
+    seen: list[np.ndarray | None] = []
+
+    class QueryAware(PerTokenRTN):
+        reads_queries = True
+
+        def roundtrip(self, k, v, queries=None):  # type: ignore[no-untyped-def]
+            seen.append(queries)
+            return super().roundtrip(k, v)
+
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(2, 1, 4 * BLOCK + 3, HEAD_DIM, generator=gen)
+    v = torch.randn(2, 1, 4 * BLOCK + 3, HEAD_DIM, generator=gen)
+    q = torch.randn(2, 3, 4 * BLOCK + 3, HEAD_DIM, generator=gen)
+    config = PseudoDecodeConfig(QueryAware(), BLOCK, True)
+    k_hat, _ = quantize_kv(k, v, config, q)
+    assert len(seen) == 2 and seen[1] is not None
+    # the queries of the positions stored (block 0 is the sink), as [T', H_q, D]
+    np.testing.assert_array_equal(seen[1], q[1, :, BLOCK : 4 * BLOCK].permute(1, 0, 2).numpy())
+    assert torch.equal(k_hat, quantize_kv(k, v, PseudoDecodeConfig(PerTokenRTN(), BLOCK, True))[0])
+    seen.clear()
+    quantize_kv(k, v, config, q[:, :, -1:])  # cached decoding: only the last query
+    assert seen == [None, None]
+
+
 def test_sliding_window_model_matches_plain_forward() -> None:
     plain = tiny_llama(seed=2, sliding_window=96)
     hooked = install(tiny_llama(seed=2, sliding_window=96))

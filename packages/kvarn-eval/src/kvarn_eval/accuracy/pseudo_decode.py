@@ -147,9 +147,16 @@ def pseudo_decode_mask(
 
 
 def quantize_kv(
-    key: torch.Tensor, value: torch.Tensor, config: PseudoDecodeConfig
+    key: torch.Tensor,
+    value: torch.Tensor,
+    config: PseudoDecodeConfig,
+    query: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstructions of ``key, value`` ``[B, H_kv, T, D]`` as the quantized cache holds them.
+
+    A method with ``reads_queries = True`` also gets ``queries=`` the ``[T', H_q, D]`` queries
+    of the positions it stores, from ``query`` ``[B, H_q, T, D]`` (what a serving engine has at
+    store time), or ``None`` when ``query`` does not cover every position (cached decoding).
 
     Only tokens that some query reads quantized are passed through ``method.roundtrip``: the
     complete blocks before the last block, minus block 0 when the sink covers it
@@ -178,7 +185,13 @@ def quantize_kv(
         # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
         k_np = k_in[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
         v_np = v_in[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
-        k_rt, v_rt = config.method.roundtrip(k_np, v_np)
+        if getattr(config.method, "reads_queries", False):
+            q_np = None
+            if query is not None and query.shape[2] == seq_len:
+                q_np = query[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
+            k_rt, v_rt = config.method.roundtrip(k_np, v_np, queries=q_np)
+        else:
+            k_rt, v_rt = config.method.roundtrip(k_np, v_np)
         k_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1)
         v_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1)
     return k_hat, v_hat
@@ -230,7 +243,7 @@ def pseudo_decode_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
         )
     else:
-        k_hat, v_hat = quantize_kv(key, value, config)
+        k_hat, v_hat = quantize_kv(key, value, config, query)
         mask = pseudo_decode_mask(
             seq_len,
             config.block_size,
