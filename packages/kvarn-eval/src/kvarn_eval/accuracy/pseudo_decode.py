@@ -26,7 +26,7 @@ The hook is an attention function registered with transformers' ``AttentionInter
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -189,7 +189,8 @@ def quantize_kv(
             q_np = None
             if query is not None and query.shape[2] == seq_len:
                 q_np = query[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
-            k_rt, v_rt = config.method.roundtrip(k_np, v_np, queries=q_np)
+            reads: Callable[..., tuple[Any, Any]] = config.method.roundtrip
+            k_rt, v_rt = reads(k_np, v_np, queries=q_np)
         else:
             k_rt, v_rt = config.method.roundtrip(k_np, v_np)
         k_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1)
