@@ -872,3 +872,44 @@ def test_root_cause_of_an_engine_start_up_failure() -> None:
         "Required: 262144, Hardware limit: 232448."
     )
     assert root_cause("RuntimeError: Engine core initialization failed.\nValueError: x") == ""
+
+
+def test_vllm_greedy_with_context_passages_from_the_command_line(
+    fake_vllm: Path,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--vllm-greedy-context puts a distinct passage of --text before every prompt (so the
+    prompts read quantized tiles) and gives the engines room for it."""
+    from kvarn_eval import suites
+    from kvarn_eval.fidelity import make_prompts
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 90}" for i in range(400)))  # the tiny model's words
+    argv = [
+        "bench", "--suites", "vllm_greedy", "--greedy-model", str(tiny_model_dir),
+        "--text", str(text), "--vllm-greedy-prompts", "3", "--vllm-greedy-tokens", "8",
+        "--vllm-greedy-context", "40", "--greedy-caches", "kvarn_k4v2_g128",
+        "--noise-max-num-seqs", "0", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3 prompts after 40-token passages x 8 greedy tokens" in out.replace("\n", "")
+    specs = [json.loads(p.read_text()) for p in (tmp_path / "out" / "runs").rglob("*spec*.json")]
+    assert len(specs) == 2  # the reference and kvarn
+    prompts = specs[0]["workload"]["prompts"]
+    bare = make_prompts(3)
+    assert [p.endswith(b) for p, b in zip(prompts, bare, strict=True)] == [True] * 3
+    passages = [p[: -len(b)] for p, b in zip(prompts, bare, strict=True)]
+    assert len(set(passages)) == 3 and all(c.startswith("w") for c in passages)
+    assert specs[0]["llm_kwargs"]["max_model_len"] >= 40 + 8
+    payload = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert payload["results"][0]["settings"]["context_source"] == str(text)
+
+
+def test_greedy_context_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="greedy_context_tokens must be >= 0, got -1"):
+        _options(greedy_context_tokens=-1)

@@ -173,6 +173,14 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         help=f"greedy tokens per prompt in vllm_greedy ({defaults.greedy_tokens})",
     )
     gpu.add_argument(
+        "--vllm-greedy-context",
+        type=int,
+        default=defaults.greedy_context_tokens,
+        help="tokens of --text put before each vllm_greedy prompt, a distinct passage each, so "
+        "that the prompts read quantized tiles (0: the prompt set alone, which the exact first "
+        "tile, window and open tile cover)",
+    )
+    gpu.add_argument(
         "--noise-max-num-seqs",
         type=int,
         default=defaults.greedy_noise_max_num_seqs,
@@ -236,6 +244,7 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
         greedy_caches=args.greedy_caches,
         greedy_prompts=args.vllm_greedy_prompts,
         greedy_tokens=args.vllm_greedy_tokens,
+        greedy_context_tokens=args.vllm_greedy_context,
         greedy_noise_max_num_seqs=args.noise_max_num_seqs,
         ppl_caches=args.ppl_caches,
         ppl_chunks=args.vllm_ppl_chunks,

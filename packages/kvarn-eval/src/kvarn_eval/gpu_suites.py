@@ -76,9 +76,25 @@ def _vllm_greedy(ctx: BenchContext) -> dict[str, Any]:
     opts = ctx.options.serving
     model_dir = resolve_model_dir(opts.greedy_model or ctx.options.model)
     settings = {**settings_of(opts), "model": model_dir}
-    return _run_model_suite(
-        ctx, "vllm_greedy", greedy_jobs(opts, model_dir), greedy_result, settings
-    )
+    contexts = None
+    if opts.greedy_context_tokens:
+        from transformers import AutoTokenizer
+
+        from kvarn_eval.data import find_wikitext
+        from kvarn_eval.suites import text_chunks
+
+        text, source = find_wikitext(ctx.options.text_file)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # distinct consecutive passages, one per prompt, without the BOS the prompt gets anyway
+        passages = text_chunks(tokenizer, text, opts.greedy_prompts, opts.greedy_context_tokens)
+        bos = tokenizer.bos_token_id
+        contexts = [
+            str(tokenizer.decode(p[1:] if p and p[0] == bos and bos is not None else p))
+            for p in passages
+        ]
+        settings["context_source"] = source
+    jobs = greedy_jobs(opts, model_dir, contexts)
+    return _run_model_suite(ctx, "vllm_greedy", jobs, greedy_result, settings)
 
 
 def _run_model_suite(

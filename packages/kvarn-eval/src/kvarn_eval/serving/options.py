@@ -35,6 +35,9 @@ class ServingOptions:
         greedy_caches: caches of the vLLM greedy suite; the first bf16 one is the reference.
         greedy_prompts: prompts of the fixed prompt set.
         greedy_tokens: greedy tokens generated per prompt.
+        greedy_context_tokens: put a distinct passage of this many tokens of the text
+            (``--text``) before each prompt, so that the prompts read quantized tiles (0: the
+            prompt set alone, which stays inside the exact first tile, window and open tile).
         greedy_noise_max_num_seqs: the reference cache again with this concurrency limit
             (other batch shapes, other rounding): the bf16-vs-bf16 noise floor (0: skip).
         greedy_gpu_memory_utilization: memory share of the (small) greedy model's engines
@@ -66,6 +69,7 @@ class ServingOptions:
     greedy_caches: str = "bf16@TRITON_ATTN,fp8@TRITON_ATTN,turboquant,kvarn"
     greedy_prompts: int = 100
     greedy_tokens: int = 64
+    greedy_context_tokens: int = 0
     greedy_noise_max_num_seqs: int = 8
     greedy_gpu_memory_utilization: float = 0.3
     ppl_caches: str = "bf16@TRITON_ATTN,fp8@TRITON_ATTN,turboquant_4bit_nc,kvarn"
@@ -95,6 +99,10 @@ class ServingOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.greedy_context_tokens < 0:
+            raise ValueError(
+                f"greedy_context_tokens must be >= 0, got {self.greedy_context_tokens}"
+            )
         if self.requests is not None and self.requests < 1:
             raise ValueError(f"requests must be >= 1, got {self.requests}")
         if not 0.0 < self.fill <= 1.0:

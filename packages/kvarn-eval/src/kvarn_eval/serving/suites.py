@@ -149,7 +149,9 @@ def _reference_and_rest(spec: str) -> tuple[CacheSpec, list[CacheSpec]]:
     return reference, [c for c in caches if c is not reference]
 
 
-def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
+def greedy_jobs(
+    opts: ServingOptions, model_dir: str, contexts: Sequence[str] | None = None
+) -> list[EngineJob]:
     """Jobs of the ``vllm_greedy`` suite: the reference, the compared caches, the noise run.
 
     The reference is the first bf16 cache of ``opts.greedy_caches`` (``bf16@TRITON_ATTN`` is
@@ -159,15 +161,26 @@ def greedy_jobs(opts: ServingOptions, model_dir: str) -> list[EngineJob]:
     Args:
         opts: the GPU options.
         model_dir: a Hugging Face folder with weights and tokenizer.
+        contexts: a passage per prompt, put before it (``greedy_context_tokens`` tokens each).
+
+    Raises:
+        ValueError: ``contexts`` not one per prompt.
     """
     from kvarn_eval.fidelity import make_prompts
 
     reference, caches = _reference_and_rest(opts.greedy_caches)
     head_dim, num_layers = _model_geometry(model_dir)
     prompts = make_prompts(opts.greedy_prompts)
+    max_len = 2048
+    if contexts is not None:
+        if len(contexts) != len(prompts):
+            raise ValueError(f"{len(contexts)} contexts for {len(prompts)} prompts")
+        prompts = [f"{c}\n\n{p}" for c, p in zip(contexts, prompts, strict=True)]
+        # the passage, the longest prompt (~350 tokens) and the generated tokens, with room
+        max_len = max(max_len, opts.greedy_context_tokens + 512 + opts.greedy_tokens)
     base: dict[str, Any] = {
         "model": model_dir,
-        "max_model_len": 2048,
+        "max_model_len": max_len,
         "gpu_memory_utilization": opts.greedy_gpu_memory_utilization,
         "enforce_eager": True,
         "max_num_seqs": 128,
@@ -598,8 +611,14 @@ def greedy_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -
         for row in rows
     ]
     title = (
-        f"vllm_greedy: {settings.get('greedy_prompts')} prompts x {settings.get('greedy_tokens')} "
-        f"greedy tokens through vLLM, {settings.get('model')}; agreement with the reference"
+        f"vllm_greedy: {settings.get('greedy_prompts')} prompts"
+        + (
+            f" after {settings['greedy_context_tokens']}-token passages"
+            if settings.get("greedy_context_tokens")
+            else ""
+        )
+        + f" x {settings.get('greedy_tokens')} greedy tokens through vLLM, {settings.get('model')}"
+        "; agreement with the reference"
         + ("" if reference else " (NO REFERENCE RUN: nothing compared)")
         + (
             " (the reference run failed: the noise run, same cache with another batch size, "
