@@ -64,9 +64,9 @@ class KvarnConfig:
             decoding; a verify step can spill into the next tile otherwise).
         sink: keep each request's first tile (the attention sink) exact in ``G`` staging
             rows besides its quantized record, which prefix-cache hits read.
-        recent_tiles: ``R``, complete tiles before the open one kept exact in staging
-            besides their records (attention reads them there; prefix-cache hits read the
-            records), from :data:`RECENT_ENV`.
+        recent_tiles: ``R``, complete tiles before the tile a step starts in kept exact in
+            staging besides their records (attention reads them there; prefix-cache hits read
+            the records), from :data:`RECENT_ENV`.
         batch_invariant: attention in the kernels' batch-invariant mode (split-K at fixed
             positions), from :data:`INVARIANT_ENV`.
     """

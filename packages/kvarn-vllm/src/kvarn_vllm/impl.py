@@ -89,8 +89,8 @@ def log_staging_once() -> None:
         )
     if _STAGING.get("recent_tiles", 0):
         logger.info(
-            "kvarn: each request's last %d complete tile(s) (%d tokens) stay exact in staging "
-            "besides their records, and attention reads them there; set "
+            "kvarn: the %d complete tile(s) (%d tokens) before the tile a step starts in stay "
+            "exact in staging besides their records, and attention reads them there; set "
             "KVARN_VLLM_RECENT_TILES=0 to read them quantized and give that staging to the KV "
             "cache.",
             _STAGING["recent_tiles"],
