@@ -208,16 +208,20 @@ def main() -> int:
             k_rot, v_hat = plain.roundtrip(k, v)
             if queries is None:  # no queries for these positions: the preset's own frame
                 return k_rot, v_hat
+            from kvarn_math.tile import key_frame_errors
+
             k_raw = unrotate(plain.roundtrip(rotate(k).astype("float32"), v)[0])
             g = plain.group_size
             t, h, d = k.shape
+            # per tile and KV head: its G keys, and the queries of its G positions in the head's
+            # query group ([tiles, heads, G * group, D])
+            k_tiles = k.reshape(t // g, g, h, d).transpose(0, 2, 1, 3)
             q = np.asarray(queries, dtype=np.float32).reshape(t // g, g, h, -1, d)
-
-            def score_error(k_hat):  # type: ignore[no-untyped-def]
-                e = (k_hat - k).reshape(t // g, g, h, d)
-                return (np.einsum("nqhjd,nshd->nhqjs", q, e) ** 2).sum(axis=(2, 3, 4))
-
-            raw = score_error(k_raw) < score_error(k_rot)  # [tiles, heads]
+            q_tiles = q.transpose(0, 2, 1, 3, 4).reshape(t // g, h, -1, d)
+            err_rot, err_raw = key_frame_errors(
+                k_tiles, q_tiles, plain.preset, iterations=plain.iterations
+            )
+            raw = err_raw < err_rot  # [tiles, heads]
             if not self.per_tile:
                 raw = np.broadcast_to(raw[:1], raw.shape)
             pick = np.repeat(raw, g, axis=0)[:, :, None]

@@ -8,7 +8,7 @@ from kvarn_math.log8 import decode_log8, encode_log8, round_log8
 from kvarn_math.metrics import relative_error, sqnr_db
 from kvarn_math.packing import unpack
 from kvarn_math.rtn import quantize_rows
-from kvarn_math.testing import kv_tiles, presets
+from kvarn_math.testing import kv_tiles, make_kv, presets
 from kvarn_math.tile import (
     decode_tiles,
     dequantize_tiles,
@@ -151,3 +151,33 @@ def test_log8_codes_round_trip_and_cover_the_normalization_range() -> None:
         encode_log8([1.0, 0.0])
     with pytest.raises(ValueError, match="uint8"):
         decode_log8(np.array([1], np.int32))
+
+
+def test_key_frame_errors_are_the_score_errors_of_both_frames() -> None:
+    from kvarn_math.tile import key_frame_errors
+
+    g, d = 128, 64
+    k = make_kv((3, g, d), "outlier_channels", 11)  # [tiles, G, D]
+    q = make_kv((3, 10, d), "gaussian", 12)  # 10 queries reading each tile
+    rot, raw = key_frame_errors(k, q, "kvarn_k2v2_g128")
+    assert rot.shape == raw.shape == (3,) and (rot > 0).all() and (raw > 0).all()
+    # the rotated frame is the preset's own round trip; the raw one quantizes k's channels
+    k_rot = dequantize_tiles(quantize_tiles(k, k, "kvarn_k2v2_g128"), "kvarn_k2v2_g128", d)[0]
+    k_raw = decode_tiles(encode_tiles(k, k, "kvarn_k2v2_g128"), "kvarn_k2v2_g128", d)[0]
+    for t in range(3):
+        want_rot = ((q[t] @ (k_rot[t] - k[t]).T).astype(np.float64) ** 2).sum()
+        want_raw = ((q[t] @ (k_raw[t] - k[t]).T).astype(np.float64) ** 2).sum()
+        np.testing.assert_allclose([rot[t], raw[t]], [want_rot, want_raw], rtol=1e-5)
+    # queries orthogonal to every key error see none: the criterion follows the queries
+    zero = key_frame_errors(k, np.zeros_like(q), "kvarn_k2v2_g128")
+    assert (zero[0] == 0).all() and (zero[1] == 0).all()
+
+
+def test_key_frame_errors_reject_mismatched_shapes() -> None:
+    from kvarn_math.tile import key_frame_errors
+
+    k = make_kv((2, 64, 64), "gaussian", 1)
+    with pytest.raises(ValueError, match="same leading dims"):
+        key_frame_errors(k, k[:1], "kvarn_k4v2_g64")
+    with pytest.raises(ValueError, match="q must be"):
+        key_frame_errors(k, k[..., :32], "kvarn_k4v2_g64")

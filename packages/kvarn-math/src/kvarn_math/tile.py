@@ -43,6 +43,7 @@ __all__ = [
     "decode_tiles",
     "quantize_tiles",
     "dequantize_tiles",
+    "key_frame_errors",
     "read_fields",
 ]
 
@@ -280,3 +281,57 @@ def dequantize_tiles(
         unrotate(k_rot, axis=-1).astype(np.float32),
         unrotate(v_rot, axis=-1).astype(np.float32),
     )
+
+
+def key_frame_errors(
+    k: npt.ArrayLike,
+    q: npt.ArrayLike,
+    preset: str | Preset,
+    iterations: int = DEFAULT_ITERATIONS,
+) -> tuple[F32, F32]:
+    """Attention-score error of tiles' keys stored Hadamard-rotated and stored in their own
+    channels (research: the key frame is not part of the record format yet).
+
+    The error of a reconstruction ``k_hat`` is ``sum_{i,j} (q_i . (k_hat_j - k_j))^2`` over the
+    queries ``q_i`` that read the tile and its keys ``k_j``: what attention's logits lose. Keys
+    whose channels carry outliers can lose less unrotated (per-channel quantization over tokens
+    isolates them) while others need the rotation; the key reconstruction error alone does not
+    tell which, the queries do (``docs/benchmarks.md``, "The key frame chosen per head").
+
+    Args:
+        k: ``[..., G, D]`` original-frame keys of tiles (after RoPE).
+        q: ``[..., M, D]`` original-frame queries reading each tile (e.g. the queries of the
+            tile's own positions in the KV head's query group), ``M >= 1``.
+        preset: preset name or :class:`Preset` (its key bits and ``G``).
+        iterations: variance-normalization sweeps.
+
+    Returns:
+        ``(rotated, raw)``: ``[...]`` float32 errors with the preset's rotation and without it.
+
+    Raises:
+        ValueError: shapes that disagree, or non-finite input.
+    """
+    k_arr = np.asarray(k, dtype=np.float32)
+    q_arr = np.asarray(q, dtype=np.float32)
+    check_finite(k_arr, "k")
+    check_finite(q_arr, "q")
+    if k_arr.ndim < 2 or q_arr.ndim != k_arr.ndim or q_arr.shape[:-2] != k_arr.shape[:-2]:
+        raise ValueError(
+            f"k must be [..., G, D] and q [..., M, D] with the same leading dims, got "
+            f"{k_arr.shape} and {q_arr.shape}"
+        )
+    d = k_arr.shape[-1]
+    if q_arr.shape[-1] != d or q_arr.shape[-2] < 1:
+        raise ValueError(f"q must be [..., M >= 1, D={d}], got {q_arr.shape}")
+    # values do not touch the keys' quantization: encode the keys in both slots
+    rotated = dequantize_tiles(quantize_tiles(k_arr, k_arr, preset, iterations), preset, d)[0]
+    raw = decode_tiles(encode_tiles(k_arr, k_arr, preset, iterations), preset, d)[0]
+
+    def score_error(k_hat: F32) -> F32:
+        logits = q_arr @ np.swapaxes(k_hat - k_arr, -1, -2)  # [..., M, G]
+        total: F32 = np.asarray(
+            (logits.astype(np.float64) ** 2).sum(axis=(-1, -2)), dtype=np.float32
+        )
+        return total
+
+    return score_error(rotated), score_error(raw)
