@@ -28,6 +28,10 @@ against the plain preset:
 * ``autorot_q_tile`` / ``autorot_q_seq``: the same choice by the attention-score error
   ``sum (q . (k_hat - k))^2`` over the queries of the tile's own positions (which an engine has
   when it stores a tile from a prefill chunk), per tile or once per head from the first tile.
+  ``autorot_q_last``: per tile, from the queries of the tile's last position only (what a
+  decode step that completes the tile holds). ``autorot_qe_tile`` / ``autorot_qe_last``: the
+  same choices by ``kvarn_math.tile.choose_key_frames``'s estimate (no quantization: channel
+  ranges weighted by the queries' channel energy), what the served store computes.
 * ``recentN``: "a short exact window of the most recent tokens besides the open tile": each
   query also reads the ``N`` complete tiles before its own exact (every other variant is run
   that way too, as ``<variant>+recentN``).
@@ -192,10 +196,16 @@ def main() -> int:
         """Keys rotated or not per KV head, whichever gives the smaller attention-score error
         ``sum (q . (k_hat - k))^2`` over the queries of the tile's own positions (what an
         engine has when it stores the tile): per tile (``autorot_q_tile``), or once per head
-        from the first stored tile and then for all its tiles (``autorot_q_seq``)."""
+        from the first stored tile and then for all its tiles (``autorot_q_seq``).
+        ``autorot_q_last``: per tile, from the queries of the tile's last position only (what
+        a decode step that completes the tile holds). ``autorot_qe_last`` / ``autorot_qe_tile``:
+        the same with ``kvarn_math.tile.choose_key_frames``'s estimate instead of the exact
+        error (what the served store computes)."""
 
         name: str = f"{args.preset}+autorot_q_tile"
         per_tile: bool = True
+        last_only: bool = False
+        estimate: bool = False
         reads_queries: bool = True
 
         def bytes_per_token_per_head(self, head_dim: int) -> float:
@@ -217,10 +227,17 @@ def main() -> int:
             # query group ([tiles, heads, G * group, D])
             k_tiles = k.reshape(t // g, g, h, d).transpose(0, 2, 1, 3)
             q = np.asarray(queries, dtype=np.float32).reshape(t // g, g, h, -1, d)
+            if self.last_only:
+                q = q[:, -1:]
             q_tiles = q.transpose(0, 2, 1, 3, 4).reshape(t // g, h, -1, d)
-            err_rot, err_raw = key_frame_errors(
-                k_tiles, q_tiles, plain.preset, iterations=plain.iterations
-            )
+            if self.estimate:
+                from kvarn_math.tile import key_frame_estimates
+
+                err_rot, err_raw = key_frame_estimates(k_tiles, q_tiles)
+            else:
+                err_rot, err_raw = key_frame_errors(
+                    k_tiles, q_tiles, plain.preset, iterations=plain.iterations
+                )
             raw = err_raw < err_rot  # [tiles, heads]
             if not self.per_tile:
                 raw = np.broadcast_to(raw[:1], raw.shape)
@@ -305,9 +322,20 @@ def main() -> int:
             variants.append(
                 AutoRotation(name=f"{args.preset}+{name}", per_tile=name == "autorot_tile")
             )
-        elif name in ("autorot_q_tile", "autorot_q_seq"):
+        elif name in (
+            "autorot_q_tile",
+            "autorot_q_seq",
+            "autorot_q_last",
+            "autorot_qe_tile",
+            "autorot_qe_last",
+        ):
             variants.append(
-                QueryAutoRotation(name=f"{args.preset}+{name}", per_tile=name == "autorot_q_tile")
+                QueryAutoRotation(
+                    name=f"{args.preset}+{name}",
+                    per_tile=name != "autorot_q_seq",
+                    last_only=name.endswith("_last"),
+                    estimate=name.startswith("autorot_qe"),
+                )
             )
         elif name in ("norot_k", "norot"):
             variants.append(NoRotation(name=f"{args.preset}+{name}", values=name == "norot"))
@@ -316,7 +344,8 @@ def main() -> int:
         else:
             parser.error(
                 f"unknown variant {name!r}: expected clip, clip_v, signsN, kXvY, refitN[_v], "
-                "norot_k, norot, autorot_tile, autorot_seq, autorot_q_tile, autorot_q_seq, "
+                "norot_k, norot, autorot_tile, autorot_seq, autorot_q_tile, autorot_q_seq, autorot_q_last, "
+                "autorot_qe_tile, autorot_qe_last, "
                 "recentN or itersN"
             )
 

@@ -87,6 +87,8 @@ def test_parse_cache_kvarn_settings() -> None:
         parse_cache("kvarn_k4v2_g128+recent9")
     with pytest.raises(ValueError, match="only a kvarn preset takes a '\\+' setting"):
         parse_cache("fp8+recent0")
+    rot = parse_cache("kvarn_k2v2_g128+rotated")
+    assert rot.env == (("KVARN_VLLM_KEY_FRAME", "rotated"),)
     both = parse_cache("kvarn_k4v2_g128+recent0+mqa")
     assert both.label == "kvarn_k4v2_g128+recent0+mqa"
     assert both.env == (("KVARN_VLLM_RECENT_TILES", "0"), ("KVARN_VLLM_DENSE_CONTEXT", "0"))
@@ -591,7 +593,7 @@ def test_greedy_jobs_and_result(fake_vllm: Path, tmp_path: Path) -> None:
     assert rows["fp8"]["exact_match"] == 1.0
     # the stand-in's kvarn tokens change after the first half (LCP 5 of 8)
     assert rows["kvarn_k4v2_g128"]["mean_lcp"] == 5 and rows["kvarn_k4v2_g128"]["exact_match"] == 0
-    assert rows["kvarn_k4v2_g128"]["bits_per_element"] == pytest.approx(55.5 * 8 / 128)
+    assert rows["kvarn_k4v2_g128"]["bits_per_element"] == pytest.approx(55.625 * 8 / 128)
     assert {p["label"] for p in result["points"]} == set(rows) - {"bf16@TRITON_ATTN"}
     named = greedy_result(records, {"model": "/cache/models/gemma-3-270m"})
     assert named["axes"]["title"] == "vllm_greedy, gemma-3-270m"

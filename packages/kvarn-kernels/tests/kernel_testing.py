@@ -48,6 +48,7 @@ def build_paged(
     uncommitted: list[int] | None = None,
     seed: int = 0,
     sinks: list[bool] | None = None,
+    raw_keys: bool = False,
 ) -> PagedBatch:
     """Quantize sequences with kvarn-math, scatter records into random blocks, stage the tails.
 
@@ -56,6 +57,8 @@ def build_paged(
     The references returned hold exactly the records / tail the kernel will read.
     ``sinks``: staging gets the G sink rows in front; ``sinks[b]`` keeps sequence b's first
     tile exact there (its block is allocated but left unwritten: reading it would give NaN).
+    ``raw_keys``: a random half of the records (per tile and KV head) store their keys in their
+    own channels (the ``KEYS_UNROTATED`` flag), as ``store_kv(key_frame="auto")`` may write.
     """
     p = get_preset(preset)
     g = p.group_size
@@ -72,7 +75,11 @@ def build_paged(
         t = k.shape[0]
         n_tiles = (t - hold) // g
         keep = bool(sinks and sinks[i] and n_tiles > 0)
-        q = quantize_sequence(k[: n_tiles * g], v[: n_tiles * g], p, keep_first_tile=keep)
+        n_records = n_tiles - int(keep)
+        raw = rng.random((max(n_records, 0), h)) < 0.5 if raw_keys else False
+        q = quantize_sequence(
+            k[: n_tiles * g], v[: n_tiles * g], p, keep_first_tile=keep, raw_keys=raw
+        )
         tail_k, tail_v = k[n_tiles * g :], v[n_tiles * g :]
         if t - max(n_tiles * g, base) > sg:
             raise ValueError("test setup: tail does not fit the staging")

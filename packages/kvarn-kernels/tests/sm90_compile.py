@@ -49,6 +49,7 @@ def _tile_consts(preset: str, d: int) -> dict[str, int]:
         "OFF_VCS": "v_channel_scale",
         "OFF_VS": "v_scale",
         "OFF_VZ": "v_zero",
+        "OFF_FL": "flags",
     }
     return {
         "G": p.group_size,
@@ -123,8 +124,8 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     from kvarn_kernels.quantize.launch import _num_warps
 
     rows = []
-    ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "stage_ptr": "*bf16"}
-    ptrs |= {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16"}
+    ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "stage_ptr": "*bf16", "q_ptr": "*bf16"}
+    ptrs |= {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16", "frames_ptr": "*i8"}
     for name in PRESETS:
         g = get_preset(name).group_size
         for d in head_dims:
@@ -132,6 +133,8 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
                 _tile_consts(name, d),
                 SG=g,
                 SINK_ROWS=g,
+                GROUP=4,
+                KEY_FRAME=1,  # chosen from the queries: both frames quantized, the most code
                 ITERS=DEFAULT_ITERATIONS,
                 FRESH_ROTATED=False,
                 PRECISE=True,
@@ -203,6 +206,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 SUB=launch["SUB"],
                 PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
                 FRESH=not decode,
+                RAW_KEYS=True,
             )
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"

@@ -49,6 +49,8 @@ def decode_cases(draw: st.DrawFn) -> dict[str, object]:
         # Each sink read from another slot's sink rows (sink_slots), as a request sharing its
         # first tile through the prefix cache reads the copy its owner wrote.
         "move_sinks": draw(st.booleans()),
+        # Records whose keys are stored in their own channels, mixed with rotated ones.
+        "raw_keys": draw(st.booleans()),
     }
 
 
@@ -93,7 +95,15 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
     preset, d, h = case["preset"], case["head_dim"], case["num_kv_heads"]
     hq = h * case["group"]
     seqs = _sequences(case["lens"], h, d, case["seed"])
-    batch = build_paged(seqs, preset, dtype, "cpu", seed=case["seed"], sinks=case.get("sinks"))
+    batch = build_paged(
+        seqs,
+        preset,
+        dtype,
+        "cpu",
+        seed=case["seed"],
+        sinks=case.get("sinks"),
+        raw_keys=case.get("raw_keys", False),
+    )
     sink_slots = None
     if batch.sink_lens is not None and case.get("move_sinks"):
         sink_slots = _move_sinks(batch, get_preset(preset).group_size)
@@ -177,6 +187,33 @@ def _run_decode(case: dict[str, object], dtype: torch.dtype) -> None:
         "move_sinks": True,
     }
 )
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "group": 4,
+        "lens": [300, 129, 64],
+        "splits": 2,
+        "window": None,
+        "seed": 4,
+        "sinks": [True, False, False],
+        "raw_keys": True,
+    }
+)
+@example(
+    {
+        "preset": "kvarn_k2v2_g128",
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "group": 3,
+        "lens": [300, 260],
+        "splits": 1,
+        "window": None,
+        "seed": 5,
+        "raw_keys": True,
+    }
+)
 def test_decode_matches_reference_fp32(case: dict[str, object]) -> None:
     _run_decode(case, torch.float32)
 
@@ -258,6 +295,7 @@ def _run_mqa(case: dict[str, object], dtype: torch.dtype, staging_tiles: int = 1
         "cpu",
         staging_tiles=staging_tiles,
         uncommitted=hold,
+        raw_keys=case.get("raw_keys", False),
         seed=case["seed"],
         sinks=case.get("sinks"),
     )
@@ -344,7 +382,15 @@ def run_fresh(
     hq = h * case["group"]
     seqs = _sequences(case["lens"], h, d, case["seed"])
     g = get_preset(preset).group_size
-    batch = build_paged(seqs, preset, dtype, device, seed=case["seed"], sinks=case.get("sinks"))
+    batch = build_paged(
+        seqs,
+        preset,
+        dtype,
+        device,
+        seed=case["seed"],
+        sinks=case.get("sinks"),
+        raw_keys=case.get("raw_keys", False),
+    )
     nqs = case["num_q"]
     loc = np.concatenate([[0], np.cumsum(nqs)]).astype(np.int32)
     base = 0 if batch.sink_lens is None else g
@@ -409,6 +455,21 @@ def run_fresh(
         "sinks": [True, True, False],
     }
 )
+@example(
+    {
+        "preset": "kvarn_k4v2_g64",
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "group": 2,
+        "lens": [260, 200],
+        "num_q": [70, 3],
+        "splits": 2,
+        "window": None,
+        "seed": 6,
+        "sinks": None,
+        "raw_keys": True,
+    }
+)
 def test_multi_query_fresh_kv_reads_own_tokens_exact(case: dict[str, object]) -> None:
     """With ``fresh_kv`` a chunk attends its own tokens exact from the step's K/V, whatever
     tiles its store completed, and earlier positions as stored (kvarn_math's exact_kv)."""
@@ -444,6 +505,33 @@ def test_multi_query_fresh_kv_checks() -> None:
         kk.multi_query_attention(q, *args, fresh_kv=(good, torch.zeros((3, 2, d))))
     with pytest.raises(ValueError, match=r"fresh_kv\[0\] must have dtype"):
         kk.multi_query_attention(q, *args, fresh_kv=(good.half(), good))
+
+
+def test_skipping_the_key_frame_flag_changes_nothing_on_rotated_records() -> None:
+    """``raw_keys=False`` (a cache whose store only rotates) reads no flag: on such a cache the
+    result is bit-identical to reading the flags; on a mixed one it is not."""
+    for preset in ("kvarn_k4v2_g64", "kvarn_k2v2_g128"):
+        d = 64
+        q = torch.from_numpy(make_kv((2, 4, d), "gaussian", 3))
+        for mixed in (False, True):
+            seqs = _sequences([300, 270], 2, d, 7)
+            batch = build_paged(seqs, preset, torch.float32, "cpu", raw_keys=mixed)
+            args = (
+                batch.kv_cache,
+                batch.staging,
+                batch.block_table,
+                batch.seq_lens,
+                batch.quantized_lens,
+                batch.staging_slots,
+                preset,
+                0.125,
+            )
+            read = kk.decode_attention(q, *args, num_splits=2)
+            skip = kk.decode_attention(q, *args, num_splits=2, raw_keys=False)
+            assert torch.equal(read, skip) != mixed, (preset, mixed)
+            for b, ref in enumerate(batch.refs):
+                want = reference_attention(q[b : b + 1].numpy(), ref, 0.125)
+                assert_close_rms(want, read[b : b + 1].numpy(), TOL[torch.float32])
 
 
 def test_decode_equals_single_token_multi_query() -> None:

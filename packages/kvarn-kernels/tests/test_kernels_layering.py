@@ -85,6 +85,6 @@ def test_kernels_implement_kvarn_maths_format_version() -> None:
     assert kvarn_kernels.FORMAT_VERSION == kvarn_math.FORMAT_VERSION
     kvarn_kernels.check_format_version(kvarn_math.FORMAT_VERSION)
     with pytest.raises(
-        ImportError, match="implements cache format 2, but the installed kvarn-math"
+        ImportError, match="implements cache format 3, but the installed kvarn-math"
     ):
-        kvarn_kernels.check_format_version(1)
+        kvarn_kernels.check_format_version(2)

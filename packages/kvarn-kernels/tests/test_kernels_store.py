@@ -12,6 +12,7 @@ from kernel_testing import examples, nan_like_staging, unwritten_cache
 from kvarn_math import (
     PRESETS,
     decode_tiles,
+    dequantize_tiles,
     encode_tiles,
     get_preset,
     read_fields,
@@ -327,3 +328,137 @@ def test_clip_ratios_are_refused() -> None:
         kk.quantize_tiles(k, k, "kvarn_k4v2_g64", clip_ratios=(0.9,))
     with pytest.raises(ValueError, match="clip_ratios must be"):
         kk.encode_tiles(k, k, "kvarn_k4v2_g64", clip_ratios=(0.9,))
+
+
+def test_quantize_tiles_raw_keys_match_reference() -> None:
+    """Keys stored in their own channels: the kernel rotates back what it staged and encodes
+    that; records, flags and both decoders agree with kvarn-math."""
+    preset, d = "kvarn_k2v2_g128", 64
+    k = make_kv((3, 128, d), "outlier_channels", 31)
+    v = make_kv((3, 128, d), "gaussian", 32)
+    raw = np.array([True, False, True])
+    got = kk.quantize_tiles(
+        torch.from_numpy(k), torch.from_numpy(v), preset, raw_keys=torch.from_numpy(raw)
+    ).numpy()
+    want = ref_quantize_tiles(k, v, preset, raw_keys=raw)
+    np.testing.assert_array_equal(read_fields(got, preset, d).raw_keys, raw)
+    np.testing.assert_array_equal(got[..., -16:], want[..., -16:])
+    assert_records_match(got, want, rotate(k, axis=-1), rotate(v, axis=-1), preset, d)
+    all_raw = kk.quantize_tiles(torch.from_numpy(k), torch.from_numpy(v), preset, raw_keys=True)
+    assert read_fields(all_raw.numpy(), preset, d).raw_keys.all()
+    # the GPU decoders follow the flag: rotated frame, or the original one
+    k_rot, v_rot = kk.decode_tiles(torch.from_numpy(want), preset, d)
+    k_ref, v_ref = decode_tiles(want, preset, d)
+    np.testing.assert_allclose(k_rot.numpy(), k_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(v_rot.numpy(), v_ref, rtol=1e-4, atol=1e-4)
+    k_orig, _ = kk.dequantize_tiles(torch.from_numpy(want), preset, d)
+    np.testing.assert_allclose(
+        k_orig.numpy(), dequantize_tiles(want, preset, d)[0], rtol=1e-4, atol=1e-4
+    )
+
+
+def test_raw_keys_argument_errors() -> None:
+    k = torch.from_numpy(make_kv((2, 64, 64), "gaussian", 1))
+    with pytest.raises(ValueError, match="raw_keys must be a bool or a bool tensor"):
+        kk.quantize_tiles(k, k, "kvarn_k4v2_g64", raw_keys=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match=r"one flag per tile \[2\]"):
+        kk.quantize_tiles(k, k, "kvarn_k4v2_g64", raw_keys=torch.tensor([True, False, True]))
+    with pytest.raises(ValueError, match="takes rotated keys only"):
+        kk.encode_tiles(k, k, "kvarn_k4v2_g64", raw_keys=True)
+
+
+def _frame_case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two KV heads, two query heads each, ``2G + 1`` tokens (G = 128): head 0's key channels
+    span three decades and its queries weigh the small ones (keys are best left unrotated),
+    head 1's are heavy-tailed and read by plain queries (the rotation wins)."""
+    rng = np.random.default_rng(5)
+    t, d = 2 * 128 + 1, 64
+    scales = np.geomspace(0.01, 10, d)
+    k = np.stack([rng.standard_normal((t, d)) * scales, rng.standard_t(2, (t, d))], 1)
+    v = rng.standard_normal((t, 2, d))
+    q = np.stack(
+        [
+            rng.standard_normal((t, d)) * scales[::-1],
+            rng.standard_normal((t, d)) * scales[::-1],
+            rng.standard_normal((t, d)),
+            rng.standard_normal((t, d)),
+        ],
+        1,
+    )
+    return k.astype(np.float32), v.astype(np.float32), q.astype(np.float32)
+
+
+def test_store_kv_chooses_each_tiles_key_frame_from_the_queries() -> None:
+    """key_frame="auto": a prefill chunk's tile is judged by the queries of its positions, a
+    tile completed by a one-token step by that token's queries, a tile whose tokens were all
+    staged by its request's first row (kvarn_math.choose_key_frames on the same queries)."""
+    from kvarn_math import choose_key_frames
+
+    preset, g, d = "kvarn_k2v2_g128", 128, 64
+    k, v, q = _frame_case()
+    kt, vt, qt = (torch.from_numpy(x) for x in (k, v, q))
+    lay = tile_layout(preset, d)
+    cache = unwritten_cache(4, 2, lay.tile_bytes, "cpu")
+    staging = nan_like_staging(
+        kk.staging_shape(2, 2, d, preset, staging_tiles=2), torch.float32, "cpu"
+    )
+    table = np.array([[2, 0, 3]], dtype=np.int32)
+
+    def store(start: int, n: int, committed: int | None = None, quantized: int = 0) -> None:
+        plan = kk.plan_store(
+            [start],
+            [n],
+            None if committed is None else [committed],
+            [1],
+            table,
+            preset,
+            staging_tiles=2,
+            num_quantized=[quantized],
+        )
+        rows = slice(start, start + n)
+        keys, values, queries = kt[rows], vt[rows], qt[rows]
+        kk.store_kv(keys, values, cache, staging, plan, preset, key_frame="auto", query=queries)
+
+    def frames_of(block: int) -> np.ndarray:
+        return read_fields(cache[block].numpy(), preset, d).raw_keys
+
+    def want(tile: int, rows: slice) -> np.ndarray:
+        keys = k[tile * g : (tile + 1) * g].transpose(1, 0, 2)  # [Hkv, G, D]
+        queries = q[rows].reshape(-1, 2, 2, d).transpose(1, 0, 2, 3).reshape(2, -1, d)
+        return choose_key_frames(keys, queries)
+
+    store(0, g + 5)  # tile 0 from the chunk: its own G positions' queries
+    np.testing.assert_array_equal(frames_of(2), want(0, slice(0, g)))
+    np.testing.assert_array_equal(frames_of(2), [True, False])
+    store(g + 5, g - 6, quantized=g)  # tile 1 stays open at 2G - 1 tokens
+    store(2 * g - 1, 1, quantized=g)  # one token completes it: that token's queries decide
+    np.testing.assert_array_equal(frames_of(0), want(1, slice(2 * g - 1, 2 * g)))
+    records = cache[[2, 0]].numpy()
+    ref = ref_quantize_tiles(
+        k[: 2 * g].reshape(2, g, 2, d).transpose(0, 2, 1, 3),
+        v[: 2 * g].reshape(2, g, 2, d).transpose(0, 2, 1, 3),
+        preset,
+        raw_keys=np.stack([frames_of(2), frames_of(0)]),
+    )
+    k_rot = rotate(k[: 2 * g].reshape(2, g, 2, d).transpose(0, 2, 1, 3), axis=-1)
+    v_rot = rotate(v[: 2 * g].reshape(2, g, 2, d).transpose(0, 2, 1, 3), axis=-1)
+    assert_records_match(records, ref, k_rot, v_rot, preset, d)
+
+
+def test_store_kv_key_frame_checks() -> None:
+    preset, d = "kvarn_k4v2_g64", 64
+    lay = tile_layout(preset, d)
+    args = {
+        "key": torch.zeros(3, 2, d),
+        "value": torch.zeros(3, 2, d),
+        "kv_cache": torch.zeros(4, 2, lay.tile_bytes, dtype=torch.uint8),
+        "staging": torch.zeros(kk.staging_shape(2, 2, d, preset)),
+        "plan": kk.plan_store([0], [3], None, [0], [[0]], preset),
+        "preset": preset,
+    }
+    with pytest.raises(ValueError, match="key_frame must be one of"):
+        kk.store_kv(**args, key_frame="raw")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pass query="):
+        kk.store_kv(**args, key_frame="auto")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a multiple of 2 heads"):
+        kk.store_kv(**args, key_frame="auto", query=torch.zeros(3, 3, d))  # type: ignore[arg-type]

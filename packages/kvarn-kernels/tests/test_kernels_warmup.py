@@ -33,7 +33,9 @@ def test_warmup_runs_every_path(sink: bool, window: int | None) -> None:
     paths = 1 + int(window is not None)  # unmasked and windowed
     assert summary["query_block_sizes"] == [1, 2, 4, 8, 16, 32]
     assert summary["launches"] == 2 + paths * 2 * (1 + 2 * 6) + 3  # MQA with and without fresh_kv
-    only = kk.warmup("kvarn_k4v4_g64", 64, 4, 2, torch.float32, "cpu", own_kv=(True,))
+    only = kk.warmup(
+        "kvarn_k4v4_g64", 64, 4, 2, torch.float32, "cpu", own_kv=(True,), key_frame="auto"
+    )
     assert only["launches"] == 2 + 2 * (1 + 6) + 3
     assert summary["seconds"] > 0
     assert kk.compiled_variants() == {}  # the interpreter compiles nothing
@@ -44,15 +46,18 @@ def test_warmup_rejects_a_bad_head_split() -> None:
         kk.warmup("kvarn_k4v2_g128", 128, 6, 4, torch.float16, "cpu")
     with pytest.raises(ValueError, match="kvarn_k9"):
         kk.warmup("kvarn_k9v9_g1", 128, 8, 8, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="key_frame must be one of"):
+        kk.warmup("kvarn_k4v2_g128", 128, 8, 8, torch.float16, "cpu", key_frame="raw")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sink", [False, True])
 def test_nothing_compiles_after_warmup(sink: bool) -> None:
     """After warmup, serving-like calls of every size (batch, query length, window, rows)
-    launch only kernels already compiled."""
+    launch only kernels already compiled (the store choosing key frames, attention reading
+    them: kvarn-vllm's default)."""
     preset, d, hq, hkv, dtype, dev = "kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16, "cuda"
-    kk.warmup(preset, d, hq, hkv, dtype, dev, sink=sink, sliding_window=700)
+    kk.warmup(preset, d, hq, hkv, dtype, dev, sink=sink, sliding_window=700, key_frame="auto")
     before = kk.compiled_variants()
     assert before and all(n >= 1 for n in before.values()), before
     g = 128
@@ -67,8 +72,9 @@ def test_nothing_compiles_after_warmup(sink: bool) -> None:
         new = lens_host - cached
         total = int(new.sum())
         k = torch.randn((total, hkv, d), generator=gen).to(dev, dtype)
+        q = torch.randn((total, hq, d), generator=gen).to(dev, dtype)
         plan = kk.plan_store(cached, new, None, np.arange(batch), table_host, preset, sink=sink)
-        kk.store_kv(k, k.clone(), cache, staging, plan.to(dev), preset)
+        kk.store_kv(k, k.clone(), cache, staging, plan.to(dev), preset, key_frame="auto", query=q)
     table = torch.as_tensor(table_host, device=dev)
     lens = torch.as_tensor(lens_host, dtype=torch.int32, device=dev)
     quant = (lens // g) * g

@@ -16,15 +16,15 @@ from kvarn_math.tile import quantize_tiles, read_fields
 def test_published_sizes() -> None:
     import kvarn_math
 
-    # one-byte balancing factors are format 2: these sizes belong to it
-    assert kvarn_math.FORMAT_VERSION == 2
+    # one-byte balancing factors (format 2) plus the 16-byte flags field (format 3)
+    assert kvarn_math.FORMAT_VERSION == 3
     lay = tile_layout("kvarn_k4v2_g128", 128)
-    assert lay.tile_bytes == 13_568
-    assert lay.bytes_per_token_per_head == 106
-    assert round(lay.ratio_to_fp16, 2) == 4.83
-    assert tile_layout("kvarn_k4v4_g128", 128).bytes_per_token_per_head == 138
-    assert tile_layout("kvarn_k4v2_g64", 128).bytes_per_token_per_head == 111
-    assert tile_layout("kvarn_k4v4_g64", 128).bytes_per_token_per_head == 143
+    assert lay.tile_bytes == 13_568 + 16
+    assert lay.bytes_per_token_per_head == 106.125
+    assert round(lay.ratio_to_fp16, 2) == 4.82
+    assert tile_layout("kvarn_k4v4_g128", 128).bytes_per_token_per_head == 138.125
+    assert tile_layout("kvarn_k4v2_g64", 128).bytes_per_token_per_head == 111.25
+    assert tile_layout("kvarn_k4v4_g64", 128).bytes_per_token_per_head == 143.25
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -40,6 +40,7 @@ def test_fields_are_contiguous_aligned_and_unpadded(name: str, head_dim: int) ->
         + g * d * p.value_bits // 8
         + d
         + 2 * g * 2  # V codes, log8 factors, fp16 scale and zero
+        + 16  # flags
     )
     assert lay.tile_bytes == expected
     offset = 0

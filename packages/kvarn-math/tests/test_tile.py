@@ -123,7 +123,7 @@ def test_shape_errors() -> None:
         quantize_tiles(k, k[:32], "kvarn_k4v2_g64")
     with pytest.raises(ValueError, match="head_dim must be one of"):
         quantize_tiles(np.zeros((64, 32)), np.zeros((64, 32)), "kvarn_k4v2_g64")
-    with pytest.raises(ValueError, match=r"records must be uint8 \[\.\.\., 3712\]"):
+    with pytest.raises(ValueError, match=r"records must be uint8 \[\.\.\., 3728\]"):
         decode_tiles(np.zeros((2, 100), np.uint8), "kvarn_k4v2_g64", 64)
 
 
@@ -181,3 +181,71 @@ def test_key_frame_errors_reject_mismatched_shapes() -> None:
         key_frame_errors(k, k[:1], "kvarn_k4v2_g64")
     with pytest.raises(ValueError, match="q must be"):
         key_frame_errors(k, k[..., :32], "kvarn_k4v2_g64")
+
+
+def test_raw_keys_are_flagged_and_decode_into_either_frame() -> None:
+    g, d, p = 64, 64, "kvarn_k4v2_g64"
+    k = make_kv((3, g, d), "outlier_channels", 21)
+    v = make_kv((3, g, d), "gaussian", 22)
+    raw = np.array([True, False, True])
+    records = quantize_tiles(k, v, p, raw_keys=raw)
+    fields = read_fields(records, p, d)
+    np.testing.assert_array_equal(fields.raw_keys, raw)
+    flags = records[..., -16:]
+    np.testing.assert_array_equal(flags[:, 0], raw.astype(np.uint8))
+    assert not flags[:, 1:].any()  # reserved bytes stay zero
+    # a flagged tile is the plain encoding of its unrotated keys; values are unchanged
+    k_plain, v_plain = decode_tiles(encode_tiles(k, rotate(v, axis=-1), p), p, d)
+    k_hat, v_hat = dequantize_tiles(records, p, d)
+    np.testing.assert_array_equal(k_hat[raw], k_plain[raw])
+    unflagged = quantize_tiles(k, v, p)
+    np.testing.assert_array_equal(records[1], unflagged[1])
+    np.testing.assert_allclose(v_hat, dequantize_tiles(unflagged, p, d)[1])
+    # decode_tiles gives every tile in the rotated frame
+    k_rot, _ = decode_tiles(records, p, d)
+    np.testing.assert_allclose(k_rot, rotate(k_hat, axis=-1), rtol=1e-5, atol=1e-4)
+    # a scalar flag covers every tile
+    assert read_fields(quantize_tiles(k, v, p, raw_keys=True), p, d).raw_keys.all()
+
+
+def test_raw_keys_must_be_bool_per_tile() -> None:
+    k = make_kv((2, 64, 64), "gaussian", 1)
+    with pytest.raises(ValueError, match="raw_keys must be bool"):
+        quantize_tiles(k, k, "kvarn_k4v2_g64", raw_keys=np.array([1, 0]))
+    with pytest.raises(ValueError, match=r"one flag per tile \(2,\)"):
+        quantize_tiles(k, k, "kvarn_k4v2_g64", raw_keys=np.array([True, False, True]))
+
+
+def test_choose_key_frames_follows_the_queries() -> None:
+    from kvarn_math.tile import choose_key_frames, key_frame_errors, key_frame_estimates
+
+    rng = np.random.default_rng(5)
+    g, d, p = 128, 64, "kvarn_k2v2_g128"
+    # channel scales over three decades (RoPE-like) read by queries that weigh the small ones:
+    # rotating would spread the large channels' quantization error onto what the queries read
+    scales = np.geomspace(0.01, 10, d).astype(np.float32)
+    graded = (rng.standard_normal((g, d)) * scales).astype(np.float32)
+    q_graded = (rng.standard_normal((8, d)) * scales[::-1]).astype(np.float32)
+    # heavy-tailed channels of one scale: the rotation evens their outliers out
+    heavy = rng.standard_t(2, (g, d)).astype(np.float32)
+    q_heavy = rng.standard_normal((8, d)).astype(np.float32)
+    k, q = np.stack([graded, heavy]), np.stack([q_graded, q_heavy])
+    raw = choose_key_frames(k, q)
+    np.testing.assert_array_equal(raw, [True, False])
+    # the estimate picks the frame the exact score error prefers on both
+    rot_err, raw_err = key_frame_errors(k, q, p)
+    np.testing.assert_array_equal(raw, raw_err < rot_err)
+    # it is sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2 in each frame
+    rot_est, raw_est = key_frame_estimates(k, q)
+    spread = k.max(axis=1) - k.min(axis=1)
+    want = ((q.astype(np.float64) ** 2).sum(axis=1) * spread.astype(np.float64) ** 2).sum(-1)
+    np.testing.assert_allclose(raw_est, want, rtol=1e-5)
+    k_rot, q_rot = rotate(k, axis=-1), rotate(q, axis=-1)
+    spread = k_rot.max(axis=1) - k_rot.min(axis=1)
+    want = ((q_rot.astype(np.float64) ** 2).sum(axis=1) * spread.astype(np.float64) ** 2).sum(-1)
+    np.testing.assert_allclose(rot_est, want, rtol=1e-4)
+    # queries that read nothing see no error in either frame
+    zero = key_frame_estimates(k, np.zeros_like(q))
+    assert (zero[0] == 0).all() and (zero[1] == 0).all()
+    with pytest.raises(ValueError, match="same leading dims"):
+        choose_key_frames(k, q[:1])

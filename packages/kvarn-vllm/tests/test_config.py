@@ -36,6 +36,20 @@ def test_parse_every_preset(name, monkeypatch):
     assert cfg.staging_tokens == 3 * cfg.block_size
 
 
+def test_key_frame_env(monkeypatch):
+    monkeypatch.delenv("KVARN_VLLM_KEY_FRAME", raising=False)
+    cfg = parse_kv_cache_dtype("kvarn_k2v2_g128")
+    assert cfg.key_frame == "auto" and cfg.mixed_key_frames  # default: chosen per tile
+    monkeypatch.setenv("KVARN_VLLM_KEY_FRAME", "rotated")
+    cfg = parse_kv_cache_dtype("kvarn_k2v2_g128")
+    assert cfg.key_frame == "rotated" and not cfg.mixed_key_frames
+    monkeypatch.setenv("KVARN_VLLM_KEY_FRAME", "raw")
+    with pytest.raises(ValueError, match="KVARN_VLLM_KEY_FRAME must be one of auto, rotated"):
+        parse_kv_cache_dtype("kvarn_k2v2_g128")
+    with pytest.raises(ValueError, match="key_frame must be one of"):
+        KvarnConfig(preset=PRESETS["kvarn_k2v2_g128"], key_frame="raw")
+
+
 def test_sink_env(monkeypatch):
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "0")
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "0")

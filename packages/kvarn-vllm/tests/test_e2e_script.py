@@ -105,13 +105,13 @@ def test_kvarn_staging_log_line_matches_script(e2e, caplog):
 
 def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
     """The Qwen3-32B shape's staging at 256 slots (eighth H200 run: 16 GiB), in tokens of
-    kvarn_k4v2_g128 cache: 64 layers x 8 KV heads x 106 bytes per token."""
+    kvarn_k4v2_g128 cache: 64 layers x 8 KV heads x 106.125 bytes per token."""
     from kvarn_vllm import impl
 
     saved = dict(impl._STAGING)
     impl._STAGING.update(
         bytes=16 * 2**30, layers=64, slots=256, tokens=256, logged=False,
-        cache_bytes_per_token=64 * 8 * 13568 / 128,
+        cache_bytes_per_token=64 * 8 * 13584 / 128,
     )  # fmt: skip
     try:
         with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
@@ -120,7 +120,7 @@ def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
         impl._STAGING.clear()
         impl._STAGING.update(saved)
     text = caplog.text
-    assert "about 316,551 tokens of this KV cache (1,237 per request slot)" in text
+    assert "about 316,178 tokens of this KV cache (1,235 per request slot)" in text
 
 
 def test_llama_shape_config(e2e, tmp_path, registered):

@@ -118,7 +118,7 @@ def _fmt(value: float, digits: int = 2, signed: bool = False) -> str:
 
 
 def _fmt_bytes(value: float) -> str:
-    """Bytes per token and head: whole numbers as such, halves (55.5 at head_dim 64) kept."""
+    """Bytes per token and head: whole numbers as such, fractions (55.625 at head_dim 64) kept."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return f"{value:g}"

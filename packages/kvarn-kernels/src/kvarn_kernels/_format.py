@@ -6,7 +6,7 @@ import kvarn_math
 
 __all__ = ["FORMAT_VERSION", "check_format_version"]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The record format (``kvarn_math.FORMAT_VERSION``) these kernels read and write."""
 
 

@@ -134,15 +134,18 @@ def _template_records(
     dtype: torch.dtype,
     device: torch.device,
     count: int = 64,
+    mixed: bool = False,
 ) -> torch.Tensor:
-    """``count`` records ``[count, Hkv, tile_bytes]`` quantized by the kernel from random K/V."""
+    """``count`` records ``[count, Hkv, tile_bytes]`` quantized by the kernel from random K/V
+    (``mixed``: every other record's keys in their own channels)."""
     from kvarn_kernels.quantize import quantize_tiles
 
     g = get_preset(preset).group_size
     gen = torch.Generator(device=device).manual_seed(0)
     k = torch.randn((count, num_kv_heads, g, head_dim), generator=gen, device=device).to(dtype)
     v = torch.randn((count, num_kv_heads, g, head_dim), generator=gen, device=device).to(dtype)
-    return quantize_tiles(k, v, preset)
+    raw = (torch.arange(count * num_kv_heads, device=device) % 2 == 1).view(count, num_kv_heads)
+    return quantize_tiles(k, v, preset, raw_keys=raw if mixed else False)
 
 
 class _Case:
@@ -159,9 +162,11 @@ class _Case:
         dtype: torch.dtype,
         device: torch.device,
         template: torch.Tensor,
+        raw_keys: bool = False,
     ) -> None:
         from kvarn_kernels.cache import allocate_staging
 
+        self.raw_keys = raw_keys
         p = get_preset(preset)
         g = p.group_size
         self.layout = tile_layout(p, head_dim)
@@ -212,6 +217,7 @@ class _Case:
             self.scale,
             out=self.out,
             num_splits=num_splits,
+            raw_keys=self.raw_keys,
         )
 
 
@@ -306,9 +312,13 @@ def _store_cost(
     dtype: torch.dtype,
     device: torch.device,
     quick: bool,
+    key_frame: str = "rotated",
+    num_q_heads: int = 0,
 ) -> dict[str, Any]:
     """store_kv time for a decode step of ``batch`` requests: typical (batch/G tiles complete),
-    worst (every request completes a tile), and per completed tile."""
+    worst (every request completes a tile), and per completed tile; and for a prefill chunk of
+    ``8 G`` tokens of each of 8 requests (per tile). ``key_frame="auto"``: each tile's key frame
+    chosen from ``num_q_heads`` random queries per token."""
     from kvarn_kernels.cache import allocate_cache, allocate_staging
     from kvarn_kernels.plan import StorePlan, plan_store
     from kvarn_kernels.quantize import store_kv
@@ -320,15 +330,18 @@ def _store_cost(
     staging.normal_()
     key = torch.randn((batch, num_kv_heads, head_dim), dtype=dtype, device=device)
     value = torch.randn_like(key)
+    auto = key_frame == "auto"
+    query = torch.randn((batch, num_q_heads, head_dim), dtype=dtype, device=device)
     table = np.arange(batch * 2, dtype=np.int32).reshape(batch, 2)
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"key_frame": key_frame}
     typical = max(1, round(batch / g))
     for name, completing in (("typical", typical), ("worst", batch), ("none", 0)):
         cached = [g - 1 if i < completing else g // 2 for i in range(batch)]
         plan = plan_store(cached, [1] * batch, None, list(range(batch)), table, p).to(device)
 
         def step(plan: StorePlan = plan) -> None:
-            store_kv(key, value, cache, staging, plan, p)
+            store_kv(key, value, cache, staging, plan, p, key_frame=key_frame,
+                     query=query if auto else None)  # fmt: skip
 
         ms = _best_ms(step, quick, device)["ms"]
         result[f"store_step_{name}_ms"] = ms
@@ -338,6 +351,22 @@ def _store_cost(
         * 1e3
         / (batch * num_kv_heads)
     )
+    # A prefill chunk: 8 requests x 8 tiles, every tile quantized from the batch's own rows.
+    reqs, tiles = 8, 8
+    n = reqs * tiles * g
+    big = allocate_cache(reqs * tiles, num_kv_heads, head_dim, p, device)
+    pk = torch.randn((n, num_kv_heads, head_dim), dtype=dtype, device=device)
+    pq = torch.randn((n, num_q_heads, head_dim), dtype=dtype, device=device)
+    ptable = np.arange(reqs * tiles, dtype=np.int32).reshape(reqs, tiles)
+    pplan = plan_store([0] * reqs, [tiles * g] * reqs, None, list(range(reqs)), ptable, p)
+    pplan = pplan.to(device)
+
+    def prefill() -> None:
+        store_kv(pk, pk, big, staging, pplan, p, key_frame=key_frame, query=pq if auto else None)
+
+    ms = _best_ms(prefill, quick, device)["ms"]
+    result["store_prefill_ms"] = ms
+    result["store_prefill_per_tile_us"] = ms * 1e3 / (reqs * tiles * num_kv_heads)
     return result
 
 
@@ -448,6 +477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "git_sha": _git_sha(),
         "dtype": args.dtype,
         "quick": quick,
+        "key_frame": args.key_frame,
         "batch_invariant": batch_invariant(),
         "hbm_copy_gbps": hbm,
         "attention": [],
@@ -458,7 +488,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"# {report['gpu']}: device-to-device copy {hbm:.0f} GB/s{mode}", flush=True)
     for preset in [] if args.skip_grid else presets:
         for shape_name, hq, hkv, d in shapes:
-            template = _template_records(preset, d, hkv, dtype, device)
+            auto = args.key_frame == "auto"
+            template = _template_records(preset, d, hkv, dtype, device, mixed=auto)
             checked = False
             for ctx in contexts:
                 for b in batches:
@@ -470,7 +501,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"skipped {preset} {shape_name} b={b} ctx={ctx}: memory"
                         )
                         continue
-                    case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template)
+                    case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template, auto)
                     row: dict[str, Any] = {
                         "preset": preset,
                         "shape": shape_name,
@@ -519,7 +550,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     del case
                     if cuda:
                         torch.cuda.empty_cache()
-            store = _store_cost(preset, hkv, d, store_batch, dtype, device, quick)
+            store = _store_cost(
+                preset, hkv, d, store_batch, dtype, device, quick, args.key_frame, hq
+            )
             store.update(preset=preset, shape=shape_name, batch=store_batch)
             for r in report["attention"]:
                 if r["preset"] == preset and r["shape"] == shape_name and r["batch"] == store_batch:
@@ -581,14 +614,17 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [_row_line(r) for r in report["attention"]]
     lines += [
         "",
-        "| preset | shape | store typical step (us) | tiles | worst step (us) | per tile (us) |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        f"Store, key frame {report.get('key_frame', 'rotated')}:",
+        "",
+        "| preset | shape | store typical step (us) | tiles | worst step (us) | per tile (us) "
+        "| prefill per tile (us) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in report["store"]:
         lines.append(
             f"| {s['preset']} | {s['shape']} | {1e3 * s['store_step_typical_ms']:.1f} | "
             f"{s['store_step_typical_tiles']} | {1e3 * s['store_step_worst_ms']:.1f} | "
-            f"{s['store_per_tile_us']:.2f} |"
+            f"{s['store_per_tile_us']:.2f} | {s.get('store_prefill_per_tile_us', float('nan')):.2f} |"
         )
         fr = {k: v for k, v in s.items() if k.startswith("typical_fraction")}
         if fr:
@@ -629,6 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--presets", nargs="+", default=["kvarn_k4v2_g128"])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
+    parser.add_argument(
+        "--key-frame",
+        choices=("rotated", "auto"),
+        default="rotated",
+        help="auto: the store chooses each tile's key frame from the queries, half the records "
+        "read by attention hold unrotated keys (kvarn-vllm's default); rotated: the plain format",
+    )
     parser.add_argument(
         "--autotune",
         action="store_true",

@@ -69,7 +69,8 @@ class StorePlan:
         tiles: int32 ``[max_tiles, 5]``: ``block_id`` (-1 = padding, skipped), ``slot``,
             ``start_pos`` (position of the tile's first token), ``num_staged`` (its first
             ``num_staged`` tokens come from staging), ``fresh_index`` (batch row of its first
-            fresh token; the others follow contiguously).
+            fresh token; the others follow contiguously; when every token is staged, its
+            request's first row of the step).
         writes: int32 ``[max_writes, 3]``: ``token_index`` (-1 = padding), ``slot``,
             ``staging_pos`` (the staging row: ``p % (S*G)``, or with ``sink`` see above).
         seq_lens: int32 ``[B]``, ``num_cached + num_new``.
@@ -281,7 +282,9 @@ def plan_store(
     req, t = _expand(first, last - first)
     start = t * g
     staged = np.clip(cached[req] - start, 0, g)
-    fresh = np.where(staged < g, qstart[req] + start + staged - cached[req], 0)
+    # a tile with no fresh token points at its request's first row (whose queries choose its
+    # key frame with key_frame="auto")
+    fresh = np.where(staged < g, qstart[req] + start + staged - cached[req], qstart[req])
     block = table[req, t].astype(np.int64) if req.size else np.zeros(0, dtype=np.int64)
     bad = np.flatnonzero(block < 0)
     if bad.size:
@@ -468,7 +471,7 @@ def plan_store_device(
         t = q_before[owner] // g + j - (ends[owner] - counts[owner])
         start = t * g
         staged = (cached[owner] - start).clamp(0, g)
-        fresh = torch.where(staged < g, qsl[owner] + start + staged - cached[owner], 0)
+        fresh = torch.where(staged < g, qsl[owner] + start + staged - cached[owner], qsl[owner])
         col = t.clamp(0, max(max_blocks - 1, 0))
         block = block_table[owner, col].to(i64)
         tiles = torch.stack([block, slots[owner], start, staged, fresh], dim=1)

@@ -27,6 +27,7 @@ from kvarn_kernels.cache import allocate_cache, allocate_staging
 from kvarn_kernels.dequantize import dequantize
 from kvarn_kernels.plan import plan_store
 from kvarn_kernels.quantize import store_kv
+from kvarn_kernels.quantize.launch import KEY_FRAMES
 from kvarn_kernels.rotation import rotate, unrotate
 
 __all__ = ["compiled_variants", "warmup"]
@@ -45,6 +46,7 @@ def warmup(
     sliding_window: int | None = None,
     batch_invariant: bool | None = None,
     own_kv: Sequence[bool] = (False, True),
+    key_frame: str = "rotated",
 ) -> dict[str, Any]:
     """Launch every kernel variant an engine with this shape uses, on scratch tensors.
 
@@ -65,6 +67,8 @@ def warmup(
             ``KVARN_KERNELS_BATCH_INVARIANT`` environment variable).
         own_kv: the multi-query variants the engine launches: without the step's own K/V
             (``False``) and with it (``True``, ``multi_query_attention(fresh_kv=...)``).
+        key_frame: the store's ``key_frame`` (``"auto"`` also makes the attention kernels
+            read each record's key frame, ``raw_keys=True``).
 
     Returns:
         ``{"launches": n, "seconds": s, "query_block_sizes": [...]}``.
@@ -94,7 +98,11 @@ def warmup(
     plan = plan_store(
         [0], [seq_len], None, [0], table_host, p, staging_tiles=staging_tiles, sink=sink
     )
-    store_kv(key, value, cache, staging, plan.to(device), p)
+    if key_frame not in KEY_FRAMES:
+        raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {key_frame!r}")
+    auto = key_frame == "auto"
+    query_all = randn(seq_len, num_q_heads, head_dim) if auto else None
+    store_kv(key, value, cache, staging, plan.to(device), p, key_frame=key_frame, query=query_all)
     launches += 2
 
     def ints(*values: int) -> torch.Tensor:
@@ -112,6 +120,7 @@ def warmup(
             sink_lens=sink_lens,
             sink_slots=sink_slots,
             batch_invariant=batch_invariant,
+            raw_keys=auto,
         )
         query = randn(1, num_q_heads, head_dim)
         decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)

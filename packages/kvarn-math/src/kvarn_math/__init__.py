@@ -21,6 +21,7 @@ from kvarn_math.hadamard import fwht, hadamard_matrix, random_signs, rotate, unr
 from kvarn_math.layout import (
     DEFAULT_PRESET,
     FORMAT_VERSION,
+    KEYS_UNROTATED,
     PRESETS,
     SUPPORTED_GROUP_SIZES,
     SUPPORTED_HEAD_DIMS,
@@ -35,6 +36,7 @@ from kvarn_math.packing import pack, packed_size, unpack
 from kvarn_math.rtn import RowQuantized, dequantize_rows, quantize_rows
 from kvarn_math.tile import (
     TileFields,
+    choose_key_frames,
     decode_tiles,
     dequantize_tiles,
     encode_tiles,
@@ -50,6 +52,7 @@ __all__ = [
     "DEFAULT_PRESET",
     "FORMAT_VERSION",
     "Field",
+    "KEYS_UNROTATED",
     "PRESETS",
     "Preset",
     "QuantizedSequence",
@@ -59,6 +62,7 @@ __all__ = [
     "TileFields",
     "TileLayout",
     "__version__",
+    "choose_key_frames",
     "decode_log8",
     "decode_tiles",
     "dense_attention",

@@ -97,6 +97,7 @@ def quantize_sequence(
     sink_tokens: int | None = None,
     sink_requantize: bool = False,
     recent_tiles: int = 0,
+    raw_keys: npt.ArrayLike = False,
 ) -> QuantizedSequence:
     """Store a sequence the way the cache does.
 
@@ -116,6 +117,8 @@ def quantize_sequence(
         recent_tiles: ``R >= 0``: the last ``min(R, num_tiles)`` records are read from exact
             copies (a window of ``R`` complete tiles before the open one; the records are
             written all the same).
+        raw_keys: bool, scalar or ``[num_records, H_kv]``: records whose keys are stored in
+            their own channels (:func:`kvarn_math.tile.quantize_tiles`).
 
     Raises:
         ValueError: bad shapes, ``sink_tokens`` outside ``[0, G]``, ``sink_tokens``
@@ -150,7 +153,7 @@ def quantize_sequence(
         body_v[:sink] = body_v[sink]
     body_k = body_k.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
     body_v = body_v.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
-    records = quantize_tiles(body_k, body_v, p)
+    records = quantize_tiles(body_k, body_v, p, raw_keys=raw_keys)
     recent = min(recent_tiles, num_tiles) * g
     return QuantizedSequence(
         preset=p,

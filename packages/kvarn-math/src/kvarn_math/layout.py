@@ -15,11 +15,18 @@ one contiguous run of ``tile_bytes`` bytes holding, in this order::
     v_channel_scale  uint8    [D]                   D                per-channel normalization factor, log8
     v_scale          float16  [G]                   2 * G            per-token RTN step x row scale
     v_zero           float16  [G]                   2 * G            per-token RTN min  x row scale
+    flags            uint8    [16]                  16               byte 0 bit 0: KEYS_UNROTATED;
+                                                                     the rest zero (reserved)
 
-Reconstruction in the rotated frame (one multiply more than plain RTN)::
+Reconstruction in the frame the record holds (one multiply more than plain RTN)::
 
     K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * log8(k_token_scale[t])
     V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * log8(v_channel_scale[d])
+
+V is always in the rotated frame (Hadamard over channels). K is too, unless the record's
+``KEYS_UNROTATED`` flag is set: then its keys were quantized in their own channels, the frame
+the store chose for that tile because it loses less of the attention scores
+(:func:`kvarn_math.tile.choose_key_frames`). Readers score such a tile with the un-rotated query.
 
 ``log8(n) = 2^(n/16 - 1)`` (:mod:`kvarn_math.log8`): the balancing factors take one byte each,
 rounded before the rows are quantized, so the codes absorb the rounding.
@@ -39,6 +46,8 @@ from kvarn_math.rtn import check_bits
 
 __all__ = [
     "FORMAT_VERSION",
+    "KEYS_UNROTATED",
+    "FLAGS_BYTES",
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_GROUP_SIZES",
     "FIELD_ALIGNMENT",
@@ -52,13 +61,19 @@ __all__ = [
     "format_table",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the record byte format; records of one version cannot be read as another.
 
 1: balancing factors as float16. 2 (2026-11-30): balancing factors as one-byte log8 codes.
+3 (2026-12-01): a 16-byte ``flags`` field at the end; ``KEYS_UNROTATED`` marks a tile whose keys
+are stored in their own channels.
 A KV cache lives only as long as its engine, but anything that persists or ships records
 (offloading, a custom engine's cache files) should store this number beside them.
 """
+KEYS_UNROTATED = 1
+"""Bit of the record's first ``flags`` byte: the tile's keys are stored in their own channels
+(not Hadamard-rotated)."""
+FLAGS_BYTES = 16
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_GROUP_SIZES = (64, 128)
 FIELD_ALIGNMENT = 16
@@ -241,6 +256,7 @@ def _layout(preset: Preset, head_dim: int) -> TileLayout:
         ("v_channel_scale", "uint8", (d,), d),
         ("v_scale", "float16", (g,), _FP16_BYTES * g),
         ("v_zero", "float16", (g,), _FP16_BYTES * g),
+        ("flags", "uint8", (FLAGS_BYTES,), FLAGS_BYTES),
     ]
     fields = []
     offset = 0

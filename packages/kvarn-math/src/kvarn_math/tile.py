@@ -7,6 +7,12 @@ The two frames are explicit:
 * :func:`quantize_tiles` / :func:`dequantize_tiles` take and return the **original** frame:
   they rotate with the Hadamard transform before encoding and un-rotate after decoding.
 
+A tile's keys may be stored in their own channels instead (``raw_keys``; the record's
+``KEYS_UNROTATED`` flag): per-channel quantization over tokens then isolates outlier channels
+that the rotation would spread. :func:`choose_key_frames` picks the frame per tile from the
+queries that read it (an estimate of :func:`key_frame_errors`); :func:`decode_tiles` still
+returns every tile's keys in the rotated frame and :func:`dequantize_tiles` in the original one.
+
 Encoding one tile (``k``, ``v``: ``[G, D]`` rotated)::
 
     K = k.T                                   # [D, G]: rows are channels
@@ -30,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvarn_math.hadamard import rotate, unrotate
-from kvarn_math.layout import Preset, TileLayout, get_preset, tile_layout
+from kvarn_math.layout import KEYS_UNROTATED, Preset, TileLayout, get_preset, tile_layout
 from kvarn_math.log8 import decode_log8, encode_log8
 from kvarn_math.packing import pack, unpack
 from kvarn_math.rtn import quantize_rows
@@ -44,6 +50,8 @@ __all__ = [
     "quantize_tiles",
     "dequantize_tiles",
     "key_frame_errors",
+    "key_frame_estimates",
+    "choose_key_frames",
     "read_fields",
 ]
 
@@ -96,6 +104,18 @@ def _check_tiles(
     return k_arr, v_arr, lay
 
 
+def _raw_mask(raw_keys: npt.ArrayLike, lead: tuple[int, ...]) -> npt.NDArray[np.bool_]:
+    arr = np.asarray(raw_keys)
+    if arr.dtype != np.bool_:
+        raise ValueError(f"raw_keys must be bool (a scalar or one per tile), got {arr.dtype}")
+    try:
+        return np.broadcast_to(arr, lead)
+    except ValueError:
+        raise ValueError(
+            f"raw_keys must be a scalar or one flag per tile {lead}, got shape {arr.shape}"
+        ) from None
+
+
 def _balance(x: F32, row_scale: F32, col_codes: npt.NDArray[np.uint8]) -> F32:
     """``x / (row_scale[:, None] * log8(col_codes)[None, :])`` in float32: the tile the rows
     are quantized from, balanced with the column factors as the record stores them."""
@@ -110,17 +130,21 @@ def encode_tiles(
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
+    raw_keys: npt.ArrayLike = False,
 ) -> npt.NDArray[np.uint8]:
     """Encode rotated tiles into records.
 
     Args:
-        k_rot: ``[..., G, D]`` keys in the rotated frame (any float dtype).
+        k_rot: ``[..., G, D]`` keys in the rotated frame (any float dtype), or in their own
+            channels for the tiles ``raw_keys`` marks.
         v_rot: ``[..., G, D]`` values in the rotated frame.
         preset: preset name or :class:`Preset`; ``G`` must equal its group size.
         iterations: variance-normalization sweeps.
         clip_ratios: experimental range clipping searched per row (see
             :func:`kvarn_math.rtn.quantize_rows`); ``()`` (the format's definition) is plain RTN.
             Records stay in the same byte format either way.
+        raw_keys: bool, scalar or ``[...]``: tiles whose ``k_rot`` is given unrotated; their
+            records get the ``KEYS_UNROTATED`` flag. The encoding itself is the same.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records laid out as :mod:`kvarn_math.layout` says.
@@ -131,6 +155,7 @@ def encode_tiles(
     p = get_preset(preset)
     k, v, lay = _check_tiles(k_rot, v_rot, p)
     lead = k.shape[:-2]
+    raw = _raw_mask(raw_keys, lead)
     out = np.zeros((*lead, lay.tile_bytes), dtype=np.uint8)
 
     k_dg = np.swapaxes(k, -1, -2)  # [..., D, G]: rows are channels
@@ -150,6 +175,13 @@ def encode_tiles(
         "v_channel_scale": v_col,
         "v_scale": _fp16(vq.step * vb.row_scale),
         "v_zero": _fp16(vq.lo * vb.row_scale),
+        "flags": np.concatenate(
+            [
+                np.where(raw, KEYS_UNROTATED, 0).astype(np.uint8)[..., None],
+                np.zeros((*lead, lay.field("flags").nbytes - 1), dtype=np.uint8),
+            ],
+            axis=-1,
+        ),
     }
     for f in lay.fields:
         raw = np.ascontiguousarray(values[f.name]).view(np.uint8).reshape(*lead, f.nbytes)
@@ -168,6 +200,7 @@ class TileFields:
         v_codes: ``[..., G, D]`` uint8.
         v_channel_scale: ``[..., D]`` float32, decoded from the record's log8 byte.
         v_scale, v_zero: ``[..., G]`` float16.
+        raw_keys: ``[...]`` bool, the ``KEYS_UNROTATED`` flag: keys in their own channels.
     """
 
     k_codes: npt.NDArray[np.uint8]
@@ -178,6 +211,7 @@ class TileFields:
     v_channel_scale: npt.NDArray[np.float32]
     v_scale: npt.NDArray[np.float16]
     v_zero: npt.NDArray[np.float16]
+    raw_keys: npt.NDArray[np.bool_]
 
 
 def read_fields(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> TileFields:
@@ -214,7 +248,25 @@ def read_fields(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> 
         v_channel_scale=factor("v_channel_scale"),
         v_scale=half("v_scale"),
         v_zero=half("v_zero"),
+        raw_keys=(raw("flags")[..., 0] & KEYS_UNROTATED) != 0,
     )
+
+
+def _decode_stored(
+    records: npt.ArrayLike, preset: str | Preset, head_dim: int
+) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
+    """``(k, v_rot, raw_keys)``: keys in the frame the record holds them in."""
+    f = read_fields(records, preset, head_dim)
+    f32 = np.float32
+    k_dg = (
+        f.k_codes.astype(f32) * f.k_scale.astype(f32)[..., :, None]
+        + f.k_zero.astype(f32)[..., :, None]
+    ) * f.k_token_scale.astype(f32)[..., None, :]
+    v = (
+        f.v_codes.astype(f32) * f.v_scale.astype(f32)[..., :, None]
+        + f.v_zero.astype(f32)[..., :, None]
+    ) * f.v_channel_scale.astype(f32)[..., None, :]
+    return np.swapaxes(k_dg, -1, -2).astype(f32), v.astype(f32), f.raw_keys
 
 
 def decode_tiles(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> tuple[F32, F32]:
@@ -230,18 +282,14 @@ def decode_tiles(records: npt.ArrayLike, preset: str | Preset, head_dim: int) ->
 
             K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * log8(k_token_scale[t])
             V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * log8(v_channel_scale[d])
+
+        Keys of a record flagged ``KEYS_UNROTATED`` are decoded in their own channels and then
+        rotated, so every tile comes back in the one frame.
     """
-    f = read_fields(records, preset, head_dim)
-    f32 = np.float32
-    k_dg = (
-        f.k_codes.astype(f32) * f.k_scale.astype(f32)[..., :, None]
-        + f.k_zero.astype(f32)[..., :, None]
-    ) * f.k_token_scale.astype(f32)[..., None, :]
-    v = (
-        f.v_codes.astype(f32) * f.v_scale.astype(f32)[..., :, None]
-        + f.v_zero.astype(f32)[..., :, None]
-    ) * f.v_channel_scale.astype(f32)[..., None, :]
-    return np.swapaxes(k_dg, -1, -2).astype(f32), v.astype(f32)
+    k, v, raw = _decode_stored(records, preset, head_dim)
+    if raw.any():
+        k = np.where(raw[..., None, None], rotate(k, axis=-1), k).astype(np.float32)
+    return k, v
 
 
 def quantize_tiles(
@@ -250,6 +298,7 @@ def quantize_tiles(
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
+    raw_keys: npt.ArrayLike = False,
 ) -> npt.NDArray[np.uint8]:
     """Rotate (Hadamard over channels) and encode tiles in the original frame.
 
@@ -259,6 +308,8 @@ def quantize_tiles(
         preset: preset name or :class:`Preset`.
         iterations: variance-normalization sweeps.
         clip_ratios: experimental, see :func:`encode_tiles`.
+        raw_keys: bool, scalar or ``[...]``: tiles whose keys are stored in their own channels
+            (not rotated; e.g. :func:`choose_key_frames`'s choice). Values are always rotated.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records.
@@ -267,20 +318,38 @@ def quantize_tiles(
     v_arr = np.asarray(v, dtype=np.float32)
     check_finite(k_arr, "k")
     check_finite(v_arr, "v")
+    raw = _raw_mask(raw_keys, k_arr.shape[:-2])
+    k_stored = rotate(k_arr, axis=-1)
+    if raw.any():
+        k_stored = np.where(raw[..., None, None], k_arr, k_stored)
     return encode_tiles(
-        rotate(k_arr, axis=-1), rotate(v_arr, axis=-1), preset, iterations, clip_ratios
+        k_stored, rotate(v_arr, axis=-1), preset, iterations, clip_ratios, raw_keys=raw
     )
 
 
 def dequantize_tiles(
     records: npt.ArrayLike, preset: str | Preset, head_dim: int
 ) -> tuple[F32, F32]:
-    """Decode records and un-rotate: ``(k, v)`` ``[..., G, D]`` float32 in the original frame."""
-    k_rot, v_rot = decode_tiles(records, preset, head_dim)
-    return (
-        unrotate(k_rot, axis=-1).astype(np.float32),
-        unrotate(v_rot, axis=-1).astype(np.float32),
-    )
+    """Decode records and un-rotate: ``(k, v)`` ``[..., G, D]`` float32 in the original frame
+    (keys flagged ``KEYS_UNROTATED`` are already in it)."""
+    k, v_rot, raw = _decode_stored(records, preset, head_dim)
+    k_orig = unrotate(k, axis=-1)
+    if raw.any():
+        k_orig = np.where(raw[..., None, None], k, k_orig)
+    return k_orig.astype(np.float32), unrotate(v_rot, axis=-1).astype(np.float32)
+
+
+def _check_frame_inputs(k_arr: F32, q_arr: F32) -> None:
+    check_finite(k_arr, "k")
+    check_finite(q_arr, "q")
+    if k_arr.ndim < 2 or q_arr.ndim != k_arr.ndim or q_arr.shape[:-2] != k_arr.shape[:-2]:
+        raise ValueError(
+            f"k must be [..., G, D] and q [..., M, D] with the same leading dims, got "
+            f"{k_arr.shape} and {q_arr.shape}"
+        )
+    d = k_arr.shape[-1]
+    if q_arr.shape[-1] != d or q_arr.shape[-2] < 1:
+        raise ValueError(f"q must be [..., M >= 1, D={d}], got {q_arr.shape}")
 
 
 def key_frame_errors(
@@ -290,7 +359,7 @@ def key_frame_errors(
     iterations: int = DEFAULT_ITERATIONS,
 ) -> tuple[F32, F32]:
     """Attention-score error of tiles' keys stored Hadamard-rotated and stored in their own
-    channels (research: the key frame is not part of the record format yet).
+    channels (what :func:`choose_key_frames` estimates).
 
     The error of a reconstruction ``k_hat`` is ``sum_{i,j} (q_i . (k_hat_j - k_j))^2`` over the
     queries ``q_i`` that read the tile and its keys ``k_j``: what attention's logits lose. Keys
@@ -313,19 +382,13 @@ def key_frame_errors(
     """
     k_arr = np.asarray(k, dtype=np.float32)
     q_arr = np.asarray(q, dtype=np.float32)
-    check_finite(k_arr, "k")
-    check_finite(q_arr, "q")
-    if k_arr.ndim < 2 or q_arr.ndim != k_arr.ndim or q_arr.shape[:-2] != k_arr.shape[:-2]:
-        raise ValueError(
-            f"k must be [..., G, D] and q [..., M, D] with the same leading dims, got "
-            f"{k_arr.shape} and {q_arr.shape}"
-        )
+    _check_frame_inputs(k_arr, q_arr)
     d = k_arr.shape[-1]
-    if q_arr.shape[-1] != d or q_arr.shape[-2] < 1:
-        raise ValueError(f"q must be [..., M >= 1, D={d}], got {q_arr.shape}")
     # values do not touch the keys' quantization: encode the keys in both slots
     rotated = dequantize_tiles(quantize_tiles(k_arr, k_arr, preset, iterations), preset, d)[0]
-    raw = decode_tiles(encode_tiles(k_arr, k_arr, preset, iterations), preset, d)[0]
+    raw = dequantize_tiles(
+        quantize_tiles(k_arr, k_arr, preset, iterations, raw_keys=True), preset, d
+    )[0]
 
     def score_error(k_hat: F32) -> F32:
         logits = q_arr @ np.swapaxes(k_hat - k_arr, -1, -2)  # [..., M, G]
@@ -335,3 +398,52 @@ def key_frame_errors(
         return total
 
     return score_error(rotated), score_error(raw)
+
+
+def key_frame_estimates(k: npt.ArrayLike, q: npt.ArrayLike) -> tuple[F32, F32]:
+    """What :func:`key_frame_errors` measures, estimated without quantizing: the keys are
+    quantized per channel over the tile's tokens, so channel ``d``'s rounding error grows with
+    its range ``r_d = max_t k[t, d] - min_t k[t, d]``, and a query ``q`` sees it weighted by
+    ``q_d^2``. The estimate of each frame is ``sum_d (sum_i q_i[d]^2) r_d^2``, with ``k`` and the
+    queries rotated for the rotated frame (the common factor ``G / (12 (2^bits - 1)^2)`` of
+    uniform rounding noise is left out: it does not change which frame is smaller). A store
+    computes it from what it holds anyway: the tile and the step's queries.
+
+    Args:
+        k: ``[..., G, D]`` original-frame keys of tiles.
+        q: ``[..., M, D]`` original-frame queries reading each tile, ``M >= 1``.
+
+    Returns:
+        ``(rotated, raw)``: ``[...]`` float32 estimates.
+    """
+    k_arr = np.asarray(k, dtype=np.float32)
+    q_arr = np.asarray(q, dtype=np.float32)
+    _check_frame_inputs(k_arr, q_arr)
+
+    def estimate(keys: F32, queries: F32) -> F32:
+        spread = keys.max(axis=-2) - keys.min(axis=-2)  # [..., D]
+        energy = (queries.astype(np.float64) ** 2).sum(axis=-2)  # [..., D]
+        out: F32 = np.asarray((energy * spread.astype(np.float64) ** 2).sum(axis=-1), np.float32)
+        return out
+
+    rotated = estimate(rotate(k_arr, axis=-1), rotate(q_arr, axis=-1))
+    return rotated, estimate(k_arr, q_arr)
+
+
+def choose_key_frames(k: npt.ArrayLike, q: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+    """Which tiles store their keys in their own channels: those whose estimated
+    attention-score error (:func:`key_frame_estimates`) is smaller unrotated than rotated. No
+    calibration: the queries are those at hand when the tile is stored (a serving engine's
+    store takes the step's queries at the tile's positions, or the request's first query of the
+    step when none is). :func:`key_frame_errors` is the exact error it estimates.
+
+    Args:
+        k: ``[..., G, D]`` original-frame keys of tiles.
+        q: ``[..., M, D]`` original-frame queries, ``M >= 1``.
+
+    Returns:
+        ``[...]`` bool: the ``raw_keys`` to pass to :func:`quantize_tiles`.
+    """
+    rotated, raw = key_frame_estimates(k, q)
+    out: npt.NDArray[np.bool_] = np.asarray(raw < rotated)
+    return out

@@ -14,6 +14,7 @@ from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Pres
 
 __all__ = [
     "INVARIANT_ENV",
+    "KEY_FRAME_ENV",
     "KVARN_PREFIX",
     "RECENT_ENV",
     "SERVED_HEAD_DIMS",
@@ -39,6 +40,12 @@ INVARIANT_ENV = "KVARN_KERNELS_BATCH_INVARIANT"
 do not depend on the batch, CUDA-graph padding or speculative verify); default ``0``. It makes
 two runs agree only when both use it (EAGLE in this mode against a plain run in the default
 launch agreed on 93.0% of greedy tokens, H200; both in it: 99.9%)."""
+KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
+"""Environment variable: ``auto`` (default) stores each tile's keys Hadamard-rotated or in their
+own channels, whichever loses less of the attention scores of the step's queries (the record
+says which); ``rotated`` always rotates them (the plain format; attention then skips the flag)."""
+KEY_FRAMES = ("auto", "rotated")
+DEFAULT_KEY_FRAME = "auto"
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
 
@@ -69,6 +76,9 @@ class KvarnConfig:
             the records), from :data:`RECENT_ENV`.
         batch_invariant: attention in the kernels' batch-invariant mode (split-K at fixed
             positions), from :data:`INVARIANT_ENV`.
+        key_frame: ``"auto"`` or ``"rotated"``, from :data:`KEY_FRAME_ENV` (the dataclass
+            default is the plain format, ``"rotated"``; the environment's default is
+            ``"auto"``).
     """
 
     preset: Preset
@@ -76,6 +86,7 @@ class KvarnConfig:
     sink: bool = True
     batch_invariant: bool = False
     recent_tiles: int = 0
+    key_frame: str = "rotated"
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -84,6 +95,13 @@ class KvarnConfig:
             raise ValueError(f"staging_tiles must be an int >= 1, got {self.staging_tiles!r}")
         if not isinstance(self.recent_tiles, int) or self.recent_tiles < 0:
             raise ValueError(f"recent_tiles must be an int >= 0, got {self.recent_tiles!r}")
+        if self.key_frame not in KEY_FRAMES:
+            raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {self.key_frame!r}")
+
+    @property
+    def mixed_key_frames(self) -> bool:
+        """Records may hold keys in their own channels (attention reads each tile's flag)."""
+        return self.key_frame == "auto"
 
     @property
     def name(self) -> str:
@@ -172,6 +190,21 @@ def recent_from_env() -> int:
     return int(raw)
 
 
+def key_frame_from_env() -> str:
+    """The :data:`KEY_FRAME_ENV` setting: ``auto`` (default) or ``rotated``.
+
+    Raises:
+        ValueError: anything else, naming the variable.
+    """
+    raw = os.environ.get(KEY_FRAME_ENV, DEFAULT_KEY_FRAME).strip()
+    if raw not in KEY_FRAMES:
+        raise ValueError(
+            f"{KEY_FRAME_ENV} must be one of {', '.join(KEY_FRAMES)} (each tile's key frame "
+            f"chosen from the queries, or always rotated), got {raw!r}"
+        )
+    return raw
+
+
 def invariant_from_env() -> bool:
     """The :data:`INVARIANT_ENV` setting: ``1`` on, ``0`` (default) off."""
     return env_flag(INVARIANT_ENV, False)
@@ -184,7 +217,8 @@ def parse_kv_cache_dtype(
 
     The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); the recent exact
     tiles :data:`RECENT_ENV` (1 unless set); batch-invariant attention follows
-    :data:`INVARIANT_ENV` (off unless it is ``1``).
+    :data:`INVARIANT_ENV` (off unless it is ``1``); the key frame :data:`KEY_FRAME_ENV`
+    (``auto`` unless set).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -207,4 +241,5 @@ def parse_kv_cache_dtype(
         sink=sink_from_env(),
         batch_invariant=invariant_from_env(),
         recent_tiles=recent_from_env(),
+        key_frame=key_frame_from_env(),
     )

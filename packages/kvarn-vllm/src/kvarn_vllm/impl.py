@@ -226,7 +226,17 @@ def _make_impl_class() -> type:
                 target = layer.kv_sharing_target_layer_name
                 staging = _shared_staging(target)
             if md.plan is not None and key is not None and value is not None:
-                kernels.store_kv(key[:n], value[:n], kv_cache, staging, md.plan, self.preset)
+                auto = self.config.mixed_key_frames
+                kernels.store_kv(
+                    key[:n],
+                    value[:n],
+                    kv_cache,
+                    staging,
+                    md.plan,
+                    self.preset,
+                    key_frame=self.config.key_frame,
+                    query=query[:n] if auto else None,
+                )
             window = self.sliding_window
             if md.decode is not None:
                 g = md.decode
@@ -247,6 +257,7 @@ def _make_impl_class() -> type:
                     sink_lens=g.sink_lens,
                     sink_slots=g.sink_slots,
                     batch_invariant=self.config.batch_invariant,
+                    raw_keys=self.config.mixed_key_frames,
                 )
                 if not whole:
                     output.index_copy_(0, g.token_index, res)
@@ -276,6 +287,7 @@ def _make_impl_class() -> type:
                     sink_slots=g.sink_slots,
                     batch_invariant=self.config.batch_invariant,
                     fresh_kv=own,
+                    raw_keys=self.config.mixed_key_frames,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
@@ -430,6 +442,7 @@ def _make_impl_class() -> type:
                 sink_slots=None if g.sink_slots is None else g.sink_slots[lo:hi],
                 batch_invariant=self.config.batch_invariant,
                 fresh_kv=own,
+                raw_keys=self.config.mixed_key_frames,
             )
 
         def _fresh(self, g, query, key, value, output, n):

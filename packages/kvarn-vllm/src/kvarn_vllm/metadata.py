@@ -92,6 +92,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         config.batch_invariant,
         window,
         own_kv,
+        config.key_frame,
     )
     if key in _WARMED:
         return None
@@ -108,6 +109,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         sliding_window=window,
         batch_invariant=config.batch_invariant,
         own_kv=own_kv,
+        key_frame=config.key_frame,
     )
     logger.info(
         "kvarn: compiled the kernels before serving (%d launches, query blocks %s) in %.1f s; "

@@ -8,7 +8,8 @@ plugin picks its backend; naming one is an error). A kvarn preset may carry serv
 each after a ``+``: ``kvarn_k4v2_g128+recent0`` reads no complete tile exact from staging
 (``KVARN_VLLM_RECENT_TILES=0`` in its engine's environment; ``recentN`` for N = 0-4), ``+mqa``
 runs continuation chunks through the multi-query kernel instead of dequantizing the context for
-FlashAttention (``KVARN_VLLM_DENSE_CONTEXT=0``). Names are
+FlashAttention (``KVARN_VLLM_DENSE_CONTEXT=0``), ``+rotated`` stores every tile's keys rotated
+instead of choosing each tile's key frame from the queries (``KVARN_VLLM_KEY_FRAME=rotated``). Names are
 checked here, without importing vLLM, against the values vLLM 0.26 accepts (a test compares with
 vLLM's own list).
 
@@ -71,6 +72,7 @@ _ALIASES = {"bf16": "auto", "fp16": "auto"}
 _KVARN_SETTINGS: dict[str, tuple[str, str | None]] = {
     r"recent([0-4])": ("KVARN_VLLM_RECENT_TILES", None),
     r"mqa": ("KVARN_VLLM_DENSE_CONTEXT", "0"),
+    r"rotated": ("KVARN_VLLM_KEY_FRAME", "rotated"),
 }
 
 DEFAULT_CACHES: tuple[str, ...] = (
@@ -191,8 +193,8 @@ def parse_cache(text: str) -> CacheSpec:
         else:
             raise ValueError(
                 f"unknown kvarn setting {setting!r} in {text!r}; expected recentN (N = 0-4: "
-                "complete tiles read exact from staging) or mqa (continuation chunks through "
-                "the multi-query kernel)"
+                "complete tiles read exact from staging), mqa (continuation chunks through "
+                "the multi-query kernel) or rotated (every tile's keys rotated)"
             )
     dtype = _ALIASES.get(name, name)
     known = (*VLLM_CACHE_DTYPES, *PRESETS)

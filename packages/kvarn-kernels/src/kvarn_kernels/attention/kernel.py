@@ -190,8 +190,11 @@ def _load_step(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    OFF_FL: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
 ):
-    """Issue every load of one step (part ``part`` of the tile in ``block``); ``ok`` masks all."""
+    """Issue every load of one step (part ``part`` of the tile in ``block``); ``ok`` masks all.
+    ``raw``: the tile's keys are in their own channels (``RAW_KEYS``: its flag is read)."""
     rec = block.to(tl.int64) * head_off[0] + head_off[1]
     u8 = cache_u8_ptr + rec
     f16 = cache_f16_ptr + rec // 2
@@ -216,7 +219,10 @@ def _load_step(
     v_scale = tl.load(f16 + OFF_VS // 2 + j, mask=ok, other=0.0)
     v_zero = tl.load(f16 + OFF_VZ // 2 + j, mask=ok, other=0.0)
     v_chan = tl.load(u8 + OFF_VCS + d, mask=ok, other=0)
-    return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan
+    raw = ok & False
+    if RAW_KEYS:
+        raw = (tl.load(u8 + OFF_FL, mask=ok, other=0) & 1) != 0
+    return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan, raw
 
 
 @triton.jit
@@ -289,10 +295,12 @@ def _load_step_phased(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    OFF_FL: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
 ):
     """Loads of one step (part ``part`` of the tile in ``block``) for 4-bit keys, split by
     token parity (the two nibbles of a key byte are tokens 2m and 2m+1), and value channel
-    scales split by channel phase."""
+    scales split by channel phase; ``raw`` as :func:`_load_step`."""
     NBK: tl.constexpr = SUB // 2
     PV: tl.constexpr = 8 // VALUE_BITS
     NBV: tl.constexpr = D // PV  # bytes per value row == channels per phase
@@ -324,6 +332,9 @@ def _load_step_phased(
     else:
         v_chan2 = v_chan0
         v_chan3 = v_chan1
+    raw = block < 0  # False
+    if RAW_KEYS:
+        raw = (tl.load(u8 + OFF_FL) & 1) != 0
     return (
         k_raw,
         k_scale,
@@ -340,6 +351,7 @@ def _load_step_phased(
         v_chan1,
         v_chan2,
         v_chan3,
+        raw,
     )
 
 
@@ -579,6 +591,8 @@ def attention_partial_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    OFF_FL: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, query block, split).
 
@@ -591,6 +605,9 @@ def attention_partial_kernel(
 
     Writes ``acc`` ``[num_q_tokens, Hq, num_splits, D]`` (unnormalized, rotated frame) and
     ``ml`` ``[num_q_tokens, Hq, num_splits, 2]`` (running max in log2 units, softmax denominator).
+
+    ``RAW_KEYS``: a tile's record may hold its keys in their own channels (its
+    ``KEYS_UNROTATED`` flag); such a tile is scored with the un-rotated query.
     """
     seq = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -618,6 +635,8 @@ def attention_partial_kernel(
         d = tl.arange(0, D)
         q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        # Tiles whose keys are stored unrotated are scored with the query as it comes.
+        qo = q * qk_scale
         # Into the rotated frame, with the softmax scale and log2(e) folded in.
         q = fwht_rows(q, BLOCK_M, D) * (rsqrt_d * qk_scale)
         # Quantized tiles see the rows divided by their largest entry, |q| <= 1, so q * k_scale
@@ -625,6 +644,12 @@ def attention_partial_kernel(
         q_amax = tl.max(tl.abs(q), axis=1)
         q_amax = tl.where(q_amax > 0, q_amax, 1.0)
         qs = q / q_amax[:, None]
+        qo_amax = q_amax
+        qos = qs
+        if RAW_KEYS:
+            qo_amax = tl.max(tl.abs(qo), axis=1)
+            qo_amax = tl.where(qo_amax > 0, qo_amax, 1.0)
+            qos = qo / qo_amax[:, None]
 
         # Step c covers positions [c*SUB, (c+1)*SUB): part c % (G/SUB) of tile c // (G/SUB) for
         # c < qlen / SUB (qlen is a multiple of G), staged tokens after.  Only steps some row of
@@ -682,7 +707,7 @@ def attention_partial_kernel(
             # hide the latency.
             for c in range(cq0, c_end):
                 blkc = tl.load(bt_row + c // PARTS)
-                (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3) = (
+                (kr, ks, kz, kt0, kt1, vr0, vr1, vs0, vs1, vz0, vz1, vc0, vc1, vc2, vc3, raw) = (
                     _load_step_phased(
                         cache_u8_ptr,
                         cache_f16_ptr,
@@ -701,6 +726,8 @@ def attention_partial_kernel(
                         OFF_VCS,
                         OFF_VS,
                         OFF_VZ,
+                        OFF_FL,
+                        RAW_KEYS,
                     )
                 )
                 # Every key of a step before the block's first query, and inside the window
@@ -709,9 +736,14 @@ def attention_partial_kernel(
                 masked = (c * SUB + SUB - 1 > q_lo) | ((window > 0) & (c * SUB <= q_hi - window))
                 if FRESH:
                     masked = masked | (c * SUB + SUB > kv_end)
+                qsel = qs
+                asel = q_amax
+                if RAW_KEYS:
+                    qsel = tl.where(raw, qos, qs)
+                    asel = tl.where(raw, qo_amax, q_amax)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
-                    qs,
-                    q_amax,
+                    qsel,
+                    asel,
                     qpos,
                     window,
                     kv_end,
@@ -751,7 +783,7 @@ def attention_partial_kernel(
         else:
             ok = cq0 < c_end
             blk = tl.load(bt_row + cq0 // PARTS, mask=ok, other=0)
-            k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan = _load_step(
+            k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan, raw = _load_step(
                 cache_u8_ptr,
                 cache_f16_ptr,
                 blk,
@@ -771,35 +803,46 @@ def attention_partial_kernel(
                 OFF_VCS,
                 OFF_VS,
                 OFF_VZ,
+                OFF_FL,
+                RAW_KEYS,
             )
             ok1 = cq0 + 1 < c_end
             blk1 = tl.load(bt_row + (cq0 + 1) // PARTS, mask=ok1, other=0)
             for c in range(cq0, c_end):
-                k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1 = _load_step(
-                    cache_u8_ptr,
-                    cache_f16_ptr,
-                    blk1,
-                    head_off,
-                    (c + 1) % PARTS,
-                    c + 1 < c_end,
-                    G,
-                    D,
-                    SUB,
-                    KEY_BITS,
-                    VALUE_BITS,
-                    OFF_KC,
-                    OFF_KS,
-                    OFF_KZ,
-                    OFF_KT,
-                    OFF_VC,
-                    OFF_VCS,
-                    OFF_VS,
-                    OFF_VZ,
+                k_raw1, k_scale1, k_zero1, k_tok1, v_raw1, v_scale1, v_zero1, v_chan1, raw1 = (
+                    _load_step(
+                        cache_u8_ptr,
+                        cache_f16_ptr,
+                        blk1,
+                        head_off,
+                        (c + 1) % PARTS,
+                        c + 1 < c_end,
+                        G,
+                        D,
+                        SUB,
+                        KEY_BITS,
+                        VALUE_BITS,
+                        OFF_KC,
+                        OFF_KS,
+                        OFF_KZ,
+                        OFF_KT,
+                        OFF_VC,
+                        OFF_VCS,
+                        OFF_VS,
+                        OFF_VZ,
+                        OFF_FL,
+                        RAW_KEYS,
+                    )
                 )
                 blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
+                qsel = qs
+                asel = q_amax
+                if RAW_KEYS:
+                    qsel = tl.where(raw, qos, qs)
+                    asel = tl.where(raw, qo_amax, q_amax)
                 m_i, l_i, acc = _attend_step(
-                    qs,
-                    q_amax,
+                    qsel,
+                    asel,
                     qpos,
                     window,
                     kv_end,
@@ -823,7 +866,7 @@ def attention_partial_kernel(
                     FRESH,
                 )
                 k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
-                v_raw, v_scale, v_zero, v_chan = v_raw1, v_scale1, v_zero1, v_chan1
+                v_raw, v_scale, v_zero, v_chan, raw = v_raw1, v_scale1, v_zero1, v_chan1, raw1
 
         # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
         # is not held in registers through the quantized loop.

@@ -265,6 +265,7 @@ def _run(
     sink_slots: torch.Tensor | None = None,
     invariant: bool | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    raw_keys: bool = True,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
@@ -379,6 +380,8 @@ def _run(
         OFF_VCS=off["v_channel_scale"],
         OFF_VS=off["v_scale"],
         OFF_VZ=off["v_zero"],
+        OFF_FL=off["flags"],
+        RAW_KEYS=bool(raw_keys),
         **launch,
     )
     qend = qstart if decode else qstart[num_seqs:]
@@ -419,6 +422,7 @@ def decode_attention(
     sink_lens: torch.Tensor | None = None,
     sink_slots: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    raw_keys: bool = True,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its quantized tiles and staging.
 
@@ -450,6 +454,9 @@ def decode_attention(
         batch_invariant: split-K at fixed positions, so a token's output bits do not depend
             on the batch (see :func:`batch_invariant`); ``None``: the
             ``KVARN_KERNELS_BATCH_INVARIANT`` environment variable decides.
+        raw_keys: records may hold keys in their own channels (``store_kv``'s
+            ``key_frame="auto"``): each tile's flag is read and such tiles are scored with the
+            un-rotated query. ``False`` skips the flag, for a cache whose store only rotates.
 
     Returns:
         ``[B, Hq, D]`` in the original frame, query's dtype.
@@ -487,6 +494,7 @@ def decode_attention(
         sink_lens,
         sink_slots,
         batch_invariant,
+        raw_keys=raw_keys,
     )
 
 
@@ -509,6 +517,7 @@ def multi_query_attention(
     sink_slots: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    raw_keys: bool = True,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -516,7 +525,7 @@ def multi_query_attention(
     ``query`` ``[num_q_tokens, Hq, D]`` and are its last ``n_b`` positions; their own K/V must
     already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
-    are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``: as
+    are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``, ``raw_keys``: as
     :func:`decode_attention` (batch-invariant mode runs every query row with decode's launch).
 
     ``fresh_kv``: optional ``(k, v)``, each ``[num_q_tokens, Hkv, D]`` in query's dtype and the
@@ -581,4 +590,5 @@ def multi_query_attention(
         sink_slots,
         batch_invariant,
         fresh_kv,
+        raw_keys,
     )

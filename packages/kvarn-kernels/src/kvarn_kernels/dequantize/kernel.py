@@ -34,12 +34,15 @@ def dequantize_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    OFF_FL: tl.constexpr,
     UNROTATE: tl.constexpr,
 ):
     """One program = one tile of one KV head -> ``G`` rows of ``k_out`` / ``v_out``.
 
     ``K[t, d] = (k_code[d, t] * k_scale[d] + k_zero[d]) * log8(k_token_scale[t])``,
     ``V[t, d] = (v_code[t, d] * v_scale[t] + v_zero[t]) * log8(v_channel_scale[d])``.
+    Keys flagged ``KEYS_UNROTATED`` are in their own channels: rotated for a rotated output,
+    left as they are for an un-rotated one.
     """
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -63,9 +66,12 @@ def dequantize_kernel(
     v_zero = tl.load(f16 + OFF_VZ // 2 + g).to(tl.float32)
     v = (v_codes * v_scale[:, None] + v_zero[:, None]) * v_chan[None, :]
 
+    raw = (tl.load(u8 + OFF_FL) & 1) != 0
     if UNROTATE:
-        k = fwht_rows(k, G, D) * rsqrt_d
         v = fwht_rows(v, G, D) * rsqrt_d
+        k = tl.where(raw, k, fwht_rows(k, G, D) * rsqrt_d)
+    else:
+        k = tl.where(raw, fwht_rows(k, G, D) * rsqrt_d, k)
     rows = (i * G + g).to(tl.int64)
     offs = rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + d[None, :]
     tl.store(k_out_ptr + offs, round_to(k, k_out_ptr.dtype.element_ty))

@@ -67,6 +67,7 @@ def _launch(
         OFF_VCS=off["v_channel_scale"],
         OFF_VS=off["v_scale"],
         OFF_VZ=off["v_zero"],
+        OFF_FL=off["flags"],
         UNROTATE=not rotated,
         num_warps=_num_warps(layout),
     )
@@ -90,7 +91,8 @@ def dequantize(
         preset: the cache preset.
         head_dim: ``D``.
         dtype: output dtype (fp16, bf16 or fp32).
-        rotated: ``True`` returns the rotated frame the cache stores; ``False`` un-rotates.
+        rotated: ``True`` returns the rotated frame attention reads in (tiles whose keys are
+            stored in their own channels are rotated); ``False`` the original frame.
         out: ``(k, v)`` to write into instead of new tensors (e.g. slices of a preallocated
             workspace): each ``[n * G, num_kv_heads, head_dim]`` of ``dtype`` on the cache's
             device, last dimension contiguous, both with the same strides.

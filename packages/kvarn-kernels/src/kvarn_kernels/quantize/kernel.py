@@ -120,6 +120,57 @@ def _fp16(x):
 
 
 @triton.jit
+def _quantize_keys(
+    k, G: tl.constexpr, D: tl.constexpr, ITERS: tl.constexpr, BITS: tl.constexpr, PRECISE
+):
+    """Keys ``[G, D]`` as the record holds them: ``(codes int32 [D, G], k_scale fp16 [D],
+    k_zero fp16 [D], token codes int32 [G])`` (rows are channels, quantized over tokens)."""
+    kb, row, col = _balance(tl.trans(k), D, G, ITERS, PRECISE)
+    codes, step, lo = _rtn_rows(kb, BITS, PRECISE)
+    return codes, _fp16(step * row), _fp16(lo * row), col
+
+
+@triton.jit
+def _frame_estimates(
+    k,
+    k_raw,
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    row0,
+    num_rows,
+    hkv,
+    rsqrt_d,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """kvarn_math.tile.key_frame_estimates of one tile: ``(rotated, raw)`` =
+    ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the query
+    rows ``[row0, row0 + num_rows)`` of the KV head's ``GROUP`` query heads."""
+    spread_rot = tl.max(k, axis=0) - tl.min(k, axis=0)  # [D]
+    spread_raw = tl.max(k_raw, axis=0) - tl.min(k_raw, axis=0)
+    r = tl.arange(0, G)
+    d = tl.arange(0, D)
+    live = r < num_rows
+    row = (row0 + r).to(tl.int64)
+    energy_rot = tl.zeros([D], dtype=tl.float32)
+    energy_raw = tl.zeros([D], dtype=tl.float32)
+    for j in tl.static_range(GROUP):
+        head = (hkv * GROUP + j).to(tl.int64)
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=live[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        energy_raw += tl.sum(q * q, axis=0)
+        q = fwht_rows(q, G, D) * rsqrt_d
+        energy_rot += tl.sum(q * q, axis=0)
+    rotated = tl.sum(energy_rot * spread_rot * spread_rot, axis=0)
+    return rotated, tl.sum(energy_raw * spread_raw * spread_raw, axis=0)
+
+
+@triton.jit
 def _load_tile(
     fresh_ptr,
     stride_ft,
@@ -175,11 +226,17 @@ def quantize_tiles_kernel(
     stride_cb,
     stride_ch,
     tiles_ptr,
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    frames_ptr,
     rsqrt_d,
     G: tl.constexpr,
     D: tl.constexpr,
     SG: tl.constexpr,
     SINK_ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEY_FRAME: tl.constexpr,
     KEY_BITS: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     ITERS: tl.constexpr,
@@ -191,6 +248,7 @@ def quantize_tiles_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    OFF_FL: tl.constexpr,
     FRESH_ROTATED: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
@@ -199,6 +257,12 @@ def quantize_tiles_kernel(
 
     ``tiles`` rows: ``block_id, slot, start_pos, num_staged, fresh_index`` (block -1: skip).
     Byte offsets ``stride_cb``/``stride_ch`` of ``cache_u8``; ``cache_f16`` aliases it.
+
+    The keys' frame (``KEY_FRAME``): 0 rotated; 1 chosen per tile and KV head by the smaller
+    estimated attention-score error over the queries ``q`` ``[num_tokens, Hq, D]`` (original
+    frame) of the tile's fresh rows, or of its first row ``fresh_index`` when all its tokens were
+    staged (kvarn_math.tile.choose_key_frames); 2 as ``frames`` ``[num_tiles, Hkv]`` int8 says
+    (1: the keys' own channels).
     """
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -224,12 +288,26 @@ def quantize_tiles_kernel(
                 key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp, head, slot, start,
                 num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
             )  # fmt: skip
-            kb, k_row, k_col = _balance(tl.trans(k), D, G, ITERS, PRECISE)
-            k_codes, k_step, k_lo = _rtn_rows(kb, KEY_BITS, PRECISE)
+            raw = head < 0  # False: the rotated frame
+            if KEY_FRAME == 1:
+                k_raw = fwht_rows(k, G, D) * rsqrt_d  # H / sqrt(D) is its own inverse
+                num_rows = tl.maximum(G - num_staged, 1)
+                est_rot, est_raw = _frame_estimates(
+                    k, k_raw, q_ptr, stride_qt, stride_qh, fresh_index, num_rows, head,
+                    rsqrt_d, G, D, GROUP,
+                )  # fmt: skip
+                raw = est_raw < est_rot
+                k = tl.where(raw, k_raw, k)
+            if KEY_FRAME == 2:
+                raw = tl.load(frames_ptr + tile * tl.num_programs(1) + head) != 0
+                k = tl.where(raw, fwht_rows(k, G, D) * rsqrt_d, k)
+            k_codes, k_scale, k_zero, k_col = _quantize_keys(k, G, D, ITERS, KEY_BITS, PRECISE)
             pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
-            tl.store(f16 + OFF_KS // 2 + d, _fp16(k_step * k_row))
-            tl.store(f16 + OFF_KZ // 2 + d, _fp16(k_lo * k_row))
+            tl.store(f16 + OFF_KS // 2 + d, k_scale)
+            tl.store(f16 + OFF_KZ // 2 + d, k_zero)
             tl.store(u8 + OFF_KT + g, k_col.to(tl.uint8))
+            fl = tl.arange(0, 16)
+            tl.store(u8 + OFF_FL + fl, tl.where(fl == 0, raw.to(tl.uint8), 0).to(tl.uint8))
         else:
             # Values: the tile as [G, D] (rows are tokens), quantized per token over channels.
             v = _load_tile(

@@ -22,7 +22,7 @@ from kvarn_kernels._triton import PRECISE_MATH
 from kvarn_kernels.plan import StorePlan
 from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
 
-__all__ = ["encode_tiles", "quantize_tiles", "store_kv"]
+__all__ = ["KEY_FRAMES", "encode_tiles", "quantize_tiles", "store_kv"]
 
 _STAGE_BLOCK_T = 16
 
@@ -66,6 +66,13 @@ def _check_iterations(iterations: int) -> int:
     return iterations
 
 
+KEY_FRAMES = ("rotated", "auto")
+"""What :func:`store_kv` can do with each tile's keys: always rotate them (the preset's frame),
+or choose per tile and KV head from the step's queries (kvarn_math.tile.choose_key_frames)."""
+
+_FRAME_MODE = {"rotated": 0, "auto": 1, "given": 2}
+
+
 def _launch_quantize(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -76,13 +83,23 @@ def _launch_quantize(
     iterations: int,
     fresh_rotated: bool,
     sink_rows: int = 0,
+    key_frame: str = "rotated",
+    query: torch.Tensor | None = None,
+    frames: torch.Tensor | None = None,
 ) -> None:
     if tiles.shape[0] == 0:
         return
     p, d = layout.preset, layout.head_dim
     off = layout.offsets
     cache_f16 = kv_cache.view(torch.float16)
-    grid = (tiles.shape[0], kv_cache.shape[1], 2)  # (tile, KV head, keys|values)
+    num_kv_heads = kv_cache.shape[1]
+    group = 1
+    q_arg, stride_qt, stride_qh = tiles, 0, 0  # unread unless key_frame == "auto"
+    if key_frame == "auto":
+        assert query is not None
+        group = query.shape[1] // num_kv_heads
+        q_arg, stride_qt, stride_qh = query, query.stride(0), query.stride(1)
+    grid = (tiles.shape[0], num_kv_heads, 2)  # (tile, KV head, keys|values)
     quantize_tiles_kernel[grid](
         key,
         key.stride(0),
@@ -100,11 +117,17 @@ def _launch_quantize(
         kv_cache.stride(0),
         kv_cache.stride(1),
         tiles,
+        q_arg,
+        stride_qt,
+        stride_qh,
+        tiles if frames is None else frames,
         float(np.float32(1.0 / math.sqrt(d))),
         G=p.group_size,
         D=d,
         SG=staging.shape[2] - sink_rows,
         SINK_ROWS=sink_rows,
+        GROUP=group,
+        KEY_FRAME=_FRAME_MODE[key_frame],
         KEY_BITS=p.key_bits,
         VALUE_BITS=p.value_bits,
         ITERS=iterations,
@@ -116,6 +139,7 @@ def _launch_quantize(
         OFF_VCS=off["v_channel_scale"],
         OFF_VS=off["v_scale"],
         OFF_VZ=off["v_zero"],
+        OFF_FL=off["flags"],
         FRESH_ROTATED=fresh_rotated,
         PRECISE=PRECISE_MATH,
         num_warps=_num_warps(layout),
@@ -130,6 +154,9 @@ def store_kv(
     plan: StorePlan,
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
+    *,
+    key_frame: str = "rotated",
+    query: torch.Tensor | None = None,
 ) -> None:
     """Store one layer's fresh K/V of a step: quantize completed tiles, stage the rest.
 
@@ -142,7 +169,14 @@ def store_kv(
             (``G + S*G`` positions when the plan keeps the sink: see :func:`plan_store`).
         plan: this step's :func:`kvarn_kernels.plan_store` result, on the cache's device.
         preset: the cache preset.
-        iterations: variance-normalization sweeps (kvarn-math's default 8).
+        iterations: variance-normalization sweeps (kvarn-math's default).
+        key_frame: ``"rotated"`` (every tile's keys Hadamard-rotated) or ``"auto"``: per tile
+            and KV head, keys in the rotated frame or in their own channels, whichever loses
+            less of the attention scores of ``query``'s rows at the tile's fresh positions (its
+            request's first row of the step when all its tokens were staged); the record's
+            ``KEYS_UNROTATED`` flag says which (kvarn_math.tile.choose_key_frames).
+        query: ``[num_tokens, num_q_heads, head_dim]`` the step's queries, original frame
+            (after RoPE), rows as ``key``'s; needed with ``key_frame="auto"``.
 
     Launch order: tiles are quantized first (they may read staged tokens whose positions the
     fresh tokens of this step reuse), then the fresh tokens are written to staging.
@@ -169,9 +203,35 @@ def store_kv(
         plan_writes=plan.writes,
     )
     _check_iterations(iterations)
+    if key_frame not in KEY_FRAMES:
+        raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {key_frame!r}")
+    if key_frame == "auto":
+        if query is None:
+            raise ValueError('key_frame="auto" chooses from the queries: pass query=')
+        check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
+        if (
+            query.shape[0] < key.shape[0]
+            or query.shape[2] != head_dim
+            or query.shape[1] % num_kv_heads
+        ):
+            raise ValueError(
+                f"query must be [>= {key.shape[0]} tokens, a multiple of {num_kv_heads} heads, "
+                f"{head_dim}], got {list(query.shape)}"
+            )
+        check_same_device(key=key, query=query)
     sink_rows = p.group_size if plan.sink else 0
     _launch_quantize(
-        key, value, staging, kv_cache, plan.tiles, layout, iterations, False, sink_rows
+        key,
+        value,
+        staging,
+        kv_cache,
+        plan.tiles,
+        layout,
+        iterations,
+        False,
+        sink_rows,
+        key_frame=key_frame,
+        query=query,
     )
     rows = plan.writes.shape[0]
     if rows:
@@ -198,7 +258,12 @@ def store_kv(
 
 
 def _dense(
-    k: torch.Tensor, v: torch.Tensor, preset: str | Preset, iterations: int, rotated: bool
+    k: torch.Tensor,
+    v: torch.Tensor,
+    preset: str | Preset,
+    iterations: int,
+    rotated: bool,
+    raw_keys: bool | torch.Tensor = False,
 ) -> torch.Tensor:
     kname, vname = ("k_rot", "v_rot") if rotated else ("k", "v")
     check_tensor(kname, k, dtype=MODEL_DTYPES)
@@ -226,8 +291,42 @@ def _dense(
         ).to(k.device)
         # The staging operand is never read (num_staged = 0); it only fixes the rounding dtype.
         staging = k_flat.view(n * g, 1, 1, 1, d)[:1].expand(1, 2, g, 1, d)
-        _launch_quantize(k_flat, v_flat, staging, records, tiles, layout, iterations, rotated)
+        frames = _raw_keys_tensor(raw_keys, lead, k.device)
+        _launch_quantize(
+            k_flat,
+            v_flat,
+            staging,
+            records,
+            tiles,
+            layout,
+            iterations,
+            rotated,
+            key_frame="rotated" if frames is None else "given",
+            frames=frames,
+        )
     return records.reshape(*lead, layout.tile_bytes)
+
+
+def _raw_keys_tensor(
+    raw_keys: bool | torch.Tensor, lead: tuple[int, ...], device: torch.device
+) -> torch.Tensor | None:
+    """``raw_keys`` as int8 ``[tiles, 1]`` on ``device``, or ``None`` when no tile is raw."""
+    if isinstance(raw_keys, bool):
+        if not raw_keys:
+            return None
+        return torch.ones((math.prod(lead), 1), dtype=torch.int8, device=device)
+    if not isinstance(raw_keys, torch.Tensor) or raw_keys.dtype != torch.bool:
+        raise ValueError(
+            f"raw_keys must be a bool or a bool tensor (one per tile), got {raw_keys!r}"
+        )
+    try:
+        expanded = raw_keys.to(device).expand(lead)
+    except RuntimeError:
+        raise ValueError(
+            f"raw_keys must be a bool or one flag per tile {list(lead)}, "
+            f"got shape {list(raw_keys.shape)}"
+        ) from None
+    return expanded.reshape(-1, 1).to(torch.int8).contiguous()
 
 
 def quantize_tiles(
@@ -236,6 +335,7 @@ def quantize_tiles(
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
+    raw_keys: bool | torch.Tensor = False,
 ) -> torch.Tensor:
     """Rotate and encode dense tiles (``kvarn_math.quantize_tiles`` on the GPU).
 
@@ -245,13 +345,16 @@ def quantize_tiles(
         preset: the preset; ``G`` must be its group size.
         iterations: variance-normalization sweeps.
         clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
+        raw_keys: a bool, or a bool tensor ``[...]`` (one per tile): tiles whose keys are
+            stored in their own channels, flagged ``KEYS_UNROTATED``.
 
     Returns:
         uint8 ``[..., tile_bytes]`` records.  The rotated tokens are rounded to ``k.dtype``
-        before quantizing, exactly as :func:`store_kv` does through its staging area.
+        before quantizing, exactly as :func:`store_kv` does through its staging area (raw
+        keys are rotated back from there).
     """
     _check_clip_ratios(clip_ratios)
-    return _dense(k, v, preset, iterations, rotated=False)
+    return _dense(k, v, preset, iterations, rotated=False, raw_keys=raw_keys)
 
 
 def encode_tiles(
@@ -260,6 +363,7 @@ def encode_tiles(
     preset: str | Preset,
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
+    raw_keys: bool | torch.Tensor = False,
 ) -> torch.Tensor:
     """Encode dense tiles already in the rotated frame (``kvarn_math.encode_tiles``).
 
@@ -267,9 +371,16 @@ def encode_tiles(
         k_rot: ``[..., G, D]`` rotated keys and values.
         v_rot: ``[..., G, D]`` rotated keys and values.
         clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
+        raw_keys: only ``False``: records of keys in their own channels come from
+            :func:`quantize_tiles` (or the store).
 
     Returns:
         uint8 ``[..., tile_bytes]`` records.
     """
     _check_clip_ratios(clip_ratios)
+    if raw_keys is not False:
+        raise ValueError(
+            "encode_tiles on the GPU takes rotated keys only (raw_keys=False); "
+            "use quantize_tiles(..., raw_keys=...) for keys in their own channels"
+        )
     return _dense(k_rot, v_rot, preset, iterations, rotated=True)
