@@ -260,6 +260,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
     monkeypatch.setattr(kernels, "warmup", fake_warmup)
     monkeypatch.setattr(md, "_WARMED", set())
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
+    monkeypatch.delenv("KVARN_VLLM_KEY_FRAME", raising=False)
     assert md.warm_kernels(*_warm_args("cpu")) is None and not calls
     args = _warm_args("cuda")
     assert md.warm_kernels(*args)["launches"] == 17
@@ -272,6 +273,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
         "sliding_window": 4096,
         "batch_invariant": False,
         "own_kv": (True,),  # no KV-sharing layer: multi-query only with the step's K/V
+        "key_frame": "auto",  # the store chooses key frames, attention reads them
     }
     # With a KV-sharing layer both multi-query variants; batch-invariant mode, only without.
     from kvarn_vllm import impl
