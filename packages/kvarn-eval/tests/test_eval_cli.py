@@ -78,7 +78,7 @@ def test_quick_sizes_and_explicit_override() -> None:
 def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "kvarn_k4v2_g128: 3.47" in out and "smollm2-135m" in out and "hellaswag" in out
+    assert "kvarn_k4v2_g128: 3.48" in out and "smollm2-135m" in out and "hellaswag" in out
     assert "winogrande" in out and "MMLU subjects" in out
 
 

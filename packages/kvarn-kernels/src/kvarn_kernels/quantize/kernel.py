@@ -150,22 +150,24 @@ def _frame_estimates(
     rows ``[row0, row0 + num_rows)`` of the KV head's ``GROUP`` query heads."""
     spread_rot = tl.max(k, axis=0) - tl.min(k, axis=0)  # [D]
     spread_raw = tl.max(k_raw, axis=0) - tl.min(k_raw, axis=0)
-    r = tl.arange(0, G)
     d = tl.arange(0, D)
-    live = r < num_rows
-    row = (row0 + r).to(tl.int64)
     energy_rot = tl.zeros([D], dtype=tl.float32)
     energy_raw = tl.zeros([D], dtype=tl.float32)
-    for j in tl.static_range(GROUP):
-        head = (hkv * GROUP + j).to(tl.int64)
-        q = tl.load(
-            q_ptr + row[:, None] * stride_qt + head * stride_qh + d[None, :],
-            mask=live[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        energy_raw += tl.sum(q * q, axis=0)
-        q = fwht_rows(q, G, D) * rsqrt_d
-        energy_rot += tl.sum(q * q, axis=0)
+    # Rows in blocks of 16: a decode step has one, a prefill chunk up to G.
+    for r0 in range(0, num_rows, 16):
+        r = r0 + tl.arange(0, 16)
+        live = r < num_rows
+        row = (row0 + r).to(tl.int64)
+        for j in tl.static_range(GROUP):
+            head = (hkv * GROUP + j).to(tl.int64)
+            q = tl.load(
+                q_ptr + row[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=live[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            energy_raw += tl.sum(q * q, axis=0)
+            q = fwht_rows(q, 16, D) * rsqrt_d
+            energy_rot += tl.sum(q * q, axis=0)
     rotated = tl.sum(energy_rot * spread_rot * spread_rot, axis=0)
     return rotated, tl.sum(energy_raw * spread_raw * spread_raw, axis=0)
 
