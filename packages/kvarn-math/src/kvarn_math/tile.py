@@ -184,8 +184,9 @@ def encode_tiles(
         ),
     }
     for f in lay.fields:
-        raw = np.ascontiguousarray(values[f.name]).view(np.uint8).reshape(*lead, f.nbytes)
-        out[..., f.offset : f.end] = raw
+        out[..., f.offset : f.end] = (
+            np.ascontiguousarray(values[f.name]).view(np.uint8).reshape(*lead, f.nbytes)
+        )
     return out
 
 
