@@ -119,3 +119,43 @@ def test_metrics() -> None:
     assert attention_output_error(q, k, v, k, v * 1.5) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="differ in shape"):
         mse(a, a[:2])
+
+
+def test_kvarn_method_chooses_key_frames_from_queries_when_given() -> None:
+    from kvarn_math.baselines import KVarN, standard_methods
+    from kvarn_math.tile import choose_key_frames, dequantize_tiles, quantize_tiles
+
+    rng = np.random.default_rng(3)
+    g, d = 128, 64
+    scales = np.geomspace(0.01, 10, d).astype(np.float32)
+    # [T, H=2, D]: head 0 with graded channels (best unrotated), head 1 heavy-tailed
+    k = np.stack([rng.standard_normal((2 * g, d)) * scales, rng.standard_t(2, (2 * g, d))], 1)
+    k = k.astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    # [T, H_q=4, D]: query heads 0-1 read head 0 (weighing its small channels), 2-3 head 1
+    q = np.concatenate(
+        [rng.standard_normal((2 * g, 2, d)) * scales[::-1], rng.standard_normal((2 * g, 2, d))],
+        1,
+    ).astype(np.float32)
+    auto = KVarN.of("kvarn_k2v2_g128", key_frame="auto")
+    assert auto.reads_queries and not KVarN.of("kvarn_k2v2_g128").reads_queries
+    k_tiles = k.reshape(2, g, 2, d).transpose(0, 2, 1, 3)
+    q_tiles = q.reshape(2, g, 2, 2, d).transpose(0, 2, 1, 3, 4).reshape(2, 2, 2 * g, d)
+    raw = choose_key_frames(k_tiles, q_tiles)
+    np.testing.assert_array_equal(raw, [[True, False], [True, False]])
+    v_tiles = v.reshape(2, g, 2, d).transpose(0, 2, 1, 3)
+    want = dequantize_tiles(
+        quantize_tiles(k_tiles, v_tiles, "kvarn_k2v2_g128", raw_keys=raw), "kvarn_k2v2_g128", d
+    )[0]
+    got, _ = auto.roundtrip(k, v, queries=q)
+    np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3).reshape(2 * g, 2, d))
+    # without queries (or with key_frame="rotated") the keys stay rotated
+    plain = KVarN.of("kvarn_k2v2_g128").roundtrip(k, v)[0]
+    np.testing.assert_array_equal(auto.roundtrip(k, v)[0], plain)
+    assert not np.array_equal(got, plain)
+    # the comparison set serves the presets as kvarn-vllm does
+    assert all(m.key_frame == "auto" for m in standard_methods() if isinstance(m, KVarN))
+    with pytest.raises(ValueError, match="queries must be"):
+        auto.roundtrip(k, v, queries=q[:, :3])
+    with pytest.raises(ValueError, match="key_frame must be"):
+        KVarN.of("kvarn_k2v2_g128", key_frame="raw")

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import Preset, get_preset, tile_layout
 from kvarn_math.rtn import check_bits, quantize_rows
-from kvarn_math.tile import dequantize_tiles, quantize_tiles
+from kvarn_math.tile import choose_key_frames, dequantize_tiles, quantize_tiles
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
 __all__ = [
@@ -217,12 +217,28 @@ class FP8(Method):
 
 @dataclass(frozen=True)
 class KVarN(Method):
-    """A KVarN preset through the real record format (quantize, write records, read back)."""
+    """A KVarN preset through the real record format (quantize, write records, read back).
+
+    ``key_frame="auto"`` stores each tile's keys in the frame :func:`kvarn_math.tile.
+    choose_key_frames` picks from the queries of the tile's positions, as kvarn-vllm's store
+    does by default; the method then asks for them (``reads_queries``) and, given none, keeps
+    the keys rotated (``"rotated"``, the default here).
+    """
 
     name: str = "kvarn_k4v2_g128"
     group_size: int = 128
     clip_ratios: tuple[float, ...] = ()
     iterations: int = DEFAULT_ITERATIONS
+    key_frame: str = "rotated"
+
+    def __post_init__(self) -> None:
+        if self.key_frame not in ("rotated", "auto"):
+            raise ValueError(f"key_frame must be 'rotated' or 'auto', got {self.key_frame!r}")
+
+    @property
+    def reads_queries(self) -> bool:
+        """Whether :meth:`roundtrip` takes the queries of the stored positions."""
+        return self.key_frame == "auto"
 
     @property
     def preset(self) -> Preset:
@@ -230,36 +246,64 @@ class KVarN(Method):
         return get_preset(self.name.split("+")[0])
 
     @classmethod
-    def of(cls, preset: str | Preset, clip_ratios: tuple[float, ...] = ()) -> KVarN:
+    def of(
+        cls, preset: str | Preset, clip_ratios: tuple[float, ...] = (), key_frame: str = "rotated"
+    ) -> KVarN:
         """The method for ``preset``; with ``clip_ratios`` the experimental clip search
         (named ``<preset>+clip``, same bytes)."""
         p = get_preset(preset)
         name = f"{p.name}+clip" if clip_ratios else p.name
-        return cls(name=name, group_size=p.group_size, clip_ratios=tuple(clip_ratios))
+        return cls(
+            name=name,
+            group_size=p.group_size,
+            clip_ratios=tuple(clip_ratios),
+            key_frame=key_frame,
+        )
 
     def bytes_per_token_per_head(self, head_dim: int) -> float:
         return tile_layout(self.preset, head_dim).bytes_per_token_per_head
 
-    def roundtrip(self, k: npt.ArrayLike, v: npt.ArrayLike) -> tuple[F32, F32]:
+    def roundtrip(
+        self, k: npt.ArrayLike, v: npt.ArrayLike, queries: npt.ArrayLike | None = None
+    ) -> tuple[F32, F32]:
+        """Round trip through records; ``queries`` ``[T, H_q, D]`` (``H_q`` a multiple of
+        ``H``, each KV head's query heads adjacent) choose the key frames with ``"auto"``."""
         ka, va = _check_kv(k, v, self.group_size)
-        d = ka.shape[-1]
+        t, h, d = ka.shape
+        k_tiles = _tiles(ka, self.group_size)
+        raw: npt.NDArray[np.bool_] | bool = False
+        if queries is not None and self.key_frame == "auto":
+            qa = np.asarray(queries, dtype=np.float32)
+            if qa.ndim != 3 or qa.shape[0] != t or qa.shape[2] != d or qa.shape[1] % h:
+                raise ValueError(
+                    f"queries must be [{t}, a multiple of {h}, {d}], got {list(qa.shape)}"
+                )
+            g = self.group_size
+            # per tile and KV head: the queries of its G positions in the head's query group
+            q_tiles = qa.reshape(t // g, g, h, -1, d).transpose(0, 2, 1, 3, 4)
+            raw = choose_key_frames(k_tiles, q_tiles.reshape(t // g, h, -1, d))
         records = quantize_tiles(
-            _tiles(ka, self.group_size),
+            k_tiles,
             _tiles(va, self.group_size),
             self.preset,
             iterations=self.iterations,
             clip_ratios=self.clip_ratios,
+            raw_keys=raw,
         )
         k_hat, v_hat = dequantize_tiles(records, self.preset, d)
         return _untiles(k_hat), _untiles(v_hat)
 
 
 def standard_methods(group_size: int = 128) -> list[Method]:
-    """The comparison set used by the report and kvarn-eval: every preset and the baselines."""
+    """The comparison set used by the report and kvarn-eval: every preset and the baselines.
+
+    The presets choose each tile's key frame from the queries when the caller passes them
+    (kvarn-eval's pseudo-decode does; the synthetic report has none and keeps keys rotated)."""
     from kvarn_math.layout import PRESETS
 
     methods: list[Method] = [Exact(), FP8(), PerTokenRTN()]
-    methods += [KVarN.of(p) for p in PRESETS.values()]
+    # as kvarn-vllm serves them: each tile's key frame from the queries where a caller has them
+    methods += [KVarN.of(p, key_frame="auto") for p in PRESETS.values()]
     methods += [
         KIVI(name="kivi_k4v2", group_size=group_size, key_bits=4, value_bits=2),
         KIVI(name="kivi_k2v2", group_size=group_size, key_bits=2, value_bits=2),
