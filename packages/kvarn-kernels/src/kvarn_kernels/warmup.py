@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvarn_math.tile import KEY_FRAMES
 
 from kvarn_kernels._guards import check_preset
 from kvarn_kernels.attention import decode_attention, multi_query_attention
@@ -27,7 +28,6 @@ from kvarn_kernels.cache import allocate_cache, allocate_staging
 from kvarn_kernels.dequantize import dequantize
 from kvarn_kernels.plan import plan_store
 from kvarn_kernels.quantize import store_kv
-from kvarn_kernels.quantize.launch import KEY_FRAMES
 from kvarn_kernels.rotation import rotate, unrotate
 
 __all__ = ["compiled_variants", "warmup"]

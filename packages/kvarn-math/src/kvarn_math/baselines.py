@@ -24,7 +24,7 @@ import numpy.typing as npt
 from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import Preset, get_preset, tile_layout
 from kvarn_math.rtn import check_bits, quantize_rows
-from kvarn_math.tile import choose_key_frames, dequantize_tiles, quantize_tiles
+from kvarn_math.tile import KEY_FRAMES, choose_key_frames, dequantize_tiles, quantize_tiles
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
 __all__ = [
@@ -219,9 +219,9 @@ class FP8(Method):
 class KVarN(Method):
     """A KVarN preset through the real record format (quantize, write records, read back).
 
-    ``key_frame="auto"`` stores each tile's keys in the frame :func:`kvarn_math.tile.
-    choose_key_frames` picks from the queries of the tile's positions, as kvarn-vllm's store
-    does by default; the method then asks for them (``reads_queries``) and, given none, keeps
+    ``key_frame="auto"`` stores each tile's keys in the frame
+    :func:`kvarn_math.tile.choose_key_frames` picks from the queries of the tile's positions, as
+    kvarn-vllm's store does by default; the method then asks for them (``reads_queries``) and, given none, keeps
     the keys rotated (``"rotated"``, the default here).
     """
 
@@ -232,8 +232,8 @@ class KVarN(Method):
     key_frame: str = "rotated"
 
     def __post_init__(self) -> None:
-        if self.key_frame not in ("rotated", "auto"):
-            raise ValueError(f"key_frame must be 'rotated' or 'auto', got {self.key_frame!r}")
+        if self.key_frame not in KEY_FRAMES:
+            raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {self.key_frame!r}")
 
     @property
     def reads_queries(self) -> bool:

@@ -49,6 +49,7 @@ __all__ = [
     "decode_tiles",
     "quantize_tiles",
     "dequantize_tiles",
+    "KEY_FRAMES",
     "key_frame_errors",
     "key_frame_estimates",
     "choose_key_frames",
@@ -56,6 +57,12 @@ __all__ = [
 ]
 
 _FP16_MAX = float(np.finfo(np.float16).max)
+
+KEY_FRAMES = ("auto", "rotated")
+"""How a store may treat tiles' keys: ``"auto"`` chooses each tile's frame from the queries
+(:func:`choose_key_frames`), ``"rotated"`` rotates every tile (the plain format). The kernels'
+``store_kv``, kvarn-vllm's ``KVARN_VLLM_KEY_FRAME`` and :class:`kvarn_math.baselines.KVarN` take
+these names."""
 
 F32 = npt.NDArray[np.float32]
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Preset, get_preset
+from kvarn_math.tile import KEY_FRAMES
 
 __all__ = [
     "INVARIANT_ENV",
@@ -44,7 +45,6 @@ KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
 """Environment variable: ``auto`` (default) stores each tile's keys Hadamard-rotated or in their
 own channels, whichever loses less of the attention scores of the step's queries (the record
 says which); ``rotated`` always rotates them (the plain format; attention then skips the flag)."""
-KEY_FRAMES = ("auto", "rotated")
 DEFAULT_KEY_FRAME = "auto"
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)

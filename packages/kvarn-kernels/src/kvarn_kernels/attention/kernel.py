@@ -356,6 +356,16 @@ def _load_step_phased(
 
 
 @triton.jit
+def _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS: tl.constexpr):
+    """The scaled query rows and their scales a tile is scored with: the un-rotated ones
+    (``qos``, ``qo_amax``) for a tile whose keys are stored unrotated, else the rotated ones."""
+    if RAW_KEYS:
+        return tl.where(raw, qos, qs), tl.where(raw, qo_amax, q_amax)
+    else:
+        return qs, q_amax
+
+
+@triton.jit
 def _pv_dot(pn0, pn1, c0, c1, FP32: tl.constexpr):
     if FP32:
         return tl.dot(pn0, c0.to(tl.float32), input_precision="ieee") + tl.dot(
@@ -736,11 +746,7 @@ def attention_partial_kernel(
                 masked = (c * SUB + SUB - 1 > q_lo) | ((window > 0) & (c * SUB <= q_hi - window))
                 if FRESH:
                     masked = masked | (c * SUB + SUB > kv_end)
-                qsel = qs
-                asel = q_amax
-                if RAW_KEYS:
-                    qsel = tl.where(raw, qos, qs)
-                    asel = tl.where(raw, qo_amax, q_amax)
+                qsel, asel = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_step_phased(
                     qsel,
                     asel,
@@ -835,11 +841,7 @@ def attention_partial_kernel(
                     )
                 )
                 blk1 = tl.load(bt_row + (c + 2) // PARTS, mask=c + 2 < c_end, other=0)
-                qsel = qs
-                asel = q_amax
-                if RAW_KEYS:
-                    qsel = tl.where(raw, qos, qs)
-                    asel = tl.where(raw, qo_amax, q_amax)
+                qsel, asel = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
                 m_i, l_i, acc = _attend_step(
                     qsel,
                     asel,

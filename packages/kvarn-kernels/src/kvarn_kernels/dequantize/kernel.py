@@ -66,12 +66,13 @@ def dequantize_kernel(
     v_zero = tl.load(f16 + OFF_VZ // 2 + g).to(tl.float32)
     v = (v_codes * v_scale[:, None] + v_zero[:, None]) * v_chan[None, :]
 
-    raw = (tl.load(u8 + OFF_FL) & 1) != 0
     if UNROTATE:
         v = fwht_rows(v, G, D) * rsqrt_d
-        k = tl.where(raw, k, fwht_rows(k, G, D) * rsqrt_d)
-    else:
-        k = tl.where(raw, fwht_rows(k, G, D) * rsqrt_d, k)
+    # Keys are transformed only when the record's frame differs from the output's (a runtime
+    # branch: a cache of rotated tiles read in the rotated frame skips it).
+    raw = (tl.load(u8 + OFF_FL) & 1) != 0
+    if raw != UNROTATE:
+        k = fwht_rows(k, G, D) * rsqrt_d
     rows = (i * G + g).to(tl.int64)
     offs = rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + d[None, :]
     tl.store(k_out_ptr + offs, round_to(k, k_out_ptr.dtype.element_ty))

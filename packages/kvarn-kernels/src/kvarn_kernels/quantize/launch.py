@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, TileLayout
+from kvarn_math.tile import KEY_FRAMES
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
 from kvarn_kernels._guards import (
@@ -22,7 +23,7 @@ from kvarn_kernels._triton import PRECISE_MATH
 from kvarn_kernels.plan import StorePlan
 from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
 
-__all__ = ["KEY_FRAMES", "encode_tiles", "quantize_tiles", "store_kv"]
+__all__ = ["encode_tiles", "quantize_tiles", "store_kv"]
 
 _STAGE_BLOCK_T = 16
 
@@ -66,10 +67,7 @@ def _check_iterations(iterations: int) -> int:
     return iterations
 
 
-KEY_FRAMES = ("rotated", "auto")
-"""What :func:`store_kv` can do with each tile's keys: always rotate them (the preset's frame),
-or choose per tile and KV head from the step's queries (kvarn_math.tile.choose_key_frames)."""
-
+# The kernel's KEY_FRAME: kvarn_math.tile.KEY_FRAMES, and "given" (per-tile flags, dense API).
 _FRAME_MODE = {"rotated": 0, "auto": 1, "given": 2}
 
 
