@@ -300,3 +300,99 @@ def test_step_sequence_keeps_the_window_before_a_completed_tile() -> None:
         keep_first_tile=True,
     )
     assert sunk.recent_tiles == 1
+
+
+@given(
+    kv_sequences(max_tokens=400),
+    st.sampled_from([0, 3, 64]),
+    st.integers(0, 2),
+    st.sampled_from(["kvarn_k4v2_g64", "kvarn_k4v4_g64"]),
+)
+def test_value_windows_read_keys_from_records(sample, sink, recent, preset) -> None:
+    """window_keys=False: the sink and recent tiles give their values exact and their keys as
+    their records hold them; everything else reads as with both exact."""
+    p = get_preset(preset)
+    seq = quantize_sequence(
+        sample.k, sample.v, p, sink_tokens=sink, recent_tiles=recent, window_keys=False
+    )
+    both = quantize_sequence(sample.k, sample.v, p, sink_tokens=sink, recent_tiles=recent)
+    bare = quantize_sequence(sample.k, sample.v, p)  # no exact window: every tile a record
+    t = sample.k.shape[0]
+    assert seq.num_tokens == t and seq.first_record == 0
+    assert seq.first_k is None and seq.recent_k is None
+    assert seq.sink_tokens == both.sink_tokens and seq.recent_tiles == both.recent_tiles
+    np.testing.assert_array_equal(seq.records, bare.records)  # tile 0 has its record
+    k_rot, v_rot = dense_kv(seq)
+    np.testing.assert_array_equal(k_rot, dense_kv(bare)[0])
+    np.testing.assert_array_equal(v_rot, dense_kv(both)[1])
+
+
+def test_value_windows_halve_what_is_exact() -> None:
+    g = 64
+    k = make_kv((4 * g + 5, 2, 64), "outlier_channels", 5)
+    v = make_kv((4 * g + 5, 2, 64), "gaussian", 6)
+    seq = step_sequence(
+        k,
+        v,
+        "kvarn_k4v2_g64",
+        4 * g + 4,
+        recent_tiles=1,
+        ring_tiles=2,
+        keep_first_tile=True,
+        window_keys=False,
+    )
+    assert seq.sink_tokens == g and seq.recent_tiles == 1 and seq.records.shape[0] == 4
+    k_rot, v_rot = dense_kv(seq)
+    exact_v = rotate(v, axis=-1)
+    np.testing.assert_allclose(v_rot[:g], exact_v[:g], atol=1e-5)  # sink values
+    np.testing.assert_allclose(v_rot[3 * g :], exact_v[3 * g :], atol=1e-5)  # recent + open
+    assert np.abs(v_rot[g : 3 * g] - exact_v[g : 3 * g]).max() > 1e-3  # records in between
+    recs = dense_kv(quantize_sequence(k, v, "kvarn_k4v2_g64"))[0]
+    np.testing.assert_array_equal(k_rot[: 4 * g], recs[: 4 * g])  # every complete key a record
+    np.testing.assert_allclose(k_rot[4 * g :], rotate(k, axis=-1)[4 * g :], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("cached", "seq_len", "quantized", "open_tiles", "start", "want"),
+    [
+        (300, 301, 256, 1, 0, 256),  # decode inside tile 2: its own tile
+        (383, 384, 384, 1, 0, 256),  # decode completing tile 2: still its own tile
+        (256, 384, 384, 1, 0, 256),  # tile-aligned chunk: its own tile
+        (100, 612, 512, 1, 0, 512),  # a long chunk: the key ring holds [484, 612) -> from 512
+        (384, 400, 384, 1, 384, 384),  # a prefix-cache hit of 3 tiles: records only
+    ],
+)
+def test_key_window_is_the_steps_own_tile(cached, seq_len, quantized, open_tiles, start, want):
+    from kvarn_math.attention import key_window_start
+
+    assert key_window_start(cached, seq_len, quantized, 128, open_tiles, start) == want
+
+
+def test_step_sequence_value_windows_keep_the_own_tiles_keys() -> None:
+    """A decode step completing tile 2 with values-only windows: tile 2's keys and values
+    exact (its own tile), tile 1's values exact and keys from its record, tile 0's values
+    exact (sink) and keys from its record."""
+    g = 64
+    k = make_kv((3 * g, 2, 64), "outlier_channels", 8)
+    v = make_kv((3 * g, 2, 64), "gaussian", 9)
+    seq = step_sequence(
+        k,
+        v,
+        "kvarn_k4v2_g64",
+        3 * g - 1,
+        recent_tiles=1,
+        ring_tiles=2,
+        keep_first_tile=True,
+        window_keys=False,
+    )
+    assert seq.records.shape[0] == 3 and seq.recent_tiles == 2 and seq.sink_tokens == g
+    assert seq.recent_k is not None and seq.recent_k.shape[0] == g
+    k_rot, v_rot = dense_kv(seq)
+    recs_k, recs_v = dense_kv(quantize_sequence(k, v, "kvarn_k4v2_g64"))
+    np.testing.assert_allclose(v_rot, rotate(v, axis=-1), atol=1e-5)  # every value exact
+    np.testing.assert_array_equal(k_rot[: 2 * g], recs_k[: 2 * g])  # tiles 0, 1: records
+    np.testing.assert_allclose(k_rot[2 * g :], rotate(k, axis=-1)[2 * g :], atol=1e-5)
+    with pytest.raises(ValueError, match="recent_key_tiles must be an int >= 0"):
+        quantize_sequence(
+            k, v, "kvarn_k4v2_g64", recent_tiles=1, window_keys=False, recent_key_tiles=-1
+        )

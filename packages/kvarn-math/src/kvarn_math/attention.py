@@ -11,6 +11,11 @@ A sequence of ``T`` tokens of ``H_kv`` KV heads is stored as
   exist (a prefix-cache hit reads them) but attention reads the exact rows, as a serving engine
   does that keeps them in staging besides the open tile.
 
+The sink and the recent tiles are the **exact windows**. With ``window_keys=False`` they keep
+only their values exact: their keys are read from their records (tile 0 then has a record even
+with ``S = G``), which halves what an engine stages for them. The open tail stays exact, keys
+and values.
+
 Which tiles are recent is counted from the step's first new token
 (:func:`recent_window_start`): a step whose queries start in tile ``t`` reads tiles
 ``t - R .. t`` exact, as far as the staging ring holds them.
@@ -35,6 +40,7 @@ __all__ = [
     "QuantizedSequence",
     "quantize_sequence",
     "recent_window_start",
+    "key_window_start",
     "step_sequence",
     "dense_kv",
     "reference_attention",
@@ -57,7 +63,12 @@ class QuantizedSequence:
             or ``None``. ``S = G`` is the exact first tile (no record of tile 0 in ``records``);
             ``S < G`` overlays the first ``S`` positions of tile 0's record.
         recent_k, recent_v: ``[R*G, H_kv, D]`` float32 exact copies of the last ``R`` records'
-            tokens, read instead of those records (``R <= num_tiles``), or ``None``.
+            tokens, read instead of those records (``R <= num_tiles``), or ``None``. With
+            ``window_keys=False``, ``recent_k`` may cover fewer tiles than ``recent_v`` (the
+            step's own tile, whose keys stay exact), or be ``None``.
+        window_keys: the exact windows (sink, recent tiles) hold keys and values. ``False``:
+            values only (``first_k`` and ``recent_k`` are ``None``); their keys are read from
+            the records, which then include tile 0 even when ``S = G``.
     """
 
     preset: Preset
@@ -69,23 +80,30 @@ class QuantizedSequence:
     first_v: F32 | None = None
     recent_k: F32 | None = None
     recent_v: F32 | None = None
+    window_keys: bool = True
 
     @property
     def recent_tiles(self) -> int:
-        """``R``, the complete tiles read from exact copies instead of their records."""
-        return 0 if self.recent_k is None else int(self.recent_k.shape[0]) // self.preset.group_size
+        """``R``, the complete tiles read (values, or keys and values) from exact copies."""
+        return 0 if self.recent_v is None else int(self.recent_v.shape[0]) // self.preset.group_size
 
     @property
     def sink_tokens(self) -> int:
         """``S``, the number of leading tokens read exact (0 without a sink)."""
-        return 0 if self.first_k is None else int(self.first_k.shape[0])
+        return 0 if self.first_v is None else int(self.first_v.shape[0])
+
+    @property
+    def first_record(self) -> int:
+        """Position of the first record's first token: ``G`` when the exact sink replaces tile
+        0's record (``S = G`` with window keys), else 0."""
+        g = self.preset.group_size
+        return g if self.sink_tokens == g and self.window_keys else 0
 
     @property
     def num_tokens(self) -> int:
         """Total tokens ``T``."""
         g = self.preset.group_size
-        first = g if self.sink_tokens == g else 0  # a partial sink overlays tile 0's record
-        return int(first + self.records.shape[0] * g + self.tail_k.shape[0])
+        return int(self.first_record + self.records.shape[0] * g + self.tail_k.shape[0])
 
 
 def quantize_sequence(
@@ -98,6 +116,8 @@ def quantize_sequence(
     sink_requantize: bool = False,
     recent_tiles: int = 0,
     raw_keys: npt.ArrayLike = False,
+    window_keys: bool = True,
+    recent_key_tiles: int | None = None,
 ) -> QuantizedSequence:
     """Store a sequence the way the cache does.
 
@@ -114,11 +134,16 @@ def quantize_sequence(
         sink_requantize: with ``0 < S < G``, quantize tile 0 with its first ``S`` tokens
             replaced by copies of token ``S``, so that the sink tokens (often outliers) do not
             enter tile 0's scales; its record then does not depend on them.
-        recent_tiles: ``R >= 0``: the last ``min(R, num_tiles)`` records are read from exact
-            copies (a window of ``R`` complete tiles before the open one; the records are
-            written all the same).
+        recent_tiles: ``R >= 0``: the last ``R`` records after the sink (at most all of
+            them) are read from exact copies (a window of ``R`` complete tiles before the open
+            one; the records are written all the same).
         raw_keys: bool, scalar or ``[num_records, H_kv]``: records whose keys are stored in
             their own channels (:func:`kvarn_math.tile.quantize_tiles`).
+        window_keys: the sink and the recent tiles keep their keys exact too (the default);
+            ``False``: only their values, and their keys are read from their records (tile 0
+            is then quantized into a record whatever ``S``).
+        recent_key_tiles: with ``window_keys=False``, the last ``R_k <= R`` recent tiles whose
+            keys are exact too (default 0; :func:`step_sequence` keeps the step's own tile).
 
     Raises:
         ValueError: bad shapes, ``sink_tokens`` outside ``[0, G]``, ``sink_tokens``
@@ -143,7 +168,7 @@ def quantize_sequence(
     t, h, d = k_arr.shape
     tile_layout(p, d)
     sink = sink_tokens if t >= g else 0
-    start = g if sink == g else 0
+    start = g if sink == g and window_keys else 0
     num_tiles = (t - start) // g
     end = start + num_tiles * g
     body_k, body_v = k_arr[start:end], v_arr[start:end]
@@ -154,17 +179,26 @@ def quantize_sequence(
     body_k = body_k.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
     body_v = body_v.reshape(num_tiles, g, h, d).transpose(0, 2, 1, 3)
     records = quantize_tiles(body_k, body_v, p, raw_keys=raw_keys)
-    recent = min(recent_tiles, num_tiles) * g
+    # the recent tiles are records after the sink (tile 0's record with value windows is not one)
+    recent = min(recent_tiles, num_tiles - int(sink == g and start == 0)) * g
+    if window_keys:
+        recent_k = recent
+    else:
+        rk = 0 if recent_key_tiles is None else recent_key_tiles
+        if not isinstance(rk, int) or rk < 0:
+            raise ValueError(f"recent_key_tiles must be an int >= 0, got {recent_key_tiles!r}")
+        recent_k = min(rk * g, recent)
     return QuantizedSequence(
         preset=p,
         head_dim=d,
         records=records,
         tail_k=k_arr[end:].copy(),
         tail_v=v_arr[end:].copy(),
-        first_k=k_arr[:sink].copy() if sink else None,
+        first_k=k_arr[:sink].copy() if sink and window_keys else None,
         first_v=v_arr[:sink].copy() if sink else None,
-        recent_k=k_arr[end - recent : end].copy() if recent else None,
+        recent_k=k_arr[end - recent_k : end].copy() if recent_k else None,
         recent_v=v_arr[end - recent : end].copy() if recent else None,
+        window_keys=bool(window_keys),
     )
 
 
@@ -227,6 +261,31 @@ def recent_window_start(
     return min(quantized_len, max(exact_start, window, ring))
 
 
+def key_window_start(
+    num_cached: int,
+    seq_len: int,
+    quantized_len: int,
+    group_size: int,
+    open_tiles: int,
+    exact_start: int = 0,
+) -> int:
+    """With values-only windows (``window_keys=False``), the first position whose key a step
+    reads exact: the tile of the step's first new token (open when the step began), as far as
+    the key ring of ``open_tiles`` tiles holds it; records before it.
+
+    ``min(quantized_len, max(exact_start, floor(num_cached / G) * G, ring))`` with ``ring`` the
+    whole tiles of the last ``open_tiles * G`` positions: :func:`recent_window_start` with
+    ``R = 0`` counted from the step's first token, so a step that completes its tile (a decode
+    step, a tile-aligned chunk) still reads that tile's keys exact.
+    """
+    g = group_size
+    if not isinstance(open_tiles, int) or open_tiles < 1:
+        raise ValueError(f"open_tiles must be an int >= 1, got {open_tiles!r}")
+    recent_window_start(num_cached, seq_len, quantized_len, g, 0, open_tiles, exact_start)
+    ring = -(-(seq_len - open_tiles * g) // g) * g
+    return min(quantized_len, max(exact_start, num_cached // g * g, ring))
+
+
 def step_sequence(
     k: npt.ArrayLike,
     v: npt.ArrayLike,
@@ -237,6 +296,8 @@ def step_sequence(
     ring_tiles: int,
     exact_start: int = 0,
     keep_first_tile: bool = False,
+    window_keys: bool = True,
+    open_tiles: int | None = None,
 ) -> QuantizedSequence:
     """The sequence as a step that appended ``[num_cached, T)`` reads it (no speculation).
 
@@ -252,15 +313,32 @@ def step_sequence(
         ring_tiles: ``S``, as :func:`recent_window_start`.
         exact_start: as :func:`recent_window_start`.
         keep_first_tile: as :func:`quantize_sequence` (the sink tile is read exact anyway).
+        window_keys: as :func:`quantize_sequence`; ``False`` reads the window's keys from
+            their records, except those of the step's own tile (:func:`key_window_start`).
+        open_tiles: the key ring's tiles with ``window_keys=False`` (default
+            ``ring_tiles - recent_tiles``).
     """
     p = get_preset(preset)
     g = p.group_size
     t = int(np.shape(k)[0])
     quantized = t // g * g
     read = recent_window_start(num_cached, t, quantized, g, recent_tiles, ring_tiles, exact_start)
-    first = g if keep_first_tile and t >= g else 0  # tile 0 is no record then
+    first = g if keep_first_tile and t >= g else 0  # tile 0 is read exact (values at least)
     recent = max(0, quantized - max(read, first)) // g
-    return quantize_sequence(k, v, p, keep_first_tile=keep_first_tile, recent_tiles=recent)
+    recent_keys = None
+    if not window_keys:
+        opened = ring_tiles - recent_tiles if open_tiles is None else open_tiles
+        key_read = key_window_start(num_cached, t, quantized, g, opened, exact_start)
+        recent_keys = max(0, quantized - max(key_read, first)) // g
+    return quantize_sequence(
+        k,
+        v,
+        p,
+        keep_first_tile=keep_first_tile,
+        recent_tiles=recent,
+        window_keys=window_keys,
+        recent_key_tiles=recent_keys,
+    )
 
 
 def dense_kv(seq: QuantizedSequence) -> tuple[F32, F32]:
@@ -271,22 +349,24 @@ def dense_kv(seq: QuantizedSequence) -> tuple[F32, F32]:
     parts_k = [k_tiles.transpose(0, 2, 1, 3).reshape(n * p.group_size, h, d)]
     parts_v = [v_tiles.transpose(0, 2, 1, 3).reshape(n * p.group_size, h, d)]
     sink = seq.sink_tokens
-    if sink == p.group_size and seq.first_k is not None and seq.first_v is not None:
-        parts_k.insert(0, rotate(seq.first_k, axis=-1))
+    if seq.first_record and seq.first_k is not None and seq.first_v is not None:
+        parts_k.insert(0, rotate(seq.first_k, axis=-1))  # tile 0 has no record
         parts_v.insert(0, rotate(seq.first_v, axis=-1))
     parts_k.append(rotate(seq.tail_k, axis=-1))
     parts_v.append(rotate(seq.tail_v, axis=-1))
     k_rot = np.concatenate(parts_k).astype(np.float32)
     v_rot = np.concatenate(parts_v).astype(np.float32)
-    if 0 < sink < p.group_size and seq.first_k is not None and seq.first_v is not None:
-        # a partial sink: its positions read the exact rows, not tile 0's record
-        k_rot[:sink] = rotate(seq.first_k, axis=-1)
+    if sink and not seq.first_record and seq.first_v is not None:
+        # the sink overlays tile 0's record: its values, and its keys with window keys
         v_rot[:sink] = rotate(seq.first_v, axis=-1)
-    if seq.recent_k is not None and seq.recent_v is not None and seq.recent_k.shape[0]:
-        # the recent tiles: exact rows instead of their records
-        end = k_rot.shape[0] - seq.tail_k.shape[0]
-        k_rot[end - seq.recent_k.shape[0] : end] = rotate(seq.recent_k, axis=-1)
+        if seq.first_k is not None:
+            k_rot[:sink] = rotate(seq.first_k, axis=-1)
+    if seq.recent_v is not None and seq.recent_v.shape[0]:
+        # the recent tiles: exact rows instead of their records (values only without keys)
+        end = v_rot.shape[0] - seq.tail_v.shape[0]
         v_rot[end - seq.recent_v.shape[0] : end] = rotate(seq.recent_v, axis=-1)
+        if seq.recent_k is not None:
+            k_rot[end - seq.recent_k.shape[0] : end] = rotate(seq.recent_k, axis=-1)
     return k_rot, v_rot
 
 
