@@ -86,8 +86,10 @@ def compile_kernel(
     consts: dict[str, Any],
     options: dict[str, int],
     label: str,
+    source: Any = ASTSource,
 ) -> dict[str, Any]:
-    """Compile ``fn`` for sm_90; pointers not named in ``pointers`` are ``*i32``."""
+    """Compile ``fn`` for sm_90; pointers not named in ``pointers`` are ``*i32``. ``source``:
+    ``GluonASTSource`` for a Gluon kernel."""
     params = list(fn.arg_names)
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list[list[Any]]] = {}
@@ -107,7 +109,7 @@ def compile_kernel(
     row: dict[str, Any] = {"kernel": label, **options}
     try:
         k = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+            source(fn, sig, consts, attrs),
             target=TARGET,
             options=options,
         )
@@ -207,6 +209,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
                 FRESH=not decode,
                 RAW_KEYS=True,
+                QUANT=True,
             )
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
@@ -243,6 +246,33 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
     return rows
 
 
+def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    """The Gluon decode kernel (kvarn_k4v2_g128, head_dim 128 only), as the launcher compiles
+    it: GQA 4 and 8, one frame and two (the key-frame flag read per tile), with a sink."""
+    from kvarn_kernels.attention import fast
+    from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
+
+    if fast.HEAD_DIM not in head_dims:
+        return []
+    ptrs = {"qs_ptr": "*fp16", "qa_ptr": "*fp32", "cache_u8_ptr": "*u8"}
+    ptrs |= {"cache_u16_ptr": "*i16", "cache_u32_ptr": "*i32", "cache_f16_ptr": "*fp16"}
+    ptrs |= {"acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    tile = {
+        k: v for k, v in _tile_consts(fast.PRESET, fast.HEAD_DIM).items() if k.startswith("OFF")
+    }
+    rows = []
+    for group, frames in ((4, 2), (8, 2), (4, 1)):
+        consts = dict(tile, GROUP=group, NUM_FRAMES=frames, SINK=True)
+        opts = {"num_warps": fast.NUM_WARPS, "maxnreg": fast.MAX_REGISTERS}
+        label = f"fast decode {fast.PRESET} D{fast.HEAD_DIM} group {group} frames {frames}"
+        rows.append(
+            compile_kernel(
+                fast.fast_decode_partial_kernel, ptrs, consts, opts, label, GluonASTSource
+            )
+        )
+    return rows
+
+
 def rotation_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     from kvarn_kernels.rotation.kernel import rotate_rows_kernel
 
@@ -260,6 +290,7 @@ FAMILIES = {
     "store": store_rows,
     "dequantize": dequantize_rows,
     "attention": attention_rows,
+    "fast": fast_rows,
     "rotation": rotation_rows,
 }
 

@@ -315,3 +315,96 @@ def test_batch_invariant_mode_bit_for_bit(
     for j, (a, b) in enumerate(zip(alone, both, strict=True)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), ("batch", j)
         assert torch.equal(a.view(torch.int16), mqa[j : j + 1].view(torch.int16)), ("verify", j)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (64, 8), (8, 8)])
+@pytest.mark.parametrize("raw_keys", [False, True])
+def test_fast_decode_matches_the_triton_kernel(
+    dtype: torch.dtype, hq: int, hkv: int, raw_keys: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gluon kernel of the quantized tiles (kvarn_k4v2_g128, head_dim 128) against the
+    Triton kernel alone and the reference: sink rows, staging, half the tiles' keys in their
+    own channels, sequences with no record at all."""
+    from kvarn_kernels.attention.launch import fast_decode_applies
+
+    preset, d, g = "kvarn_k4v2_g128", 128, 128
+    lens = [1, g - 1, g + 5, 2000, 5 * g, 9000]
+    seqs = [
+        (
+            make_kv((t, hkv, d), "outlier_channels", 20 + i),
+            make_kv((t, hkv, d), "gaussian", 40 + i),
+        )
+        for i, t in enumerate(lens)
+    ]
+    sinks = [i % 2 == 0 for i in range(len(lens))]
+    batch = build_paged(seqs, preset, dtype, DEV, sinks=sinks, raw_keys=raw_keys)
+    q = torch.from_numpy(make_kv((len(lens), hq, d), "gaussian", 5)).to(DEV, dtype)
+    scale = d**-0.5
+    outs = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", fast)
+        assert fast_decode_applies(q, tile_layout(preset, d), hkv, None, False) == (fast == "1")
+        outs[fast] = kk.decode_attention(
+            q,
+            batch.kv_cache,
+            batch.staging,
+            batch.block_table,
+            batch.seq_lens,
+            batch.quantized_lens,
+            batch.staging_slots,
+            preset,
+            scale,
+            sink_lens=batch.sink_lens,
+            raw_keys=raw_keys,
+        )
+    assert torch.isfinite(outs["1"].float()).all()
+    q_in = q.float().cpu().numpy()
+    for b, ref in enumerate(batch.refs):
+        want = reference_attention(q_in[b : b + 1], staged_reference(ref, dtype), scale)
+        for fast, out in outs.items():
+            assert_close_rms(
+                want, out[b : b + 1].float().cpu().numpy(), TOL[dtype], what=f"seq {b} fast {fast}"
+            )
+        assert_close_rms(
+            outs["0"][b].float().cpu().numpy(),
+            outs["1"][b].float().cpu().numpy(),
+            TOL[dtype],
+            what=f"seq {b}: fast against Triton",
+        )
+
+
+def test_fast_decode_under_cuda_graphs() -> None:
+    """The fast path replays in a CUDA graph with the eager result (fixed split counts)."""
+    preset, d, g, hq, hkv = "kvarn_k4v2_g128", 128, 128, 32, 8
+    seqs = [
+        (make_kv((t, hkv, d), "outlier_channels", i), make_kv((t, hkv, d), "gaussian", 7 + i))
+        for i, t in enumerate([3 * g + 2, 700, 1])
+    ]
+    batch = build_paged(seqs, preset, torch.bfloat16, DEV, sinks=[True, False, True])
+    q = torch.from_numpy(make_kv((3, hq, d), "gaussian", 1)).to(DEV, torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        kk.decode_attention(
+            q,
+            batch.kv_cache,
+            batch.staging,
+            batch.block_table,
+            batch.seq_lens,
+            batch.quantized_lens,
+            batch.staging_slots,
+            preset,
+            d**-0.5,
+            out=out,
+            sink_lens=batch.sink_lens,
+        )
+
+    run()
+    eager = out.clone()
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)

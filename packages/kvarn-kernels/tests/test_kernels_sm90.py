@@ -46,3 +46,16 @@ def test_kernels_fit_an_sm90(family: str) -> None:
     assert not bad, "\n".join(json.dumps(r) for r in bad)
     # Every supported head size was compiled (64, 128 and 256; rotation also 512).
     assert {"64", "128", "256"} <= {r["kernel"].rsplit(" D", 1)[1] for r in rows}
+
+
+def test_fast_decode_kernel_compiles_for_sm90_at_128_registers() -> None:
+    """The Gluon decode kernel (no interpreter exists for Gluon: this is its CPU test besides
+    the GPU ones) compiles for every GQA group and frame count the launcher uses, at the
+    register cap that gives 4 CTAs per SM."""
+    from kvarn_kernels.attention import fast
+
+    rows = _compile("fast")
+    bad = [r for r in rows if "error" in r or r["shared"] > SM90_MAX_SHARED]
+    assert not bad, "\n".join(json.dumps(r) for r in bad)
+    assert len(rows) == 3
+    assert all(r["registers"] <= fast.MAX_REGISTERS for r in rows), rows

@@ -526,6 +526,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bytes_read=nbytes,
                         gbps=nbytes / (ms * 1e-3) / 1e9,
                         num_splits=_splits(case),
+                        fast_decode=_fast(case),
                     )
                     row["hbm_fraction"] = row["gbps"] / hbm
                     row["fp16_bytes"] = case.bytes_fp16()
@@ -577,10 +578,23 @@ def _autotune_choices() -> dict[str, str]:
     return {str(k): str(v) for k, v in cache.items()}
 
 
-def _splits(case: _Case) -> int:
-    """The split count the launcher uses for ``case`` (the batch-invariant plan when on)."""
-    from kvarn_kernels.attention.launch import batch_invariant, launch_splits
+def _fast(case: _Case) -> bool:
+    """Whether ``decode_attention`` runs ``case``'s quantized tiles through the Gluon kernel."""
+    from kvarn_kernels.attention.launch import batch_invariant, fast_decode_applies
 
+    return fast_decode_applies(case.query, case.layout, case.hkv, None, batch_invariant())
+
+
+def _splits(case: _Case) -> int:
+    """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
+    the fast path, the Gluon kernel's splits plus the Triton kernel's one)."""
+    from kvarn_kernels.attention import fast
+    from kvarn_kernels.attention.launch import _MAX_SPLITS, batch_invariant, launch_splits
+
+    if _fast(case):
+        sms = torch.cuda.get_device_properties(case.device).multi_processor_count
+        width = case.block_table.shape[1]
+        return 1 + min(fast.fast_decode_splits(case.b, case.hkv, width, sms), _MAX_SPLITS - 1)
     g = case.layout.group_size
     chunks = case.block_table.shape[1] + case.staging.shape[2] // g  # as the launcher counts
     return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, batch_invariant())[1]
@@ -597,6 +611,7 @@ def _row_line(r: dict[str, Any]) -> str:
         f"{_fmt(r.get('sdpa_fp16_us'), '.1f')} | "
         f"{_fmt(r.get('speedup_vs_sdpa'), '.2f')} | {_fmt(r.get('vllm_triton_fp16_us'), '.1f')} | "
         f"{_fmt(r.get('speedup_vs_vllm_triton'), '.2f')} | {r['num_splits']} | "
+        f"{'Gluon + Triton' if r.get('fast_decode') else 'Triton'} | "
         f"{_fmt(r.get('eager_us'), '.1f')} |"
     )
 
@@ -608,8 +623,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| preset | shape | batch | context | time (us) | GB/s | of HBM | SDPA fp16 (us) | "
         "x SDPA | "
-        "vLLM Triton fp16 (us) | x vLLM | splits | eager (us) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "vLLM Triton fp16 (us) | x vLLM | splits | kernels | eager (us) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
+        "| ---: |",
     ]
     lines += [_row_line(r) for r in report["attention"]]
     lines += [

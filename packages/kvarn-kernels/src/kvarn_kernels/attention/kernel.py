@@ -575,6 +575,8 @@ def attention_partial_kernel(
     num_q_heads,
     num_splits,
     split_steps,
+    part_splits,
+    split0,
     qk_scale,
     window,
     rsqrt_d,
@@ -603,6 +605,7 @@ def attention_partial_kernel(
     OFF_VZ: tl.constexpr,
     OFF_FL: tl.constexpr,
     RAW_KEYS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, query block, split).
 
@@ -613,8 +616,13 @@ def attention_partial_kernel(
     ``fv`` ``[num_q_tokens, Hkv, D]`` (this step's K/V, rotated frame; a query's row holds its
     own token), the positions before them as stored (records, sink rows, staging).
 
-    Writes ``acc`` ``[num_q_tokens, Hq, num_splits, D]`` (unnormalized, rotated frame) and
-    ``ml`` ``[num_q_tokens, Hq, num_splits, 2]`` (running max in log2 units, softmax denominator).
+    Writes ``acc`` ``[num_q_tokens, Hq, part_splits, D]`` (unnormalized, rotated frame) and
+    ``ml`` ``[num_q_tokens, Hq, part_splits, 2]`` (running max in log2 units, softmax
+    denominator), split ``s`` at index ``split0 + s``.
+
+    ``QUANT=False`` skips the quantized tiles: only the sink rows, staging and fresh K/V are
+    attended (the decode launcher's fast path attends the tiles with its own kernel and merges
+    the two partials).
 
     ``RAW_KEYS``: a tile's record may hold its keys in their own channels (its
     ``KEYS_UNROTATED`` flag); such a tile is scored with the un-rotated query.
@@ -703,6 +711,8 @@ def attention_partial_kernel(
         if SINK_ROWS > 0:
             n_sink = tl.minimum(tl.load(sink_lens_ptr + seq), qlen) // SUB
         cq0 = tl.maximum(c0, n_sink)
+        if not QUANT:
+            c_end = cq0  # the quantized tiles are another kernel's
         # The cache is read once, front to back.  The 4-bit-key (phased) path loads each step
         # as it goes; the generic path prefetches one step into registers (the packed bytes of
         # step c + 1 are in flight while step c computes, and the block id one step further).
@@ -942,7 +952,7 @@ def attention_partial_kernel(
                     FP32,
                 )
 
-        part = (tok * num_q_heads + head.to(tl.int64)) * num_splits + split
+        part = (tok * num_q_heads + head.to(tl.int64)) * part_splits + split0 + split
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)

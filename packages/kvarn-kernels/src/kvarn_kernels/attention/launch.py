@@ -18,6 +18,7 @@ from kvarn_kernels._guards import (
     check_staging,
     check_tensor,
 )
+from kvarn_kernels._triton import INTERPRET
 from kvarn_kernels.attention.kernel import (
     attention_combine_kernel,
     attention_partial_kernel,
@@ -28,6 +29,7 @@ from kvarn_kernels.attention.kernel import (
 __all__ = [
     "choose_num_splits",
     "decode_attention",
+    "fast_decode_applies",
     "multi_query_attention",
     "query_block_sizes",
 ]
@@ -128,6 +130,38 @@ def launch_splits(
         sub = untuned_launch(True, head_dim, group_size)["SUB"]
         return split_plan(max_chunks * group_size // sub, sub, group_size)
     return 0, choose_num_splits(num_seqs, num_kv_heads, max_chunks, device, group_size)
+
+
+def fast_decode_enabled() -> bool:
+    """``KVARN_KERNELS_FAST_DECODE=0`` turns the Gluon decode kernel off (default on)."""
+    return os.environ.get("KVARN_KERNELS_FAST_DECODE", "1") != "0"
+
+
+def fast_decode_applies(
+    query: torch.Tensor,
+    layout: TileLayout,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    invariant: bool,
+) -> bool:
+    """Whether :func:`decode_attention` attends the quantized tiles with the Gluon kernel of
+    :mod:`kvarn_kernels.attention.fast`: ``kvarn_k4v2_g128`` at head_dim 128, GQA groups up to
+    8, fp16/bf16 queries on a GPU with ``mma.sync`` (compute capability 8.0 or newer), no
+    sliding window, not batch-invariant or autotuned, not in Triton's interpreter, and not
+    turned off (:func:`fast_decode_enabled`)."""
+    p = layout.preset
+    return (
+        fast_decode_enabled()
+        and not INTERPRET
+        and (p.key_bits, p.value_bits, p.group_size, layout.head_dim) == (4, 2, 128, 128)
+        and query.shape[1] // num_kv_heads <= 8
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and sliding_window is None
+        and not invariant
+        and not autotune_enabled()
+        and query.device.type == "cuda"
+        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    )
 
 
 def _next_pow2(n: int) -> int:
@@ -301,22 +335,39 @@ def _run(
             "num_splits must be None in batch-invariant mode (the splits sit at fixed positions)"
         )
     split_steps = 0
+    # The fast path: the Gluon kernel attends the quantized tiles in `fast_splits` splits,
+    # this kernel the rest (sink rows, staging) in one split before them; the combine merges.
+    fast_splits = 0
+    if (
+        decode
+        and num_splits is None
+        and fast_decode_applies(query, layout, num_kv_heads, sliding_window, invariant)
+    ):
+        from kvarn_kernels.attention import fast
+
+        sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+        fast_splits = min(
+            fast.fast_decode_splits(num_seqs, num_kv_heads, block_table.shape[1], sms),
+            _MAX_SPLITS - 1,
+        )
+        num_splits = 1
     if num_splits is None:
         split_steps, num_splits = launch_splits(
             num_seqs, num_kv_heads, max_chunks, d, g, query.device, invariant
         )
     if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
+    part_splits = num_splits + fast_splits
     block_q = 1 if decode else _query_block(max_query_len, group, invariant)
     block_m = max(16, block_q * block_h)
     num_qblocks = 1 if decode else triton.cdiv(max(max_query_len, 1), block_q)
     fp32 = query.dtype == torch.float32
 
     acc = torch.empty(
-        (num_tokens, num_q_heads, num_splits, d), dtype=torch.float32, device=query.device
+        (num_tokens, num_q_heads, part_splits, d), dtype=torch.float32, device=query.device
     )
     ml = torch.empty(
-        (num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device
+        (num_tokens, num_q_heads, part_splits, 2), dtype=torch.float32, device=query.device
     )
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
     fk, fv = (query, query) if fresh_kv is None else fresh_kv  # unread without FRESH
@@ -355,6 +406,8 @@ def _run(
         num_q_heads,
         num_splits,
         split_steps,
+        part_splits,
+        0,
         float(scale) * _LOG2E,
         0 if sliding_window is None else sliding_window,
         rsqrt_d,
@@ -382,14 +435,29 @@ def _run(
         OFF_VZ=off["v_zero"],
         OFF_FL=off["flags"],
         RAW_KEYS=bool(raw_keys),
+        QUANT=not fast_splits,
         **launch,
     )
+    if fast_splits:
+        fast.launch_fast_decode(
+            query,
+            kv_cache,
+            block_table,
+            quantized_lens,
+            sink_lens,
+            scale,
+            bool(raw_keys),
+            acc,
+            ml,
+            num_splits,
+            fast_splits,
+        )
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
         acc,
         ml,
         num_q_heads,
-        num_splits,
+        part_splits,
         out,
         out.stride(0),
         out.stride(1),
