@@ -270,6 +270,15 @@ def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
                 fast.fast_decode_partial_kernel, ptrs, consts, opts, label, GluonASTSource
             )
         )
+    from kvarn_kernels.attention.prep import prepare_queries_kernel
+
+    pptrs = {"q_ptr": "*bf16", "qs_ptr": "*fp16", "qa_ptr": "*fp32"}
+    pconsts = {"D": fast.HEAD_DIM, "BLOCK_R": 16, "FRAMES": 2}
+    rows.append(
+        compile_kernel(
+            prepare_queries_kernel, pptrs, pconsts, {"num_warps": 4}, "prepare_queries D128"
+        )
+    )
     return rows
 
 

@@ -43,6 +43,8 @@ from triton.experimental.gluon import language as gl  # type: ignore[import-unty
 from triton.experimental.gluon._runtime import constexpr_function  # type: ignore[import-untyped]
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # type: ignore[import-untyped]
 
+from kvarn_kernels.attention.prep import prepare_queries
+
 PRESET = "kvarn_k4v2_g128"
 HEAD_DIM = 128
 MAX_GROUP = 8
@@ -596,23 +598,6 @@ def fast_decode_splits(num_seqs: int, num_kv_heads: int, max_tiles: int, num_sms
     return max(1, min(want, max_tiles, 64))
 
 
-def prepare_queries(query: torch.Tensor, scale: float, raw_keys: bool) -> tuple[torch.Tensor, ...]:
-    """``(qs, qa)``: fp16 ``[B, F, Hq, D]`` rows ``q * scale * log2(e) / max|q|`` and fp32
-    ``[B, F, Hq]`` ``max|q|``; frame 0 Hadamard-rotated (in fp32), frame 1 (with
-    ``raw_keys``) the query as it comes."""
-    from kvarn_kernels.rotation import rotate
-
-    q = query.float() * (float(scale) * LOG2E)
-    frames = [rotate(q)]
-    if raw_keys:
-        frames.append(q)
-    x = torch.stack(frames, dim=1)
-    amax = x.abs().amax(dim=-1)
-    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    qs = (x / amax[..., None]).to(torch.float16).contiguous()
-    return qs, amax.contiguous()
-
-
 def launch_fast_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -631,15 +616,15 @@ def launch_fast_decode(
     off = tile_layout(PRESET, HEAD_DIM).offsets
     b, hq, _ = query.shape
     hkv = kv_cache.shape[1]
-    qs, qa = prepare_queries(query, scale, raw_keys)
-    flat = kv_cache.view(-1)
+    qs, qa = prepare_queries(query, scale, raw_keys)  # one launch
+    # The kernel takes base pointers and addresses records from the strides (16-byte aligned).
     fast_decode_partial_kernel[(b, hkv, num_splits)](
         qs,
         qa,
-        flat,
-        flat.view(torch.int16),
-        flat.view(torch.int32),
-        flat.view(torch.float16),
+        kv_cache,
+        kv_cache.view(torch.int16),
+        kv_cache.view(torch.int32),
+        kv_cache.view(torch.float16),
         kv_cache.stride(0),
         kv_cache.stride(1),
         block_table,
@@ -676,5 +661,4 @@ __all__ = [
     "fast_decode_partial_kernel",
     "fast_decode_splits",
     "launch_fast_decode",
-    "prepare_queries",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "choose_num_splits",
     "decode_attention",
     "fast_decode_applies",
+    "fast_decode_supported",
     "multi_query_attention",
     "query_block_sizes",
 ]
@@ -149,18 +150,32 @@ def fast_decode_applies(
     8, fp16/bf16 queries on a GPU with ``mma.sync`` (compute capability 8.0 or newer), no
     sliding window, not batch-invariant or autotuned, not in Triton's interpreter, and not
     turned off (:func:`fast_decode_enabled`)."""
-    p = layout.preset
     return (
         fast_decode_enabled()
         and not INTERPRET
-        and (p.key_bits, p.value_bits, p.group_size, layout.head_dim) == (4, 2, 128, 128)
-        and query.shape[1] // num_kv_heads <= 8
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and sliding_window is None
+        and fast_decode_supported(layout, query.shape[1], num_kv_heads, query.dtype, sliding_window)
         and not invariant
         and not autotune_enabled()
         and query.device.type == "cuda"
         and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    )
+
+
+def fast_decode_supported(
+    layout: TileLayout,
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+) -> bool:
+    """The shapes the fast decode kernel serves: ``kvarn_k4v2_g128`` at head_dim 128, up to 8
+    query heads per KV head, fp16/bf16 queries, no sliding window."""
+    p = layout.preset
+    return (
+        (p.key_bits, p.value_bits, p.group_size, layout.head_dim) == (4, 2, 128, 128)
+        and num_q_heads // num_kv_heads <= 8
+        and dtype in (torch.float16, torch.bfloat16)
+        and sliding_window is None
     )
 
 
