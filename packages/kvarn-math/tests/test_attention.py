@@ -396,3 +396,22 @@ def test_step_sequence_value_windows_keep_the_own_tiles_keys() -> None:
         quantize_sequence(
             k, v, "kvarn_k4v2_g64", recent_tiles=1, window_keys=False, recent_key_tiles=-1
         )
+
+
+def test_step_sequence_value_windows_completing_tile_zero_reads_its_keys_exact() -> None:
+    g = 64
+    k = make_kv((g, 1, 64), "outlier_channels", 11)
+    v = make_kv((g, 1, 64), "gaussian", 12)
+    seq = step_sequence(
+        k,
+        v,
+        "kvarn_k4v2_g64",
+        g - 1,
+        recent_tiles=1,
+        ring_tiles=2,
+        keep_first_tile=True,
+        window_keys=False,
+    )
+    k_rot, v_rot = dense_kv(seq)
+    np.testing.assert_allclose(k_rot, rotate(k, axis=-1), atol=1e-5)
+    np.testing.assert_allclose(v_rot, rotate(v, axis=-1), atol=1e-5)

@@ -330,6 +330,10 @@ def step_sequence(
         opened = ring_tiles - recent_tiles if open_tiles is None else open_tiles
         key_read = key_window_start(num_cached, t, quantized, g, opened, exact_start)
         recent_keys = max(0, quantized - max(key_read, first)) // g
+        if key_read < first:
+            # the step's own tile is tile 0: its keys are read exact too (what attention reads;
+            # the engine also keeps tile 0's record, which nothing reads in this step)
+            window_keys = True
     return quantize_sequence(
         k,
         v,
