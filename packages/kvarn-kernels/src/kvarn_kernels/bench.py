@@ -588,13 +588,10 @@ def _fast(case: _Case) -> bool:
 def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
     the fast path, the Gluon kernel's splits plus the Triton kernel's one)."""
-    from kvarn_kernels.attention import fast
-    from kvarn_kernels.attention.launch import _MAX_SPLITS, batch_invariant, launch_splits
+    from kvarn_kernels.attention.launch import batch_invariant, fast_decode_splits, launch_splits
 
     if _fast(case):
-        sms = torch.cuda.get_device_properties(case.device).multi_processor_count
-        width = case.block_table.shape[1]
-        return 1 + min(fast.fast_decode_splits(case.b, case.hkv, width, sms), _MAX_SPLITS - 1)
+        return 1 + fast_decode_splits(case.b, case.hkv, case.block_table.shape[1], case.device)
     g = case.layout.group_size
     chunks = case.block_table.shape[1] + case.staging.shape[2] // g  # as the launcher counts
     return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, batch_invariant())[1]

@@ -592,12 +592,6 @@ def fast_decode_partial_kernel(
     gl.store(ml_ptr + mpart * 2 + 1, gl.convert_layout(l_all, MLL), mask=hh < GROUP)
 
 
-def fast_decode_splits(num_seqs: int, num_kv_heads: int, max_tiles: int, num_sms: int) -> int:
-    """About 4 programs per SM, at most one split per tile."""
-    want = max(1, (4 * num_sms) // max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, max_tiles, 64))
-
-
 def launch_fast_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -659,6 +653,5 @@ __all__ = [
     "MAX_GROUP",
     "PRESET",
     "fast_decode_partial_kernel",
-    "fast_decode_splits",
     "launch_fast_decode",
 ]

@@ -179,6 +179,16 @@ def fast_decode_supported(
     )
 
 
+def fast_decode_splits(
+    num_seqs: int, num_kv_heads: int, max_tiles: int, device: torch.device
+) -> int:
+    """Splits of the fast decode kernel: about 4 programs per SM, at most one per tile, one
+    less than the combine's maximum (the Triton kernel's split for staging is the other)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, (4 * sms) // max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, max_tiles, _MAX_SPLITS - 1))
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -360,11 +370,7 @@ def _run(
     ):
         from kvarn_kernels.attention import fast
 
-        sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-        fast_splits = min(
-            fast.fast_decode_splits(num_seqs, num_kv_heads, block_table.shape[1], sms),
-            _MAX_SPLITS - 1,
-        )
+        fast_splits = fast_decode_splits(num_seqs, num_kv_heads, block_table.shape[1], query.device)
         num_splits = 1
     if num_splits is None:
         split_steps, num_splits = launch_splits(
