@@ -257,17 +257,6 @@ def _offsets(L: gl.constexpr, SHAPE: gl.constexpr, STRIDES: gl.constexpr):
 
 
 @gluon.jit
-def _idx3(S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, L: gl.constexpr):
-    i0 = gl.arange(0, S0, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
-    i1 = gl.arange(0, S1, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
-    i2 = gl.arange(0, S2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
-    i0 = gl.expand_dims(gl.expand_dims(i0, 1), 2)
-    i1 = gl.expand_dims(gl.expand_dims(i1, 0), 2)
-    i2 = gl.expand_dims(gl.expand_dims(i2, 0), 1)
-    return i0, i1, i2
-
-
-@gluon.jit
 def _idx2(S0: gl.constexpr, S1: gl.constexpr, L: gl.constexpr):
     i0 = gl.arange(0, S0, layout=gl.SliceLayout(1, L))
     i1 = gl.arange(0, S1, layout=gl.SliceLayout(0, L))
@@ -275,21 +264,9 @@ def _idx2(S0: gl.constexpr, S1: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _tok(w, n):
-    # Physical token (within the tile) of warp w's logical token n.
-    return 32 * w + 4 * (n % 8) + n // 8
-
-
-@gluon.jit
 def _vchan(m):
     # Physical value channel of logical PV row m.
     return 16 * (m % 8) + m // 8
-
-
-@gluon.jit
-def _kchan(k):
-    # Physical key channel of logical QK channel k (b + 2 tig + 8 i + 16 ks -> 32 tig + 4 ks + 2 i + b).
-    return 32 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
 
 
 @gluon.jit
@@ -321,11 +298,6 @@ def _v_channels(x):
     # [4, g, 16 channels 16 g + q] (VC_L) -> [4, 128 logical m = 8 q + g] in SliceLayout(2, MMA).
     y = gl.permute(x, (0, 2, 1))
     return gl.convert_layout(gl.reshape(y, [4, 128]), gl.SliceLayout(2, MMA), assert_trivial=True)
-
-
-@gluon.jit
-def _log8(codes):
-    return gl.exp2(codes.to(gl.float32) * 0.0625 - 1.0)
 
 
 @gluon.jit
