@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import triton  # type: ignore[import-untyped]
+from kvarn_kernels._format import offset_constants
 from kvarn_kernels._triton import INTERPRET
 from kvarn_math import PRESETS, get_preset, tile_layout
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
@@ -39,24 +40,12 @@ FLOAT_ARGS = ("rsqrt_d", "qk_scale")
 def _tile_consts(preset: str, d: int) -> dict[str, int]:
     """The constants every kernel that reads or writes a record takes: G, D, bits, offsets."""
     p = get_preset(preset)
-    o = tile_layout(preset, d).offsets
-    names = {
-        "OFF_KC": "k_codes",
-        "OFF_KS": "k_scale",
-        "OFF_KZ": "k_zero",
-        "OFF_KT": "k_token_scale",
-        "OFF_VC": "v_codes",
-        "OFF_VCS": "v_channel_scale",
-        "OFF_VS": "v_scale",
-        "OFF_VZ": "v_zero",
-        "OFF_FL": "flags",
-    }
     return {
         "G": p.group_size,
         "D": d,
         "KEY_BITS": p.key_bits,
         "VALUE_BITS": p.value_bits,
-        **{k: o[v] for k, v in names.items()},
+        **offset_constants(tile_layout(preset, d)),
     }
 
 
@@ -257,9 +246,7 @@ def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     ptrs = {"qs_ptr": "*fp16", "qa_ptr": "*fp32", "cache_u8_ptr": "*u8"}
     ptrs |= {"cache_u16_ptr": "*i16", "cache_u32_ptr": "*i32", "cache_f16_ptr": "*fp16"}
     ptrs |= {"acc_ptr": "*fp32", "ml_ptr": "*fp32"}
-    tile = {
-        k: v for k, v in _tile_consts(fast.PRESET, fast.HEAD_DIM).items() if k.startswith("OFF")
-    }
+    tile = offset_constants(tile_layout(fast.PRESET, fast.HEAD_DIM))
     rows = []
     for group, frames in ((4, 2), (8, 2), (4, 1)):
         consts = dict(tile, GROUP=group, NUM_FRAMES=frames, SINK=True)

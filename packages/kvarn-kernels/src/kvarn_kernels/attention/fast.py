@@ -43,6 +43,7 @@ from triton.experimental.gluon import language as gl  # type: ignore[import-unty
 from triton.experimental.gluon._runtime import constexpr_function  # type: ignore[import-untyped]
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # type: ignore[import-untyped]
 
+from kvarn_kernels._format import offset_constants
 from kvarn_kernels.attention.prep import prepare_queries
 
 PRESET = "kvarn_k4v2_g128"
@@ -579,7 +580,6 @@ def launch_fast_decode(
 ) -> None:
     """Write splits ``[split0, split0 + num_splits)`` of the partials ``acc`` / ``ml`` (the
     layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence."""
-    off = tile_layout(PRESET, HEAD_DIM).offsets
     b, hq, _ = query.shape
     hkv = kv_cache.shape[1]
     qs, qa = prepare_queries(query, scale, raw_keys)  # one launch
@@ -606,15 +606,7 @@ def launch_fast_decode(
         GROUP=hq // hkv,
         NUM_FRAMES=2 if raw_keys else 1,
         SINK=sink_lens is not None,
-        OFF_KC=off["k_codes"],
-        OFF_KS=off["k_scale"],
-        OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"],
-        OFF_VC=off["v_codes"],
-        OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"],
-        OFF_VZ=off["v_zero"],
-        OFF_FL=off["flags"],
+        **offset_constants(tile_layout(PRESET, HEAD_DIM)),
         num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,
     )

@@ -10,6 +10,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, TileLayout
 
+from kvarn_kernels._format import offset_constants
 from kvarn_kernels._guards import (
     MODEL_DTYPES,
     check_cache,
@@ -392,7 +393,6 @@ def _run(
     )
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
     fk, fv = (query, query) if fresh_kv is None else fresh_kv  # unread without FRESH
-    off = layout.offsets
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
     kernel[grid](
@@ -446,15 +446,7 @@ def _run(
         FP32=fp32,
         PHASED=p.key_bits == 4 and p.value_bits in (2, 4),
         FRESH=fresh_kv is not None,
-        OFF_KC=off["k_codes"],
-        OFF_KS=off["k_scale"],
-        OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"],
-        OFF_VC=off["v_codes"],
-        OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"],
-        OFF_VZ=off["v_zero"],
-        OFF_FL=off["flags"],
+        **offset_constants(layout),
         RAW_KEYS=bool(raw_keys),
         QUANT=not fast_splits,
         **launch,

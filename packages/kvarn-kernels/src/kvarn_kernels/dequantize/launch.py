@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from kvarn_math.layout import Preset, TileLayout
 
+from kvarn_kernels._format import offset_constants
 from kvarn_kernels._guards import (
     MODEL_DTYPES,
     check_cache,
@@ -43,7 +44,6 @@ def _launch(
         k, v = out
     if n == 0:
         return k, v
-    off = layout.offsets
     dequantize_kernel[(n, h)](
         kv_cache,
         kv_cache.view(torch.float16),
@@ -59,15 +59,7 @@ def _launch(
         D=d,
         KEY_BITS=p.key_bits,
         VALUE_BITS=p.value_bits,
-        OFF_KC=off["k_codes"],
-        OFF_KS=off["k_scale"],
-        OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"],
-        OFF_VC=off["v_codes"],
-        OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"],
-        OFF_VZ=off["v_zero"],
-        OFF_FL=off["flags"],
+        **offset_constants(layout),
         UNROTATE=not rotated,
         num_warps=_num_warps(layout),
     )

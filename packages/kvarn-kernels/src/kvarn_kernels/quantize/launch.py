@@ -11,6 +11,7 @@ from kvarn_math.layout import Preset, TileLayout
 from kvarn_math.tile import KEY_FRAMES
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
+from kvarn_kernels._format import offset_constants
 from kvarn_kernels._guards import (
     MODEL_DTYPES,
     check_cache,
@@ -88,7 +89,6 @@ def _launch_quantize(
     if tiles.shape[0] == 0:
         return
     p, d = layout.preset, layout.head_dim
-    off = layout.offsets
     cache_f16 = kv_cache.view(torch.float16)
     num_kv_heads = kv_cache.shape[1]
     group = 1
@@ -129,15 +129,7 @@ def _launch_quantize(
         KEY_BITS=p.key_bits,
         VALUE_BITS=p.value_bits,
         ITERS=iterations,
-        OFF_KC=off["k_codes"],
-        OFF_KS=off["k_scale"],
-        OFF_KZ=off["k_zero"],
-        OFF_KT=off["k_token_scale"],
-        OFF_VC=off["v_codes"],
-        OFF_VCS=off["v_channel_scale"],
-        OFF_VS=off["v_scale"],
-        OFF_VZ=off["v_zero"],
-        OFF_FL=off["flags"],
+        **offset_constants(layout),
         FRESH_ROTATED=fresh_rotated,
         PRECISE=PRECISE_MATH,
         num_warps=_num_warps(layout),
