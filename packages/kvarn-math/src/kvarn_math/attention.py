@@ -239,9 +239,26 @@ def recent_window_start(
     Raises:
         ValueError: lengths out of order or not tile multiples, negative ``R``, ``S < 1``.
     """
-    g = group_size
     if not isinstance(recent_tiles, int) or recent_tiles < 0:
         raise ValueError(f"recent_tiles must be an int >= 0, got {recent_tiles!r}")
+    start = _window_start(
+        num_cached, seq_len, quantized_len, group_size, recent_tiles, ring_tiles, exact_start
+    )
+    return quantized_len if recent_tiles == 0 else start
+
+
+def _window_start(
+    num_cached: int,
+    seq_len: int,
+    quantized_len: int,
+    g: int,
+    back_tiles: int,
+    ring_tiles: int,
+    exact_start: int,
+) -> int:
+    """``min(quantized_len, max(exact_start, window, ring))``: ``window`` starts ``back_tiles``
+    tiles before the tile of the step's first new token, ``ring`` at the first whole tile of the
+    last ``ring_tiles * G`` positions; the arguments checked."""
     if not isinstance(ring_tiles, int) or ring_tiles < 1:
         raise ValueError(f"ring_tiles must be an int >= 1, got {ring_tiles!r}")
     if not 0 <= num_cached <= seq_len or not 0 <= quantized_len <= seq_len:
@@ -254,9 +271,7 @@ def recent_window_start(
             f"quantized_len ({quantized_len}) and exact_start ({exact_start}) must be "
             f"multiples of G={g}, exact_start in [0, num_cached={num_cached}]"
         )
-    if recent_tiles == 0:
-        return quantized_len
-    window = (num_cached // g - recent_tiles) * g
+    window = (num_cached // g - back_tiles) * g
     ring = -(-(seq_len - ring_tiles * g) // g) * g  # whole tiles of the last S*G positions
     return min(quantized_len, max(exact_start, window, ring))
 
@@ -278,12 +293,9 @@ def key_window_start(
     ``R = 0`` counted from the step's first token, so a step that completes its tile (a decode
     step, a tile-aligned chunk) still reads that tile's keys exact.
     """
-    g = group_size
     if not isinstance(open_tiles, int) or open_tiles < 1:
         raise ValueError(f"open_tiles must be an int >= 1, got {open_tiles!r}")
-    recent_window_start(num_cached, seq_len, quantized_len, g, 0, open_tiles, exact_start)
-    ring = -(-(seq_len - open_tiles * g) // g) * g
-    return min(quantized_len, max(exact_start, num_cached // g * g, ring))
+    return _window_start(num_cached, seq_len, quantized_len, group_size, 0, open_tiles, exact_start)
 
 
 def step_sequence(
