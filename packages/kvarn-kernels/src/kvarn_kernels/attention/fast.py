@@ -522,7 +522,10 @@ def fast_decode_partial_kernel(
         # ---- online softmax (base 2) per warp
         m_new = gl.maximum(m_i, gl.max(s, axis=2))
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 2))
+        # s - m_new <= 0 up to rounding: the max and this difference may contract the score
+        # product differently (an ulp of a score of 2e5 is 0.016), and p * v_scale must fit
+        # fp16 even when v_scale is 65504.
+        p = gl.exp2(gl.minimum(s - gl.expand_dims(m_new, 2), 0.0))
         l_i = l_i * alpha + gl.sum(p, axis=2)
         m_i = m_new
 

@@ -54,7 +54,9 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 def _online_update(s, m_i, l_i, acc):
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # <= 0 up to rounding (the max and the difference may round the scores differently);
+    # the clamp keeps p <= 1, so p * v_scale fits fp16 even when v_scale is 65504.
+    p = tl.exp2(tl.minimum(s - m_new[:, None], 0.0))
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     return p, m_new, l_i, acc
@@ -434,8 +436,8 @@ def _attend_step_phased(
         s1 = tl.where(_visible(pos0 + 1, qpos, window, kv_end, CLIP), s1, float("-inf"))
     m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
     alpha = tl.exp2(m_i - m_new)
-    p0 = tl.exp2(s0 - m_new[:, None])
-    p1 = tl.exp2(s1 - m_new[:, None])
+    p0 = tl.exp2(tl.minimum(s0 - m_new[:, None], 0.0))  # p <= 1, as _online_update
+    p1 = tl.exp2(tl.minimum(s1 - m_new[:, None], 0.0))
     l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
 
     # p <= 1 and v_scale is fp16, so p * v_scale fits fp16 without normalization.
