@@ -152,16 +152,20 @@ def staged_reference(ref: QuantizedSequence, dtype: torch.dtype) -> QuantizedSeq
     def through(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         return through_dtype(x, dtype)
 
-    first_k = None if ref.first_k is None else through(ref.first_k)
-    first_v = None if ref.first_v is None else through(ref.first_v)
+    def maybe(x: npt.NDArray[np.float32] | None) -> npt.NDArray[np.float32] | None:
+        return None if x is None else through(x)
+
     return QuantizedSequence(
         ref.preset,
         ref.head_dim,
         ref.records,
         through(ref.tail_k),
         through(ref.tail_v),
-        first_k,
-        first_v,
+        maybe(ref.first_k),
+        maybe(ref.first_v),
+        maybe(ref.recent_k),
+        maybe(ref.recent_v),
+        ref.window_keys,
     )
 
 

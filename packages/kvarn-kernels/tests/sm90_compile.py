@@ -124,6 +124,8 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
                 _tile_consts(name, d),
                 SG=g,
                 SINK_ROWS=g,
+                KSG=g,
+                KSINK=0,  # the key ring of values-only windows (the default layout: g)
                 GROUP=4,
                 KEY_FRAME=1,  # chosen from the queries: both frames quantized, the most code
                 ITERS=DEFAULT_ITERATIONS,
@@ -188,6 +190,9 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 _tile_consts(name, d),
                 SG=p.group_size,
                 SINK_ROWS=p.group_size,
+                KSG=p.group_size,
+                KSINK=p.group_size,
+                VWIN=False,
                 GROUP=group,
                 BLOCK_H=block_h,
                 BLOCK_Q=block_q,
@@ -203,6 +208,14 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
             rows.append(compile_kernel(attention_partial_kernel, ptrs, consts, opts, label))
+            if name == "kvarn_k4v2_g128" and d == 128:
+                # Values-only exact windows (the key ring apart, window keys from records).
+                vconsts = {**consts, "KSINK": 0, "VWIN": True}
+                rows.append(
+                    compile_kernel(
+                        attention_partial_kernel, ptrs, vconsts, opts, f"{label} value windows"
+                    )
+                )
             if d == max(head_dims) and name == "kvarn_k4v2_g128":
                 # Other query dtypes at the largest head size: fp16, and fp32 (exact dots).
                 for dt in ("fp16", "fp32"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import kvarn_kernels as kk
 import numpy as np
 import pytest
@@ -372,6 +374,76 @@ def test_fast_decode_matches_the_triton_kernel(
             TOL[dtype],
             what=f"seq {b}: fast against Triton",
         )
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_values_only_windows_decode(sink: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values-only exact windows at a real shape (kvarn_k4v2_g128, head_dim 128, bf16, GQA 4,
+    the key frame chosen per tile): prefill, then decode steps across a tile boundary; the
+    fast path (its Triton launch scoring the window tiles from their records) against the
+    Triton kernel alone and kvarn_math's ``window_keys=False``."""
+    from kvarn_math import step_sequence
+
+    preset, d, g, hq, hkv, dtype = "kvarn_k4v2_g128", 128, 128, 16, 4, torch.bfloat16
+    s_tiles, recent = 2, 1
+    lens = [3 * g - 2, g - 1, 5 * g + 60, 2]
+    steps = 4
+    seqs = [
+        (
+            make_kv((t + steps, hkv, d), "outlier_channels", 60 + i),
+            make_kv((t + steps, hkv, d), "gaussian", 80 + i),
+        )
+        for i, t in enumerate(lens)
+    ]
+    n = len(lens)
+    cache = unwritten_cache(*kk.cache_shape(n * 8, hkv, d, preset), DEV)
+    shape = kk.staging_shape(n, hkv, d, preset, staging_tiles=s_tiles, sink=sink, key_tiles=1)
+    staging = nan_like_staging(shape, dtype, DEV)
+    table = np.arange(n * 8, dtype=np.int32).reshape(n, 8)[:, ::-1].copy()
+    slots = list(range(n))[::-1]
+    sink_lens = torch.tensor([g] * n, dtype=torch.int32, device=DEV) if sink else None
+    cached, new = [0] * n, list(lens)
+    for step in range(steps + 1):
+        keys = torch.cat(
+            [torch.from_numpy(k[c : c + m]) for (k, _), c, m in zip(seqs, cached, new)]
+        )
+        vals = torch.cat(
+            [torch.from_numpy(v[c : c + m]) for (_, v), c, m in zip(seqs, cached, new)]
+        )
+        q_all = torch.from_numpy(make_kv((keys.shape[0], hq, d), "gaussian", step)).to(DEV, dtype)
+        plan = kk.plan_store(
+            cached, new, None, slots, table, preset, staging_tiles=s_tiles, sink=sink,
+            recent_tiles=recent, exact_start=[0] * n, window_keys=False,
+        ).to(DEV)  # fmt: skip
+        kk.store_kv(
+            keys.to(DEV, dtype), vals.to(DEV, dtype), cache, staging, plan, preset,
+            key_frame="auto", query=q_all,
+        )  # fmt: skip
+        before, cached, new = cached, [c + m for c, m in zip(cached, new)], [1] * n
+        if step == 0:
+            continue
+        q = torch.from_numpy(make_kv((n, hq, d), "gaussian", 100 + step)).to(DEV, dtype)
+        outs = {}
+        for fast in ("1", "0"):
+            monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", fast)
+            outs[fast] = kk.decode_attention(
+                q, cache, staging, torch.from_numpy(table).to(DEV), plan.seq_lens,
+                plan.attention_lens, torch.tensor(slots, dtype=torch.int32, device=DEV), preset,
+                d**-0.5, sink_lens=sink_lens, key_lens=plan.key_read_lens, key_tiles=1,
+            )  # fmt: skip
+        q_in = q.float().cpu().numpy()
+        for b, (k, v) in enumerate(seqs):
+            ref = step_sequence(
+                k[: cached[b]], v[: cached[b]], preset, before[b], recent_tiles=recent,
+                ring_tiles=s_tiles, keep_first_tile=sink and cached[b] >= g, window_keys=False,
+            )  # fmt: skip
+            # the store chose each tile's key frame: read the records it wrote
+            blocks = torch.from_numpy(table[b, : ref.records.shape[0]].copy()).to(DEV)
+            ref = staged_reference(replace(ref, records=cache[blocks].cpu().numpy()), dtype)
+            want = reference_attention(q_in[b : b + 1], ref, d**-0.5)
+            for fast, out in outs.items():
+                got = out[b : b + 1].float().cpu().numpy()
+                assert_close_rms(want, got, TOL[dtype], what=f"step {step} seq {b} fast {fast}")
 
 
 def test_fast_decode_under_cuda_graphs() -> None:

@@ -19,14 +19,28 @@ from kvarn_math.testing import assert_close_rms, make_kv
 pytestmark = pytest.mark.interpreter
 
 
-@pytest.mark.parametrize(("sink", "recent"), [(False, 0), (True, 0), (False, 1), (True, 1)])
-def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
+@pytest.mark.parametrize(
+    ("sink", "recent", "window_keys"),
+    [
+        (False, 0, True),
+        (True, 0, True),
+        (False, 1, True),
+        (True, 1, True),
+        (True, 0, False),
+        (False, 1, False),
+        (True, 1, False),
+    ],
+)
+def test_prefill_then_decode_matches_reference(sink: bool, recent: int, window_keys: bool) -> None:
     """Two requests: chunked prefill, then decode steps across a tile boundary.
 
     With ``sink`` the first tile stays exact in the staging's sink rows (attention reads it
     there) while its quantized record is still written, identical to the no-sink record.
     With ``recent`` the complete tile before the step's token stays in the ring too and
     attention reads it there (the plan's ``attention_lens``), its record written all the same.
+    Without ``window_keys`` those windows keep only their values (their keys are read from
+    the records; the key ring holds the open tile): the continuation chunk (multi-query, its
+    own tokens exact) and every decode step match kvarn_math's ``window_keys=False``.
     """
     preset, d, h, hq = "kvarn_k4v2_g64", 64, 2, 4
     g = get_preset(preset).group_size
@@ -39,8 +53,11 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
     lay = kk.cache_shape(8, h, d, preset)
     cache = unwritten_cache(*lay, "cpu")
     s_tiles = 1 + recent
+    key_tiles = None if window_keys else s_tiles - recent
     staging = nan_like_staging(
-        kk.staging_shape(3, h, d, preset, staging_tiles=s_tiles, sink=sink), torch.float32, "cpu"
+        kk.staging_shape(3, h, d, preset, staging_tiles=s_tiles, sink=sink, key_tiles=key_tiles),
+        torch.float32,
+        "cpu",
     )
     table = np.array([[6, 2, 5], [0, 7, 3]], dtype=np.int32)
     sink_lens = torch.tensor([g, g], dtype=torch.int32) if sink else None
@@ -66,9 +83,47 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
             sink=sink,
             recent_tiles=recent,
             exact_start=[0, 0],
+            window_keys=window_keys,
         )
+        assert plan.key_tiles == key_tiles
         kk.store_kv(keys, vals, cache, staging, plan, preset)
+        before = cached
         cached = [c + n for c, n in zip(cached, new, strict=True)]
+        windows = dict(key_lens=plan.key_read_lens, key_tiles=key_tiles)
+        if before[0] and new[0] > 1:
+            # the continuation chunk of request 0 (request 1 adds nothing): its own K/V exact
+            n0 = new[0]
+            q = make_kv((n0, hq, d), "gaussian", 99)
+            out = kk.multi_query_attention(
+                torch.from_numpy(q),
+                torch.tensor([0, n0, n0], dtype=torch.int32),
+                cache,
+                staging,
+                bt,
+                plan.seq_lens,
+                plan.attention_lens,
+                torch.tensor(slots, dtype=torch.int32),
+                preset,
+                d**-0.5,
+                max_query_len=n0,
+                sink_lens=sink_lens,
+                fresh_kv=(kk.rotate(keys[:n0]), kk.rotate(vals[:n0])),
+                **windows,
+            )
+            k, v = seqs[0]
+            ref = step_sequence(
+                k[: cached[0]],
+                v[: cached[0]],
+                preset,
+                before[0],
+                recent_tiles=recent,
+                ring_tiles=s_tiles,
+                keep_first_tile=sink and cached[0] >= g,
+                window_keys=window_keys,
+            )
+            exact = (k[before[0] : cached[0]], v[before[0] : cached[0]])
+            want = reference_attention(q, ref, d**-0.5, exact_kv=exact)
+            assert_close_rms(want, out[:n0].numpy(), 1e-4, what=f"chunk {before} -> {cached}")
         if new == [1, 1]:
             q = make_kv((2, hq, d), "gaussian", sum(cached))
             out = kk.decode_attention(
@@ -83,6 +138,7 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
                 d**-0.5,
                 num_splits=2,
                 sink_lens=sink_lens,
+                **windows,
             )
             for b, (k, v) in enumerate(seqs):
                 ref = step_sequence(
@@ -93,6 +149,7 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int) -> None:
                     recent_tiles=recent,
                     ring_tiles=s_tiles,
                     keep_first_tile=sink and cached[b] >= g,
+                    window_keys=window_keys,
                 )
                 want = reference_attention(q[b : b + 1], ref, d**-0.5)
                 assert_close_rms(want, out[b : b + 1].numpy(), 1e-4, what=f"step {cached}, seq {b}")

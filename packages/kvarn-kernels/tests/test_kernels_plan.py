@@ -18,19 +18,29 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples
 from kvarn_kernels import plan_store, plan_store_device
-from kvarn_math.attention import recent_window_start
+from kvarn_math.attention import key_window_start, recent_window_start
 
 G = 64
 
 
 class Sim:
-    """The cache and staging of a batch of requests, holding token identities."""
+    """The cache and staging of a batch of requests, holding token identities (keys and values
+    apart: with values-only windows they have their own rings)."""
 
-    def __init__(self, num_requests: int, staging_tiles: int, sink: bool = False) -> None:
+    def __init__(
+        self,
+        num_requests: int,
+        staging_tiles: int,
+        sink: bool = False,
+        key_tiles: int | None = None,
+    ) -> None:
         self.sg = staging_tiles * G
         self.base = G if sink else 0  # sink rows in front of the ring
-        self.staging: dict[tuple[int, int], tuple[int, int]] = {}
-        self.blocks: dict[int, list[tuple[int, int]]] = {}
+        self.ksg = None if key_tiles is None else key_tiles * G  # the key ring (no sink rows)
+        self.staging: dict[tuple[int, int], tuple[int, int]] = {}  # values
+        self.key_staging: dict[tuple[int, int], tuple[int, int]] = {}
+        self.blocks: dict[int, list[tuple[int, int]]] = {}  # values
+        self.key_blocks: dict[int, list[tuple[int, int]]] = {}
         self.writes_per_block: dict[int, int] = {}
 
     def apply(self, plan, batch: list[tuple[int, int]]) -> None:  # type: ignore[no-untyped-def]
@@ -39,17 +49,25 @@ class Sim:
         for block, slot, start, staged, fresh in tiles:
             if block < 0:
                 continue
-            toks = [self.staging[(slot, self.row(start + i))] for i in range(staged)]
-            toks += [batch[fresh + i] for i in range(G - staged)]
-            self.blocks[int(block)] = toks
+            fresh_toks = [batch[fresh + i] for i in range(G - staged)]
+            vals = [self.staging[(slot, self.row(start + i))] for i in range(staged)]
+            keys = [self.key_staging[(slot, self.key_row(start + i))] for i in range(staged)]
+            self.blocks[int(block)] = vals + fresh_toks
+            self.key_blocks[int(block)] = keys + fresh_toks
             self.writes_per_block[int(block)] = self.writes_per_block.get(int(block), 0) + 1
-        for token, slot, pos in plan.writes.numpy():
+        for token, slot, pos, kpos in plan.writes.numpy():
             if token < 0:
                 continue
-            self.staging[(int(slot), int(pos))] = batch[token]
+            if pos >= 0:
+                self.staging[(int(slot), int(pos))] = batch[token]
+            if kpos >= 0:
+                self.key_staging[(int(slot), int(kpos))] = batch[token]
 
     def row(self, pos: int) -> int:
         return pos if pos < self.base else self.base + (pos - self.base) % self.sg
+
+    def key_row(self, pos: int) -> int:
+        return self.row(pos) if self.ksg is None else pos % self.ksg
 
 
 @st.composite
@@ -74,6 +92,7 @@ def schedules(draw: st.DrawFn) -> dict[str, object]:
         "sink": draw(st.booleans()),
         "recent": draw(st.integers(0, 2)),
         "hits": [draw(st.sampled_from([0, 0, G, 2 * G])) for _ in range(n)],
+        "window_keys": draw(st.booleans()),
     }
 
 
@@ -85,7 +104,9 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
     recent = int(sched["recent"])
     s_tiles = (2 if spec else 1) + recent
     sink = bool(sched.get("sink", False))
-    sim = Sim(n, s_tiles, sink)
+    window_keys = bool(sched.get("window_keys", True))
+    key_tiles = None if window_keys else s_tiles - recent
+    sim = Sim(n, s_tiles, sink, key_tiles)
     table = np.arange(n * 64, dtype=np.int32).reshape(n, 64) * 7 % (n * 64)
     slots = list(range(n))[::-1]
     # A prefix-cache hit of `hits[i]` tokens: records another request wrote, nothing staged.
@@ -129,21 +150,42 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
             sink=sink,
             recent_tiles=recent,
             exact_start=hits,
+            window_keys=window_keys,
         )
+        assert plan.key_tiles == key_tiles
         assert_device_plan_equals(
-            plan, cached, new, committed_after, slots, table, s_tiles, quant, sink, recent, hits
+            plan,
+            cached,
+            new,
+            committed_after,
+            slots,
+            table,
+            s_tiles,
+            quant,
+            sink,
+            recent,
+            hits,
+            window_keys,
         )
         sim.apply(plan, batch)
         quant = plan.quantized_lens.tolist()
         read = plan.attention_lens.tolist()
+        key_read = read if window_keys else plan.key_read_lens.tolist()
         for i in range(n):
             total = cached[i] + new[i]
             assert read[i] == recent_window_start(
                 cached[i], total, quant[i], G, recent, s_tiles, hits[i]
             )
+            if not window_keys:
+                assert key_read[i] == key_window_start(
+                    cached[i], total, quant[i], G, s_tiles - recent, hits[i]
+                )
             # staging holds [read_len, seq_len): attention reads exact tokens from there
             for pos in range(read[i], cached[i] + new[i]):
                 assert sim.staging[(slots[i], sim.row(pos))] == (pos, version[i][pos])
+            # and the keys from key_read_len on (the same positions with window keys)
+            for pos in range(key_read[i], cached[i] + new[i]):
+                assert sim.key_staging[(slots[i], sim.key_row(pos))] == (pos, version[i][pos])
             # accepted drafts become committed; rejected ones are dropped from the length
             keep = min(new[i], 1 if (spec and step > 0 and new[i]) else new[i]) + accepted[i]
             cached[i] += keep
@@ -151,7 +193,9 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
         for t in range(hits[i] // G, quant[i] // G):
             block = int(table[i, t])
             assert sim.writes_per_block[block] == 1
-            assert sim.blocks[block] == [committed_tok[i][p] for p in range(t * G, (t + 1) * G)]
+            want = [committed_tok[i][p] for p in range(t * G, (t + 1) * G)]
+            assert sim.blocks[block] == want
+            assert sim.key_blocks[block] == want
         assert quant[i] == (max(committed_tok[i], default=-1) + 1) // G * G or spec
         if sink:  # the sink rows hold the request's committed first tile, for good
             for pos in range(hits[i], min(G, cached[i])):
@@ -159,7 +203,18 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
 
 
 def assert_device_plan_equals(  # type: ignore[no-untyped-def]
-    plan, cached, new, committed, slots, table, s_tiles, quant, sink=False, recent=0, hits=None
+    plan,
+    cached,
+    new,
+    committed,
+    slots,
+    table,
+    s_tiles,
+    quant,
+    sink=False,
+    recent=0,
+    hits=None,
+    window_keys=True,
 ) -> None:
     """plan_store_device, given the committed count as ``num_drafts``, makes the same plan."""
     n = len(cached)
@@ -183,6 +238,7 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
         sink=sink,
         recent_tiles=recent,
         exact_start=None if hits is None else t(hits),
+        window_keys=window_keys,
     )
     tiles, writes = dev.tiles.numpy(), dev.writes.numpy()
     np.testing.assert_array_equal(tiles[: plan.num_tiles], plan.tiles.numpy())
@@ -192,6 +248,10 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
     np.testing.assert_array_equal(dev.quantized_lens.numpy(), plan.quantized_lens.numpy())
     np.testing.assert_array_equal(dev.seq_lens.numpy(), plan.seq_lens.numpy())
     np.testing.assert_array_equal(dev.attention_lens.numpy(), plan.attention_lens.numpy())
+    if window_keys:
+        assert dev.key_read_lens is None and plan.key_read_lens is None
+    else:
+        np.testing.assert_array_equal(dev.key_read_lens.numpy(), plan.key_read_lens.numpy())
 
 
 def test_device_plan_padding_rows_and_shapes() -> None:
@@ -209,13 +269,13 @@ def test_device_plan_padding_rows_and_shapes() -> None:
         max_tiles=3,
         max_writes=9,
     )
-    assert dev.tiles.shape == (3, 5) and dev.writes.shape == (9, 3)
+    assert dev.tiles.shape == (3, 5) and dev.writes.shape == (9, 4)
     # committed = 70 - 5 = 65: tile 0 (block 4), 63 staged tokens + batch row 0 (position 63)
     assert dev.tiles[0].tolist() == [4, 3, 0, 63, 0]
     assert (dev.tiles[1:] == -1).all()
     # tokens 1..6 (positions 64..69) go to staging, token 0 is in the tile; rows 7, 8 padding
     assert dev.writes[:, 0].tolist() == [-1, 1, 2, 3, 4, 5, 6, -1, -1]
-    assert dev.writes[1].tolist() == [1, 3, 64]
+    assert dev.writes[1].tolist() == [1, 3, 64, 64]
     assert dev.quantized_lens.tolist() == [64, 0]
 
 
@@ -232,7 +292,7 @@ def test_padding_for_cuda_graphs() -> None:
     plan = plan_store(
         [G - 1], [1], None, [0], [[3, 9]], "kvarn_k4v2_g64", max_tiles=4, max_writes=8
     )
-    assert plan.tiles.shape == (4, 5) and plan.writes.shape == (8, 3)
+    assert plan.tiles.shape == (4, 5) and plan.writes.shape == (8, 4)
     assert plan.tiles[1:, 0].eq(-1).all() and plan.writes[:, 0].eq(-1).all()
     with pytest.raises(ValueError, match="max_tiles=0 is smaller"):
         plan_store([G - 1], [1], None, [0], [[3, 9]], "kvarn_k4v2_g64", max_tiles=0)

@@ -59,8 +59,10 @@ def run_accept_reject(
     head_dim: int,
     dtype: torch.dtype,
     device: str,
+    window_keys: bool = True,
 ) -> None:
-    """Drive ``run`` through plan -> store_kv and compare with storing the accepted tokens once."""
+    """Drive ``run`` through plan -> store_kv and compare with storing the accepted tokens once
+    (``window_keys=False``: with the key ring of values-only windows apart)."""
     p = get_preset(preset)
     g = p.group_size
     s_tiles = 2  # kvarn-vllm's S for up to G/2 drafts
@@ -85,8 +87,11 @@ def run_accept_reject(
     num_slots = 2 * n + 1
     shape = kk.cache_shape(n * max_blocks, h, d, p)
     cache = unwritten_cache(*shape, device)
+    key_tiles = None if window_keys else s_tiles
     staging = nan_like_staging(
-        kk.staging_shape(num_slots, h, d, p, staging_tiles=s_tiles), dtype, device
+        kk.staging_shape(num_slots, h, d, p, staging_tiles=s_tiles, key_tiles=key_tiles),
+        dtype,
+        device,
     )
     dev_table = torch.from_numpy(table).to(device)
     length = [0] * n
@@ -123,6 +128,7 @@ def run_accept_reject(
                 p,
                 staging_tiles=s_tiles,
                 num_quantized=q_before,
+                window_keys=window_keys,
             ).to(device)
         else:
             qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
@@ -141,6 +147,7 @@ def run_accept_reject(
                 staging_tiles=s_tiles,
                 max_tiles=len(rows) * (max_blocks + 1),
                 max_writes=int(qsl[-1]) + 3,  # padding rows past the batch are skipped
+                window_keys=window_keys,
             )
         key, val = torch.cat(keys).to(device), torch.cat(vals).to(device)
         kk.store_kv(key, val, cache, staging, plan, p)
@@ -174,7 +181,13 @@ def run_accept_reject(
         # A tile completed by the last accepted tokens waits for the next step's commit.
         assert quant[i] in (want_q, want_q - g) if want_q else quant[i] == 0
         pos = torch.arange(quant[i], length[i])
-        got_staged = staging[slots[i], :, (pos % (s_tiles * g)).to(device)]
+        rows = (pos % (s_tiles * g)).to(device)
+        if window_keys:
+            got_staged = staging[slots[i], :, rows]
+        else:  # the key ring (S tiles without recent ones), then the value rows
+            got_staged = torch.stack(
+                [staging[slots[i], rows], staging[slots[i], s_tiles * g + rows]]
+            )
         ref_positions = torch.arange(want_q, length[i]) % g
         ref_staged = ref_staging[slots[i], :, ref_positions.to(device)]
         torch.testing.assert_close(got_staged[:, pos.numpy() >= want_q], ref_staged, rtol=0, atol=0)
@@ -204,12 +217,14 @@ PINNED = {
     run=accept_reject_runs(64, 3),
     preset=st.sampled_from(["kvarn_k4v2_g64", "kvarn_k4v4_g64"]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    window_keys=st.booleans(),
 )
-@example(run=PINNED, preset="kvarn_k4v2_g64", dtype=torch.bfloat16)
+@example(run=PINNED, preset="kvarn_k4v2_g64", dtype=torch.bfloat16, window_keys=True)
+@example(run=PINNED, preset="kvarn_k4v2_g64", dtype=torch.bfloat16, window_keys=False)
 def test_accept_reject_records_equal_accepted_tokens_once(
-    planner: str, run: dict[str, object], preset: str, dtype: torch.dtype
+    planner: str, run: dict[str, object], preset: str, dtype: torch.dtype, window_keys: bool
 ) -> None:
-    run_accept_reject(run, preset, planner, 1, 64, dtype, "cpu")
+    run_accept_reject(run, preset, planner, 1, 64, dtype, "cpu", window_keys)
 
 
 @pytest.mark.gpu
@@ -217,8 +232,9 @@ def test_accept_reject_records_equal_accepted_tokens_once(
 @given(
     run=accept_reject_runs(128, 6),
     preset=st.sampled_from(["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"]),
+    window_keys=st.booleans(),
 )
 def test_accept_reject_records_equal_accepted_tokens_once_gpu(
-    run: dict[str, object], preset: str
+    run: dict[str, object], preset: str, window_keys: bool
 ) -> None:
-    run_accept_reject(run, preset, "device", 8, 128, torch.bfloat16, "cuda")
+    run_accept_reject(run, preset, "device", 8, 128, torch.bfloat16, "cuda", window_keys)

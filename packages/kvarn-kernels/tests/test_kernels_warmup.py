@@ -41,6 +41,15 @@ def test_warmup_runs_every_path(sink: bool, window: int | None) -> None:
     assert kk.compiled_variants() == {}  # the interpreter compiles nothing
 
 
+@pytest.mark.interpreter
+def test_warmup_with_values_only_windows() -> None:
+    """The values-only layout (a 4-D staging area, the key ring of the open tile apart)."""
+    summary = kk.warmup(
+        "kvarn_k4v2_g64", 64, 4, 2, torch.float32, "cpu", staging_tiles=2, sink=True, key_tiles=1
+    )
+    assert summary["launches"] == 2 + 2 * (1 + 2 * 6) + 3
+
+
 def test_warmup_rejects_a_bad_head_split() -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         kk.warmup("kvarn_k4v2_g128", 128, 6, 4, torch.float16, "cpu")

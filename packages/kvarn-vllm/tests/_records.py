@@ -30,7 +30,7 @@ def cached_records(kv_cache, block_row, kf, vf, seq, preset, head_dim, drift=0.0
     if n == 0:
         return seq
     g = seq.preset.group_size
-    first = 1 if seq.sink_tokens == g else 0  # an exact whole tile 0 has no record read
+    first = seq.first_record // g  # an exact whole tile 0 (keys too) has no record read
     blocks = torch.as_tensor(block_row[first : first + n]).long()
     got = kv_cache[blocks].numpy().reshape(seq.records.shape)
     tiles = []

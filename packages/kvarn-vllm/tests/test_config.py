@@ -33,7 +33,21 @@ def test_parse_every_preset(name, monkeypatch):
     assert cfg.recent_tiles == 1  # default: and the last complete one
     assert cfg.ring_tiles == 2
     assert cfg.ring_tokens == 2 * cfg.block_size
-    assert cfg.staging_tokens == 3 * cfg.block_size
+    # default: the exact tiles keep only their values: the keys of the open tile, the values
+    # of the sink, recent and open tiles (4 half tiles)
+    assert not cfg.window_keys and cfg.key_tiles == 1
+    assert cfg.staging_tokens == 2 * cfg.block_size
+
+
+def test_window_keys_env(monkeypatch):
+    monkeypatch.delenv("KVARN_VLLM_RECENT_TILES", raising=False)
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", "1")
+    cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
+    assert cfg.window_keys and cfg.key_tiles is None
+    assert cfg.staging_tokens == 3 * 128  # keys and values of the sink, recent and open tiles
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", "keys")
+    with pytest.raises(ValueError, match="KVARN_VLLM_WINDOW_KEYS must be 0 or 1, got 'keys'"):
+        parse_kv_cache_dtype("kvarn_k4v2_g128")
 
 
 def test_key_frame_env(monkeypatch):
@@ -64,7 +78,11 @@ def test_recent_env(monkeypatch):
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "2")
     cfg = parse_kv_cache_dtype("kvarn_k4v2_g64", num_speculative_tokens=3)
     assert (cfg.staging_tiles, cfg.recent_tiles, cfg.ring_tiles) == (2, 2, 4)
-    assert cfg.ring_tokens == 256 and cfg.staging_tokens == 320
+    # the key ring of the 2 open tiles, the values of the sink and the 4 ring tiles
+    assert cfg.ring_tokens == 256 and cfg.staging_tokens == (2 + 5) * 64 // 2
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", "1")
+    cfg = parse_kv_cache_dtype("kvarn_k4v2_g64", num_speculative_tokens=3)
+    assert cfg.staging_tokens == 320
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "0")
     assert parse_kv_cache_dtype("kvarn_k4v2_g128").ring_tokens == 128
     for bad in ("-1", "one", "5", "1.5"):

@@ -154,6 +154,7 @@ class Harness:
             recent_tiles=recent,
             ring_tiles=self.builder.config.ring_tiles,
             exact_start=exact_start,
+            window_keys=self.builder.config.window_keys,
         )
         seq = cached_records(self.kv_cache, self.block_table[slot], kf, vf, seq, PRESET, D)
         own = (kf[kf.shape[0] - n :], vf[vf.shape[0] - n :]) if n > 1 else None

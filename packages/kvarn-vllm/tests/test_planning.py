@@ -124,6 +124,7 @@ def test_builder_matches_plan_store(builder, reqs, seed):
         staging_tiles=builder.config.ring_tiles,
         recent_tiles=builder.config.recent_tiles,
         exact_start=np.zeros(n, dtype=np.int64),  # no row was (re)added: all began at 0
+        window_keys=builder.config.window_keys,
     )
     assert torch.equal(meta.plan.tiles, want.tiles)
     assert torch.equal(meta.plan.writes, want.writes)
@@ -269,6 +270,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
     assert positional[:5] == ("kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16)
     assert keywords == {
         "staging_tiles": 2,  # the ring: the open tile and the recent one
+        "key_tiles": 1,  # values-only windows (the default): the open tile's keys
         "sink": True,
         "sliding_window": 4096,
         "batch_invariant": False,

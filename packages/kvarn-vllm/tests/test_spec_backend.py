@@ -227,8 +227,9 @@ def test_real_attention_layer(vllm_config_factory):
     assert layer.attn_backend is backend_class("kvarn_k4v2_g64")
     assert layer.backend is AttentionBackendEnum.CUSTOM
     assert layer.kv_cache_torch_dtype is torch.uint8
-    # sink rows + ring (the open tile and the recent one)
-    assert layer.impl.staging.shape == (6, 2, 3 * 64, 2, 64)
+    # values-only windows (the default): the key ring (the open tile), then the sink rows
+    # and the value ring (the open tile and the recent one)
+    assert layer.impl.staging.shape == (6, 64 + 3 * 64, 2, 64)
     assert layer.impl.staging.dtype is torch.float16
     spec = layer.get_kv_cache_spec(vc)
     assert spec.page_size_bytes == tile_layout("kvarn_k4v2_g64", 64).page_bytes(2)

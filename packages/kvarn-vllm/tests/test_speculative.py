@@ -97,13 +97,25 @@ class SpecHarness:
         self.layer.impl.forward(self.layer, q, k, v, self.kv_cache, meta, output=out)
         return q, out
 
-    def reference(self, slot, k, v, quantized, q_rows):
-        """kvarn-math over ``k``/``v``: tiles [0, quantized) as records, the rest exact."""
+    def reference(self, slot, k, v, quantized, q_rows, key_quantized=None):
+        """kvarn-math over ``k``/``v``: tiles [0, quantized) as records, the rest exact; with
+        values-only windows the keys of [quantized, key_quantized) from records too."""
         from kvarn_math import QuantizedSequence, quantize_sequence, reference_attention
 
         kf, vf = k.float().numpy(), v.float().numpy()
         sink = self.builder.config.sink and quantized >= G  # tile 0 exact in staging
-        stored = quantize_sequence(kf[:quantized], vf[:quantized], PRESET, keep_first_tile=sink)
+        # keys from records below max(quantized, key_quantized), and tile 0's exact while it
+        # is the step's own tile (kvarn_math.step_sequence)
+        kq = quantized if key_quantized is None else max(quantized, key_quantized)
+        keys_exact = self.builder.config.window_keys or (sink and key_quantized < G)
+        stored = quantize_sequence(
+            kf[:kq],
+            vf[:kq],
+            PRESET,
+            keep_first_tile=sink,
+            recent_tiles=(kq - quantized) // G,
+            window_keys=keys_exact,
+        )
         if slot is not None:  # the cache's own records, checked to encode these tokens
             stored = cached_records(
                 self.kv_cache, self.block_table[slot], kf, vf, stored, PRESET, D
@@ -112,10 +124,12 @@ class SpecHarness:
             records=stored.records,
             preset=records_preset(),
             head_dim=D,
-            tail_k=kf[quantized:],
-            tail_v=vf[quantized:],
+            tail_k=kf[kq:],
+            tail_v=vf[kq:],
             first_k=stored.first_k,
             first_v=stored.first_v,
+            recent_v=stored.recent_v,
+            window_keys=stored.window_keys,
         )
         return torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
 
@@ -130,13 +144,17 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def assert_matches(h, got, k, v, quantized, q, where, slot=None):
+def assert_matches(h, got, k, v, quantized, q, where, slot=None, key_quantized=None):
     """Close to the reference with tiles [0, quantized) as records (``slot``'s records in the
-    cache, checked to encode exactly ``k``/``v``, when given); when there are records, much
-    closer to it than to exact attention (so the records, not exact K/V, were read). The
-    kernel reads the fp16-rounded rotated tokens, the reference the fp32 ones."""
-    want = h.reference(slot, k, v, quantized, q)
-    if quantized <= h.builder.config.sink_rows:  # nothing read from records
+    cache, checked to encode exactly ``k``/``v``, when given; values-only windows: keys up
+    to ``key_quantized``); when there are records, much closer to it than to exact attention
+    (so the records, not exact K/V, were read). The kernel reads the fp16-rounded rotated
+    tokens, the reference the fp32 ones."""
+    want = h.reference(slot, k, v, quantized, q, key_quantized)
+    cfg = h.builder.config
+    kq = quantized if key_quantized is None else key_quantized
+    # nothing read from records (values-only windows read tile 0's keys from its record)
+    if kq == 0 or (quantized <= cfg.sink_rows and cfg.window_keys):
         assert _rel(got, want) < 3e-3, where
         return
     exact = h.reference(None, k, v, 0, q)
@@ -207,6 +225,7 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
                 q[j : j + 1],
                 (step, j),
                 slot,
+                None if meta.context.key_lens is None else int(meta.context.key_lens[0]),
             )
         h.kv[slot] = (step_k[: cached + 1 + accepted], step_v[: cached + 1 + accepted])
         cached += 1 + accepted
@@ -217,7 +236,9 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         assert dmeta.plan is not None and (dmeta.plan.tiles == -1).all()
         base = h.builder.config.sink_rows
         row = cached if cached < base else base + (cached - base) % h.builder.config.ring_tokens
-        assert dmeta.plan.writes[0].tolist() == [0, slot, row]
+        key_tiles = h.builder.config.key_tiles
+        key_row = row if key_tiles is None else cached % (key_tiles * G)
+        assert dmeta.plan.writes[0].tolist() == [0, slot, row, key_row]
         # Drafts commit nothing; the window counts from the draft's position.
         read = recent_window_start(
             cached, cached + 1, min(q_after, cached // G * G), G, int(recent), ring
@@ -225,7 +246,10 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         assert int(dmeta.decode.quantized_lens[0]) == read
         dq, dout = h.run(dmeta, [(slot, cached, (dk, dv))])
         ak, av = h.kv[slot]
-        assert_matches(h, dout, torch.cat([ak, dk]), torch.cat([av, dv]), read, dq, step, slot)
+        key_read = None if dmeta.decode.key_lens is None else int(dmeta.decode.key_lens[0])
+        assert_matches(
+            h, dout, torch.cat([ak, dk]), torch.cat([av, dv]), read, dq, step, slot, key_read
+        )
         # The next verify step rewrites that position with the real token.
     assert {0, 64} <= checked_quantized  # the walk crossed a tile boundary
     assert completing or recent == "0"  # a verify completed a tile and kept its window

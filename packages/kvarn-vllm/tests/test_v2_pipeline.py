@@ -36,6 +36,7 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
     records are read (so the records, not exact K/V, were read)."""
     from kvarn_math.attention import QuantizedSequence, reference_attention, step_sequence
     from kvarn_math.layout import get_preset
+    from kvarn_vllm.config import window_keys_from_env
 
     kf, vf = k.float().numpy(), v.float().numpy()
     seq = step_sequence(
@@ -46,6 +47,7 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
         recent_tiles=recent,
         ring_tiles=1 + recent,
         keep_first_tile=True,
+        window_keys=window_keys_from_env(),
     )
     seq = cached_records(kv_cache, block_row, kf, vf, seq, PRESET, D)
     lay = tile_layout(PRESET, D)
@@ -68,13 +70,24 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
 
 
 @pytest.mark.parametrize(
-    ("dense_context", "recent"), [("off", 1), ("on", 1), ("tiny", 1), ("on", 0)]
+    ("dense_context", "recent", "window_keys"),
+    [
+        ("off", 1, "0"),
+        ("on", 1, "0"),
+        ("tiny", 1, "0"),
+        ("on", 0, "0"),
+        ("on", 1, "1"),
+        ("off", 1, "1"),
+    ],
 )
-def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_context, recent):
+def test_v2_pipeline_full_and_sliding(
+    vllm_config_factory, monkeypatch, dense_context, recent, window_keys
+):
     """``dense_context``: continuation chunks through the multi-query kernel (off), the
     dense path (on), or the dense path with a workspace too small for the row (tiny: the
     row falls back to the multi-query kernel). ``recent``: complete tiles read exact from
-    staging (the default 1, or 0)."""
+    staging (the default 1, or 0). ``window_keys``: the exact tiles keep only their values
+    (the default 0) or their keys too."""
     from kvarn_vllm import impl as kimpl
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
@@ -84,6 +97,7 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
 
     monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "0" if dense_context == "off" else "1")
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", str(recent))
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", window_keys)
     monkeypatch.setattr(kimpl, "_WORKSPACES", {})
     # Workspace of 1024 tokens, or 128 (tiny): less than the 170-token context row below.
     ws_tokens = 128 if dense_context == "tiny" else 1024
@@ -306,15 +320,24 @@ def test_v2_pipeline_full_and_sliding(vllm_config_factory, monkeypatch, dense_co
         window = 96 if li == 1 else None
         assert meta.context is not None and int(meta.context.sink_slots[0]) == 2
         k, v = history[(li, 1)]
-        # Only tile 0 (exact here) and 10 staged tokens: nothing is read from a record, so the
-        # kernels match the exact-first-tile reference to fp16 rounding, far from the record's.
+        # Only tile 0 (exact here) and 10 staged tokens: nothing is read from a record (but
+        # the keys of tile 0 with values-only windows), so the kernels match the
+        # exact-first-tile reference to fp16 rounding, far from the record's.
         from kvarn_math.attention import quantize_sequence, reference_attention
+        from kvarn_vllm.config import window_keys_from_env
 
         errs = []
         for exact in (True, False):
             seq = quantize_sequence(
-                k.float().numpy(), v.float().numpy(), PRESET, keep_first_tile=exact
+                k.float().numpy(),
+                v.float().numpy(),
+                PRESET,
+                keep_first_tile=exact,
+                window_keys=window_keys_from_env() or not exact,
             )
+            # the record the cache holds (its key frame chosen from the queries)
+            kf, vf = k.float().numpy(), v.float().numpy()
+            seq = cached_records(kv_caches[names[li]], tables[li][1], kf, vf, seq, PRESET, D)
             ref = torch.from_numpy(
                 reference_attention(q.float().numpy(), seq, D**-0.5, sliding_window=window)
             )

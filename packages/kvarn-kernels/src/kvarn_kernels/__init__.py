@@ -14,7 +14,13 @@ from kvarn_kernels.cache import (
     staging_shape,
 )
 from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
-from kvarn_kernels.plan import StorePlan, plan_store, plan_store_device, window_start
+from kvarn_kernels.plan import (
+    StorePlan,
+    key_window_start,
+    plan_store,
+    plan_store_device,
+    window_start,
+)
 from kvarn_kernels.quantize import encode_tiles, quantize_tiles, store_kv
 from kvarn_kernels.rotation import rotate, unrotate
 from kvarn_kernels.warmup import compiled_variants, warmup
@@ -36,6 +42,7 @@ __all__ = [
     "dequantize",
     "dequantize_tiles",
     "encode_tiles",
+    "key_window_start",
     "multi_query_attention",
     "plan_store",
     "plan_store_device",

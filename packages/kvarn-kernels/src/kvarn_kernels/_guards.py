@@ -98,10 +98,25 @@ def check_staging(
     num_kv_heads: int | None,
     staging_tiles: int | None = None,
     sink: bool = False,
+    key_tiles: int | None = None,
 ) -> torch.Tensor:
-    """``staging`` ``[num_slots, 2, (S + sink)*G, num_kv_heads, head_dim]`` contiguous, model dtype."""
-    t = check_tensor("staging", staging, dtype=MODEL_DTYPES, ndim=5, contiguous=True)
+    """``staging`` ``[num_slots, 2, (S + sink)*G, num_kv_heads, head_dim]`` contiguous, model
+    dtype; with ``key_tiles`` (values-only windows) ``[num_slots, key_tiles*G + (S + sink)*G,
+    num_kv_heads, head_dim]`` (:func:`kvarn_kernels.staging_shape`)."""
     g = layout.group_size
+    if key_tiles is not None:
+        t = check_tensor("staging", staging, dtype=MODEL_DTYPES, ndim=4, contiguous=True)
+        rows = None
+        if staging_tiles is not None:
+            rows = (key_tiles + staging_tiles + int(sink)) * g
+        check_tensor("staging", t, shape=(None, rows, num_kv_heads, layout.head_dim))
+        if t.shape[1] % g or t.shape[1] < (2 * key_tiles + int(sink)) * g:
+            raise ValueError(
+                f"staging dim 1 must be a multiple of G={g} holding key_tiles={key_tiles} key "
+                f"tiles and at least as many value tiles, got {t.shape[1]}"
+            )
+        return t
+    t = check_tensor("staging", staging, dtype=MODEL_DTYPES, ndim=5, contiguous=True)
     positions = None if staging_tiles is None else (staging_tiles + int(sink)) * g
     check_tensor("staging", t, shape=(None, 2, positions, num_kv_heads, layout.head_dim))
     if t.shape[2] % g or t.shape[2] == 0:

@@ -26,6 +26,13 @@ hit; tiles before it exist only as records) and the last term keeps what is read
 ring. Fresh tokens from ``read_lens`` on are written to staging, which then holds
 ``[read_lens, seq_len)``. The open tiles have ``(S - R) * G`` positions.
 
+With ``window_keys=False`` the exact windows (sink, recent tiles) keep only their values
+(:func:`kvarn_math.quantize_sequence`): the keys have their own ring of the ``S_k = S - R`` open
+tiles, without sink rows (staging of :func:`kvarn_kernels.staging_shape` with ``key_tiles=S_k``;
+position ``p``'s key at row ``p % (S_k*G)``), and attention reads keys from records up to the
+plan's ``key_read_lens`` (:func:`kvarn_math.key_window_start`: the step's own tile on), values up
+to ``read_lens``. A write row's ``key_pos`` is -1 for a token whose key is not staged.
+
 :func:`plan_store_device` makes the same plan with torch ops on whatever device its inputs live
 on, without a host synchronization and with fixed output shapes: for engines whose host view of
 the lengths is only an upper bound (speculative decoding with asynchronous scheduling, where the
@@ -51,11 +58,12 @@ __all__ = [
     "StorePlan",
     "plan_store",
     "plan_store_device",
+    "key_window_start",
     "window_start",
 ]
 
 TILE_FIELDS = ("block_id", "slot", "start_pos", "num_staged", "fresh_index")
-WRITE_FIELDS = ("token_index", "slot", "staging_pos")
+WRITE_FIELDS = ("token_index", "slot", "staging_pos", "key_pos")
 
 IntArray = npt.NDArray[np.int64]
 LensT = TypeVar("LensT", torch.Tensor, IntArray)
@@ -71,8 +79,11 @@ class StorePlan:
             ``num_staged`` tokens come from staging), ``fresh_index`` (batch row of its first
             fresh token; the others follow contiguously; when every token is staged, its
             request's first row of the step).
-        writes: int32 ``[max_writes, 3]``: ``token_index`` (-1 = padding), ``slot``,
-            ``staging_pos`` (the staging row: ``p % (S*G)``, or with ``sink`` see above).
+        writes: int32 ``[max_writes, 4]``: ``token_index`` (-1 = padding), ``slot``,
+            ``staging_pos`` (the value's staging row: ``p % (S*G)``, or with ``sink`` see
+            above; -1 when only the key is staged), ``key_pos`` (the key's row:
+            ``staging_pos``, or with ``window_keys=False`` ``p % (S_k*G)`` in the key ring;
+            -1 when the key is not staged).
         seq_lens: int32 ``[B]``, ``num_cached + num_new``.
         quantized_lens: int32 ``[B]``, tokens in quantized tiles after the step (the next
             step's ``num_quantized``; attention's ``quantized_lens`` without recent tiles).
@@ -83,7 +94,11 @@ class StorePlan:
         sink: staging has the ``G`` sink rows in front (tile 0 kept exact).
         recent_tiles: ``R``, complete tiles kept in the ring besides their records.
         read_lens: int32 ``[B]`` tokens attention should read from records (the rest from
-            staging): ``quantized_lens`` without recent tiles; None is the same.
+            staging): ``quantized_lens`` without recent tiles; None is the same. With
+            ``window_keys=False``, the values' boundary.
+        window_keys: the exact windows keep keys too (default); ``False``: values only.
+        key_read_lens: int32 ``[B]`` with ``window_keys=False``: attention reads keys from
+            records before it, from the key ring from there on; else None (``read_lens``).
     """
 
     tiles: torch.Tensor
@@ -97,11 +112,19 @@ class StorePlan:
     sink: bool = False
     recent_tiles: int = 0
     read_lens: torch.Tensor | None = None
+    window_keys: bool = True
+    key_read_lens: torch.Tensor | None = None
 
     @property
     def attention_lens(self) -> torch.Tensor:
         """``read_lens``, or ``quantized_lens`` when the plan keeps no recent tiles."""
         return self.quantized_lens if self.read_lens is None else self.read_lens
+
+    @property
+    def key_tiles(self) -> int | None:
+        """``S_k = S - R``, the key ring's tiles with ``window_keys=False``; else None (the
+        ``key_tiles`` of :func:`kvarn_kernels.staging_shape` and the attention launchers)."""
+        return None if self.window_keys else self.staging_tiles - self.recent_tiles
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> StorePlan:
         """The same plan with every tensor on ``device`` (pin the host tensors for async copies)."""
@@ -114,6 +137,9 @@ class StorePlan:
             read_lens=None
             if self.read_lens is None
             else self.read_lens.to(device, non_blocking=non_blocking),
+            key_read_lens=None
+            if self.key_read_lens is None
+            else self.key_read_lens.to(device, non_blocking=non_blocking),
         )
 
 
@@ -152,6 +178,7 @@ def plan_store(
     sink: bool = False,
     recent_tiles: int = 0,
     exact_start: Sequence[int] | npt.NDArray[np.integer] | torch.Tensor | None = None,
+    window_keys: bool = True,
 ) -> StorePlan:
     """Plan one step's store for a batch of ``B`` requests (host only, no GPU work).
 
@@ -181,6 +208,8 @@ def plan_store(
         exact_start: ``[B]`` the first position each request wrote itself (its prefix-cache
             hit length, a multiple of ``G``); default ``floor(num_cached / G) * G``, which is
             safe but keeps no recent tile before this step's. Only matters with recent tiles.
+        window_keys: ``False``: the sink and the recent tiles keep only their values exact,
+            the keys a ring of the ``S - R`` open tiles (see the module docstring).
 
     Returns:
         :class:`StorePlan` with CPU tensors (call ``.to(device)``).
@@ -238,8 +267,11 @@ def plan_store(
             f"num_quantized[{i}] must be a multiple of G={g} and <= num_cached={cached[i]}, "
             f"got {quant[i]}"
         )
-    base = g if sink else 0  # rows [0, base) hold tile 0 for good; the ring starts after
-    bad = np.flatnonzero(cached - np.maximum(quant, base) > open_cap)
+    # rows [0, base) hold tile 0 for good; the ring starts after (keys have no sink rows
+    # with values-only windows, so their open tiles are counted from the quantized tiles)
+    base = g if sink else 0
+    kbase = base if window_keys else 0
+    bad = np.flatnonzero(cached - np.maximum(quant, kbase) > open_cap)
     if bad.size:
         i = bad[0]
         raise ValueError(
@@ -247,7 +279,7 @@ def plan_store(
             f"{open_cap} staging positions for open tiles ((S - R)*G) could hold"
         )
     q_after = np.maximum(quant, committed // g * g)
-    bad = np.flatnonzero(total - np.maximum(q_after, base) > open_cap)
+    bad = np.flatnonzero(total - np.maximum(q_after, kbase) > open_cap)
     if bad.size:
         i = bad[0]
         raise ValueError(
@@ -270,6 +302,10 @@ def plan_store(
     # Attention reads [read, seq_len) exact (kvarn_math.recent_window_start); the fresh tokens
     # from there on go to staging, so it holds [read, seq_len) after the step.
     read = window_start(cached, total, q_after, start_exact, g, recent_tiles, staging_tiles)
+    key_tiles = staging_tiles - recent_tiles
+    key_read = (
+        read if window_keys else key_window_start(cached, total, q_after, start_exact, g, key_tiles)
+    )
 
     # Vectorized over requests (a decode step of hundreds of requests costs tens of us).
     first, last = quant // g, q_after // g
@@ -294,13 +330,18 @@ def plan_store(
         )
     tiles = np.stack([block, slots[req], start, staged, fresh], axis=1).reshape(-1, 5)
 
-    # Fresh tokens staged: those attention reads exact, and with a sink those of tile 0.
-    lo = np.where(cached < base, cached, np.maximum(cached, read))
+    # Fresh tokens staged: those attention reads exact (values from `read` on, keys from
+    # `key_read` on), and with a sink those of tile 0.
+    lo = np.where(cached < base, cached, np.maximum(cached, np.minimum(read, key_read)))
     wreq, pos = _expand(lo, np.maximum(total - lo, 0))
-    keep = (pos >= read[wreq]) | (pos < base)
-    wreq, pos = wreq[keep], pos[keep]
-    rows = staging_rows(pos, sg, base)
-    writes = np.stack([qstart[wreq] + pos - cached[wreq], slots[wreq], rows], axis=1).reshape(-1, 3)
+    value_kept = (pos >= read[wreq]) | (pos < base)
+    keep = value_kept | (pos >= key_read[wreq])
+    wreq, pos, value_kept = wreq[keep], pos[keep], value_kept[keep]
+    rows = np.where(value_kept, staging_rows(pos, sg, base), -1)
+    key_rows = _key_rows(pos, key_read[wreq], rows, key_tiles * g, window_keys)
+    writes = np.stack(
+        [qstart[wreq] + pos - cached[wreq], slots[wreq], rows, key_rows], axis=1
+    ).reshape(-1, 4)
 
     num_tiles, num_writes = tiles.shape[0], writes.shape[0]
     tiles = _pad("max_tiles", tiles, max_tiles)
@@ -319,7 +360,21 @@ def plan_store(
         sink=sink,
         recent_tiles=recent_tiles,
         read_lens=torch.from_numpy(read.astype(np.int32)) if recent_tiles else None,
+        window_keys=bool(window_keys),
+        key_read_lens=None if window_keys else torch.from_numpy(key_read.astype(np.int32)),
     )
+
+
+def _key_rows(pos: LensT, key_read: LensT, rows: LensT, key_ring: int, window_keys: bool) -> LensT:
+    """Write rows' ``key_pos``: the value's row with window keys (where the key is read from
+    ``read``, as the value), else the key ring's row of the positions from ``key_read`` on
+    and -1 before."""
+    if window_keys:
+        return rows
+    ring = pos % key_ring
+    if isinstance(pos, torch.Tensor):
+        return torch.where(pos >= key_read, ring, -1)
+    return np.where(pos >= key_read, ring, -1)
 
 
 def _expand(starts: IntArray, counts: IntArray) -> tuple[IntArray, IntArray]:
@@ -362,6 +417,24 @@ def window_start(
     return lo(quantized_lens, hi(hi(exact_start, window), ring))
 
 
+def key_window_start(
+    num_cached: LensT,
+    seq_lens: LensT,
+    quantized_lens: LensT,
+    exact_start: LensT,
+    group_size: int,
+    open_tiles: int,
+) -> LensT:
+    """:func:`kvarn_math.key_window_start` for ``[B]`` int tensors (any device) or arrays."""
+    g = group_size
+    if isinstance(quantized_lens, torch.Tensor):
+        hi, lo = torch.maximum, torch.minimum
+    else:
+        hi, lo = np.maximum, np.minimum
+    ring = -((open_tiles * g - seq_lens) // g) * g  # whole tiles of the last S_k*G positions
+    return lo(quantized_lens, hi(hi(exact_start, num_cached // g * g), ring))
+
+
 def plan_store_device(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -377,6 +450,7 @@ def plan_store_device(
     sink: bool = False,
     recent_tiles: int = 0,
     exact_start: torch.Tensor | None = None,
+    window_keys: bool = True,
 ) -> StorePlan:
     """:func:`plan_store` computed on the device from the step's real lengths (no host sync).
 
@@ -412,6 +486,7 @@ def plan_store_device(
         recent_tiles: as :func:`plan_store`; the open tiles get ``(S - R) * G`` positions.
         exact_start: ``[B]`` int, as :func:`plan_store` (default: the row's first cached
             position rounded down to a tile).
+        window_keys: as :func:`plan_store`.
 
     Returns:
         :class:`StorePlan` on the inputs' device; ``num_tiles`` / ``num_writes`` are the
@@ -460,6 +535,10 @@ def plan_store_device(
     max_blocks = block_table.shape[1]
     start_exact = cached // g * g if exact_start is None else exact_start.to(i64)
     read = window_start(cached, total, q_after, start_exact, g, recent_tiles, staging_tiles)
+    key_tiles = staging_tiles - recent_tiles
+    key_read = (
+        read if window_keys else key_window_start(cached, total, q_after, start_exact, g, key_tiles)
+    )
 
     # Tiles [q_before / G, q_after / G) of every request, flattened in request order.
     counts = (q_after - q_before) // g
@@ -485,11 +564,14 @@ def plan_store_device(
         wowner = torch.searchsorted(qsl[1:], i, right=True).clamp(max=b - 1)
         pos = cached[wowner] + i - qsl[wowner]
         base = g if sink else 0
-        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & ((pos >= read[wowner]) | (pos < base))
-        writes = torch.stack([i, slots[wowner], staging_rows(pos, sg, base)], dim=1)
+        value_kept = (pos >= read[wowner]) | (pos < base)
+        write_ok = (i >= qsl[0]) & (i < qsl[-1]) & (value_kept | (pos >= key_read[wowner]))
+        rows = torch.where(value_kept, staging_rows(pos, sg, base), -1)
+        key_rows = _key_rows(pos, key_read[wowner], rows, key_tiles * g, window_keys)
+        writes = torch.stack([i, slots[wowner], rows, key_rows], dim=1)
         writes = torch.where(write_ok[:, None], writes, -1)
     else:
-        writes = torch.full((max_writes, 3), -1, dtype=i64, device=dev)
+        writes = torch.full((max_writes, 4), -1, dtype=i64, device=dev)
     return StorePlan(
         tiles=tiles.to(torch.int32).contiguous(),
         writes=writes.to(torch.int32).contiguous(),
@@ -502,4 +584,6 @@ def plan_store_device(
         sink=sink,
         recent_tiles=recent_tiles,
         read_lens=read.to(torch.int32) if recent_tiles else None,
+        window_keys=bool(window_keys),
+        key_read_lens=None if window_keys else key_read.to(torch.int32),
     )

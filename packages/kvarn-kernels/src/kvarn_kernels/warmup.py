@@ -47,6 +47,7 @@ def warmup(
     batch_invariant: bool | None = None,
     own_kv: Sequence[bool] = (False, True),
     key_frame: str = "rotated",
+    key_tiles: int | None = None,
 ) -> dict[str, Any]:
     """Launch every kernel variant an engine with this shape uses, on scratch tensors.
 
@@ -69,6 +70,9 @@ def warmup(
             (``False``) and with it (``True``, ``multi_query_attention(fresh_kv=...)``).
         key_frame: the store's ``key_frame`` (``"auto"`` also makes the attention kernels
             read each record's key frame, ``raw_keys=True``).
+        key_tiles: values-only exact windows (``plan_store(window_keys=False)``): the key
+            ring's tiles, the engine's open tiles ``S - R`` (staging of
+            ``staging_shape(key_tiles=)``); ``None``: windows keep keys too.
 
     Returns:
         ``{"launches": n, "seconds": s, "query_block_sizes": [...]}``.
@@ -86,7 +90,9 @@ def warmup(
     blocks = 3
     seq_len = 2 * g + 3  # two quantized tiles, three staged tokens
     cache = allocate_cache(blocks + 1, num_kv_heads, head_dim, p, device)
-    staging = allocate_staging(2, num_kv_heads, head_dim, p, dtype, device, staging_tiles, sink)
+    staging = allocate_staging(
+        2, num_kv_heads, head_dim, p, dtype, device, staging_tiles, sink, key_tiles
+    )
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -96,7 +102,16 @@ def warmup(
     key, value = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
     table_host = np.arange(1, blocks + 1, dtype=np.int32).reshape(1, blocks)
     plan = plan_store(
-        [0], [seq_len], None, [0], table_host, p, staging_tiles=staging_tiles, sink=sink
+        [0],
+        [seq_len],
+        None,
+        [0],
+        table_host,
+        p,
+        staging_tiles=staging_tiles,
+        sink=sink,
+        recent_tiles=0 if key_tiles is None else staging_tiles - key_tiles,
+        window_keys=key_tiles is None,
     )
     if key_frame not in KEY_FRAMES:
         raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {key_frame!r}")
@@ -122,6 +137,8 @@ def warmup(
             batch_invariant=batch_invariant,
             raw_keys=auto,
         )
+        if key_tiles is not None:
+            common.update(key_lens=ints(g), key_tiles=key_tiles)
         query = randn(1, num_q_heads, head_dim)
         decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)
         launches += 2

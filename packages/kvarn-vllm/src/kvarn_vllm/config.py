@@ -20,6 +20,7 @@ __all__ = [
     "RECENT_ENV",
     "SERVED_HEAD_DIMS",
     "SINK_ENV",
+    "WINDOW_KEYS_ENV",
     "KvarnConfig",
     "env_flag",
     "is_kvarn_dtype",
@@ -46,6 +47,11 @@ KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
 own channels, whichever loses less of the attention scores of the step's queries (the record
 says which); ``rotated`` always rotates them (the plain format; attention then skips the flag)."""
 DEFAULT_KEY_FRAME = "auto"
+WINDOW_KEYS_ENV = "KVARN_VLLM_WINDOW_KEYS"
+"""Environment variable: ``1`` keeps the keys of the exact windows (the first tile, the recent
+tiles) exact too; ``0`` (default) keeps only their values exact and reads their keys from the
+records, which halves their staging (kvarn_math.quantize_sequence(window_keys=False))."""
+DEFAULT_WINDOW_KEYS = False
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
 
@@ -79,6 +85,10 @@ class KvarnConfig:
         key_frame: ``"auto"`` or ``"rotated"``, from :data:`KEY_FRAME_ENV` (the dataclass
             default is the plain format, ``"rotated"``; the environment's default is
             ``"auto"``).
+        window_keys: the exact windows (sink, recent tiles) keep their keys exact too;
+            ``False``: only their values, and the keys get a ring of the ``staging_tiles``
+            open tiles, from :data:`WINDOW_KEYS_ENV` (the dataclass default keeps them; the
+            environment's default does not).
     """
 
     preset: Preset
@@ -87,6 +97,7 @@ class KvarnConfig:
     batch_invariant: bool = False
     recent_tiles: int = 0
     key_frame: str = "rotated"
+    window_keys: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -125,9 +136,20 @@ class KvarnConfig:
         return self.ring_tiles * self.preset.group_size
 
     @property
+    def key_tiles(self) -> int | None:
+        """The key ring's tiles with values-only windows (the open tiles ``S``), else None:
+        the kernels' ``key_tiles``."""
+        return None if self.window_keys else self.staging_tiles
+
+    @property
     def staging_tokens(self) -> int:
-        """Tokens of staging per request and layer, ``(S + R + sink) * G``."""
-        return (self.ring_tiles + int(self.sink)) * self.preset.group_size
+        """Tokens of staging per request and layer (a token: its key and value),
+        ``(S + R + sink) * G``; with values-only windows ``(S + (S + R + sink) / 2) * G``
+        (the keys of the open tiles, the values of every staged tile)."""
+        rows = 2 * (self.ring_tiles + int(self.sink))  # key and value rows
+        if not self.window_keys:
+            rows = self.staging_tiles + self.ring_tiles + int(self.sink)
+        return rows * self.preset.group_size // 2
 
     @property
     def sink_rows(self) -> int:
@@ -205,6 +227,11 @@ def key_frame_from_env() -> str:
     return raw
 
 
+def window_keys_from_env() -> bool:
+    """The :data:`WINDOW_KEYS_ENV` setting: ``0`` (default) values-only windows, ``1`` keys too."""
+    return env_flag(WINDOW_KEYS_ENV, DEFAULT_WINDOW_KEYS)
+
+
 def invariant_from_env() -> bool:
     """The :data:`INVARIANT_ENV` setting: ``1`` on, ``0`` (default) off."""
     return env_flag(INVARIANT_ENV, False)
@@ -218,7 +245,8 @@ def parse_kv_cache_dtype(
     The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); the recent exact
     tiles :data:`RECENT_ENV` (1 unless set); batch-invariant attention follows
     :data:`INVARIANT_ENV` (off unless it is ``1``); the key frame :data:`KEY_FRAME_ENV`
-    (``auto`` unless set).
+    (``auto`` unless set); the windows' keys :data:`WINDOW_KEYS_ENV` (values only unless it
+    is ``1``).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -242,4 +270,5 @@ def parse_kv_cache_dtype(
         batch_invariant=invariant_from_env(),
         recent_tiles=recent_from_env(),
         key_frame=key_frame_from_env(),
+        window_keys=window_keys_from_env(),
     )

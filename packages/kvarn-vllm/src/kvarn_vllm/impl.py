@@ -45,6 +45,7 @@ _STAGING: dict[str, Any] = {
     "recent_tiles": 0,
     "group_size": 0,
     "sink": False,
+    "window_keys": True,
     "cache_bytes_per_token": 0.0,
     "shared_layers": 0,
     "logged": False,
@@ -86,6 +87,14 @@ def log_staging_once() -> None:
             "of those tokens) besides its quantized record; set KVARN_VLLM_EXACT_SINK=0 to "
             "quantize it too and give that staging to the KV cache.",
             _STAGING["group_size"],
+        )
+    if not _STAGING.get("window_keys", True) and (
+        _STAGING.get("sink") or _STAGING.get("recent_tiles", 0)
+    ):
+        logger.info(
+            "kvarn: the exact tiles keep only their values exact; attention reads their keys "
+            "from the records (half their staging); set KVARN_VLLM_WINDOW_KEYS=1 to keep their "
+            "keys exact too."
         )
     if _STAGING.get("recent_tiles", 0):
         logger.info(
@@ -181,6 +190,7 @@ def _make_impl_class() -> type:
                     torch.get_default_device(),
                     staging_tiles=self.config.ring_tiles,
                     sink=self.config.sink,
+                    key_tiles=self.config.key_tiles,
                 )
                 _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
                 _STAGING["layers"] += 1
@@ -190,6 +200,7 @@ def _make_impl_class() -> type:
                 _STAGING["recent_tiles"] = self.config.recent_tiles
                 _STAGING["group_size"] = self.preset.group_size
                 _STAGING["sink"] = self.config.sink
+                _STAGING["window_keys"] = self.config.window_keys
                 layout = tile_layout(self.preset, head_size)
                 _STAGING["cache_bytes_per_token"] += (
                     self.num_kv_heads * layout.tile_bytes / layout.group_size
@@ -258,6 +269,8 @@ def _make_impl_class() -> type:
                     sink_slots=g.sink_slots,
                     batch_invariant=self.config.batch_invariant,
                     raw_keys=self.config.mixed_key_frames,
+                    key_lens=g.key_lens,
+                    key_tiles=self.config.key_tiles,
                 )
                 if not whole:
                     output.index_copy_(0, g.token_index, res)
@@ -288,6 +301,8 @@ def _make_impl_class() -> type:
                     batch_invariant=self.config.batch_invariant,
                     fresh_kv=own,
                     raw_keys=self.config.mixed_key_frames,
+                    key_lens=g.key_lens,
+                    key_tiles=self.config.key_tiles,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
@@ -311,7 +326,9 @@ def _make_impl_class() -> type:
             whose contexts fit the workspace together; each row's context is written into it
             in the model dtype and the rotated frame: the cached tokens dequantized from their
             records (tile 0 from the sink rows where the row keeps it exact, recent and open
-            tiles from staging), the chunk's own tokens exact from this step's K/V (as a
+            tiles from staging; with values-only windows only their values, the keys of the
+            tiles before ``key_lens`` from the records), the chunk's own tokens exact from
+            this step's K/V (as a
             first chunk attends them, and as decoding would: a query never reads its own
             tile quantized); then FlashAttention's varlen kernel attends them with the
             rotated queries. A sliding-window layer takes only the tiles some query of the
@@ -328,6 +345,13 @@ def _make_impl_class() -> type:
             ws = self.workspace
             qs = [int(x) for x in g.query_start_loc_host]
             ring, base = self.config.ring_tokens, self.config.sink_rows
+            kring = None if self.config.key_tiles is None else self.config.key_tiles * gsize
+
+            def halves(slot: int):
+                """A slot's staged keys and values, ``[rows, H, D]`` each."""
+                st = staging[slot]
+                return (st[0], st[1]) if kring is None else (st[:kring], st[kring:])
+
             window = self.sliding_window
             # Per row, the first position some query sees, rounded down to a tile: keys
             # [first, seq_len) go to the workspace (FlashAttention aligns queries to the end).
@@ -352,11 +376,17 @@ def _make_impl_class() -> type:
                     slot, first = int(h["staging_slots"][i]), firsts[i]
                     # This step's tokens [fresh, seq_len) come exact from the batch.
                     fresh = seq_len - (qs[i + 1] - qs[i]) if fresh_k is not None else seq_len
-                    quant = min(quant, fresh)  # records below, exact at and above
-                    if quant > first:
+                    quant = min(quant, fresh)  # value records below, exact at and above
+                    # Keys as the kernels read them: from records below max(quant, key_lens)
+                    # (key_lens: values-only windows), from their ring above; tile 0's keys
+                    # from the ring too while it is the step's own tile (key_lens < G).
+                    kq = quant if kring is None else min(int(h["key_lens"][i]), fresh)
+                    rec_end = max(quant, kq)
+                    stage_k, stage_v = halves(slot)
+                    if rec_end > first:
                         # Whole tiles (the one holding `fresh` is complete when quant > fresh
                         # would have been: it has a record); exact rows overwrite the rest.
-                        end = -(-quant // gsize) * gsize
+                        end = -(-rec_end // gsize) * gsize
                         blocks = g.block_table[i, first // gsize : end // gsize].contiguous()
                         n_q = end - first
                         kernels.dequantize(
@@ -367,15 +397,27 @@ def _make_impl_class() -> type:
                             dtype=q.dtype,
                             out=(ws[0, off : off + n_q], ws[1, off : off + n_q]),
                         )
-                        if first == 0 and int(h["sink_lens"][i]) and base:
-                            sink_slot = int(h["sink_slots"][i])
-                            ws[:, off : off + gsize] = staging[sink_slot, :, :gsize]
-                    staged = max(quant, first)  # positions [staged, fresh) from staging
-                    pos = torch.arange(staged, fresh, device=q.device)
-                    rows = kernels.staging_rows(pos, ring, base)
-                    ws[:, off + staged - first : off + fresh - first] = staging[slot].index_select(
-                        1, rows
-                    )
+                        if first == 0 and quant >= gsize and int(h["sink_lens"][i]) and base:
+                            sink_k, sink_v = halves(int(h["sink_slots"][i]))
+                            ws[1, off : off + gsize] = sink_v[:gsize]
+                            if kring is None:
+                                ws[0, off : off + gsize] = sink_k[:gsize]
+                            elif kq < gsize:
+                                ws[0, off : off + gsize] = stage_k[:gsize]  # p % kring = p
+                    # positions from max(quant, first) (values), max(rec_end, first) (keys) on
+                    for part, start, rows_of, src in (
+                        (1, max(quant, first), None, stage_v),
+                        (0, max(rec_end, first), kring, stage_k),
+                    ):
+                        pos = torch.arange(start, fresh, device=q.device)
+                        rows = (
+                            kernels.staging_rows(pos, ring, base)
+                            if rows_of is None
+                            else pos % rows_of
+                        )
+                        ws[part, off + start - first : off + fresh - first] = src.index_select(
+                            0, rows
+                        )
                     if fresh < seq_len:
                         a, b = off + fresh - first, off + seq_len - first
                         ws[0, a:b] = fresh_k[qs[i] : qs[i + 1]]
@@ -443,6 +485,8 @@ def _make_impl_class() -> type:
                 batch_invariant=self.config.batch_invariant,
                 fresh_kv=own,
                 raw_keys=self.config.mixed_key_frames,
+                key_lens=None if g.key_lens is None else g.key_lens[lo:hi],
+                key_tiles=self.config.key_tiles,
             )
 
         def _fresh(self, g, query, key, value, output, n):

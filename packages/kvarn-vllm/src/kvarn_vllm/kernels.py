@@ -14,6 +14,7 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "kernels_module",
+    "key_window_start",
     "multi_query_attention",
     "plan_store",
     "plan_store_device",
@@ -40,6 +41,7 @@ _REQUIRED = (
     "staging_rows",
     "warmup",
     "window_start",
+    "key_window_start",
 )
 
 
@@ -129,3 +131,9 @@ def warmup(*args, **kwargs):
 def window_start(*args, **kwargs):
     """``kvarn_kernels.window_start`` (where a step's exact reads begin; device, no sync)."""
     return kernels_module().window_start(*args, **kwargs)
+
+
+def key_window_start(*args, **kwargs):
+    """``kvarn_kernels.key_window_start`` (where a step's exact keys begin with values-only
+    windows; device, no sync)."""
+    return kernels_module().key_window_start(*args, **kwargs)

@@ -93,6 +93,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         window,
         own_kv,
         config.key_frame,
+        config.key_tiles,
     )
     if key in _WARMED:
         return None
@@ -110,6 +111,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         batch_invariant=config.batch_invariant,
         own_kv=own_kv,
         key_frame=config.key_frame,
+        key_tiles=config.key_tiles,
     )
     logger.info(
         "kvarn: compiled the kernels before serving (%d launches, query blocks %s) in %.1f s; "
@@ -389,9 +391,11 @@ class RowGroup:
             when the cache keeps no sink.
         sink_slots: ``[n]`` int32, the staging slot whose sink rows each row reads (its own,
             or the one holding a first tile it shares through the prefix cache), or None.
+        key_lens: ``[n]`` int32 with values-only windows: attention reads keys from records
+            before it (the plan's ``key_read_lens``), else None.
         host: NumPy copies of ``seq_lens``, ``quantized_lens``, ``sink_lens``,
-            ``sink_slots`` and ``staging_slots`` where the host knows them exactly (no
-            speculative decoding), else None.
+            ``sink_slots``, ``staging_slots`` and ``key_lens`` where the host knows them
+            exactly (no speculative decoding), else None.
     """
 
     rows: Any
@@ -407,6 +411,7 @@ class RowGroup:
     query_start_loc_host: Any = None
     sink_lens: Any = None
     sink_slots: Any = None
+    key_lens: Any = None
     host: dict[str, Any] | None = None
 
 
@@ -498,13 +503,14 @@ def _make_builder_class() -> type:
             writes_at = _align4(self.max_tiles * 5)
             self._layout = {
                 "tiles": (0, self.max_tiles * 5),
-                "writes": (writes_at, self.max_writes * 3),
+                "writes": (writes_at, self.max_writes * 4),
             }
-            offset = _align4(writes_at + self.max_writes * 3)
+            offset = _align4(writes_at + self.max_writes * 4)
             for name, size in (
                 ("seq_lens", r),
                 ("quantized_lens", r),
                 ("read_lens", r),
+                ("key_lens", r),
                 ("slots", r),
                 ("sink_lens", r),
                 ("sink_slots", r),
@@ -585,6 +591,7 @@ def _make_builder_class() -> type:
             plan = None
             quantized = np.zeros(num_reqs, dtype=np.int32)
             read = quantized
+            key_read = read  # values-only windows: where exact keys start
             on_device = record is not None and self.speculative
             if record is not None and record.new_rows is not None:
                 real = min(record.num_reqs, num_reqs)
@@ -616,6 +623,7 @@ def _make_builder_class() -> type:
                     max_writes=num_reqs if uniform_decode else None,
                     sink=self.config.sink,
                     recent_tiles=self.config.recent_tiles,
+                    window_keys=self.config.window_keys,
                     # (never past what is cached: a row whose request was not reported
                     # as added keeps a start that may be stale; the plan then stays safe)
                     exact_start=np.minimum(
@@ -628,6 +636,8 @@ def _make_builder_class() -> type:
                 if record is not None:
                     quantized = np.asarray(plan.quantized_lens, dtype=np.int32)
                     read = np.asarray(plan.attention_lens, dtype=np.int32)
+                    if plan.key_read_lens is not None:
+                        key_read = np.asarray(plan.key_read_lens, dtype=np.int32)
                 for name, values in (("tiles", plan.tiles), ("writes", plan.writes)):
                     s, _ = self._layout[name]
                     flat = np.asarray(values, dtype=np.int32).reshape(-1)
@@ -642,6 +652,7 @@ def _make_builder_class() -> type:
                 ("seq_lens", seq_lens),
                 ("quantized_lens", quantized),
                 ("read_lens", read),
+                ("key_lens", key_read),
                 ("slots", slots),
                 ("sink_lens", sink_lens),
                 ("sink_slots", sink_slots),
@@ -695,6 +706,7 @@ def _make_builder_class() -> type:
 
             dev_seq = self._view(buf, "seq_lens", num_reqs)
             dev_read = self._view(buf, "read_lens", num_reqs)  # attention's split
+            dev_keys = None if self.config.window_keys else self._view(buf, "key_lens", num_reqs)
             dev_slots = self._view(buf, "slots", num_reqs)
             dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
             dev_sink_slots = self._view(buf, "sink_slots", num_reqs) if self.config.sink else None
@@ -703,7 +715,7 @@ def _make_builder_class() -> type:
                 dev_plan = self._device_plan(cam, record, num_reqs, int(qsl[-1]), buf)
             elif plan is not None:
                 tiles = self._view(buf, "tiles", plan.tiles.shape[0], 5)
-                writes = self._view(buf, "writes", plan.writes.shape[0], 3)
+                writes = self._view(buf, "writes", plan.writes.shape[0], 4)
                 if tiles.shape[0]:
                     # Encoded (row * max_blocks + tile) -> block id, on the device.
                     flat = block_table.reshape(-1)
@@ -729,6 +741,7 @@ def _make_builder_class() -> type:
                         query_start_loc_host=sub_qsl,
                         sink_lens=dev_sink,
                         sink_slots=dev_sink_slots,
+                        key_lens=dev_keys,
                     )
                     continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
@@ -746,6 +759,7 @@ def _make_builder_class() -> type:
                     query_start_loc_host=sub_qsl,
                     sink_lens=None if dev_sink is None else dev_sink[dev_rows],
                     sink_slots=None if dev_sink_slots is None else dev_sink_slots[dev_rows],
+                    key_lens=None if dev_keys is None else dev_keys[dev_rows],
                 )
             if not on_device:
                 for kind, (rows, *_rest) in group_hosts.items():
@@ -757,6 +771,7 @@ def _make_builder_class() -> type:
                             "sink_lens": sink_lens[rows],
                             "sink_slots": sink_slots[rows],
                             "staging_slots": slots[rows],
+                            "key_lens": key_read[rows],
                         }
             return KvarnMetadata(
                 num_reqs=num_reqs,
@@ -791,7 +806,7 @@ def _make_builder_class() -> type:
             before = torch.where(new_rows > 0, floor, torch.minimum(before, floor))
             real = min(record.num_reqs, num_reqs)
             start = torch.where(new_rows > 0, floor, spec["start"][slots.long()])
-            if self.config.recent_tiles:
+            if self.config.recent_tiles or not self.config.window_keys:
                 spec["start"].index_copy_(0, slots[:real].long(), start[:real])
             plan = kernels.plan_store_device(
                 seq,
@@ -807,14 +822,17 @@ def _make_builder_class() -> type:
                 sink=self.config.sink,
                 recent_tiles=self.config.recent_tiles,
                 exact_start=start,
+                window_keys=self.config.window_keys,
             )
             tiles = self._view(buf, "tiles", self.max_tiles, 5)
-            writes = self._view(buf, "writes", num_tokens, 3)
+            writes = self._view(buf, "writes", num_tokens, 4)
             tiles.copy_(plan.tiles)
             writes.copy_(plan.writes)
             self._view(buf, "seq_lens", num_reqs).copy_(seq)
             self._view(buf, "quantized_lens", num_reqs).copy_(plan.quantized_lens)
             self._view(buf, "read_lens", num_reqs).copy_(plan.attention_lens)
+            if plan.key_read_lens is not None:
+                self._view(buf, "key_lens", num_reqs).copy_(plan.key_read_lens)
             spec["quantized"].index_copy_(0, slots[:real].long(), plan.quantized_lens[:real])
             return self._plan_views(plan, buf, num_reqs, tiles, writes)
 
@@ -829,6 +847,9 @@ def _make_builder_class() -> type:
                 seq_lens=self._view(buf, "seq_lens", num_reqs),
                 quantized_lens=self._view(buf, "quantized_lens", num_reqs),
                 read_lens=None if plan.read_lens is None else read,
+                key_read_lens=None
+                if plan.key_read_lens is None
+                else self._view(buf, "key_lens", num_reqs),
             )
 
         def _build_draft_step(self, cam, record: StepRecord):
@@ -894,12 +915,22 @@ def _make_builder_class() -> type:
                     last, seq, quant, start, g, self.config.recent_tiles, self.config.ring_tiles
                 )
             )
+            dev_keys = None
+            value_rows = kernels.staging_rows(last, sg, base)
+            key_rows = value_rows
+            if self.config.key_tiles is not None:
+                # values-only windows: the draft's key goes to the key ring (open tiles)
+                dev_keys = self._view(buf, "key_lens", num_reqs)
+                dev_keys.copy_(
+                    kernels.key_window_start(last, seq, quant, start, g, self.config.key_tiles)
+                )
+                key_rows = last % (self.config.key_tiles * g)
             rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
             ok = (rows < real) & (seq > 0)
-            writes = torch.stack([rows, slots, kernels.staging_rows(last, sg, base)], dim=1)
+            writes = torch.stack([rows, slots, value_rows, key_rows], dim=1)
             tiles = self._view(buf, "tiles", num_reqs, 5)
             tiles.fill_(-1)
-            dev_writes = self._view(buf, "writes", num_reqs, 3)
+            dev_writes = self._view(buf, "writes", num_reqs, 4)
             dev_writes.copy_(torch.where(ok[:, None], writes, -1))
             from kvarn_kernels import StorePlan
 
@@ -915,6 +946,8 @@ def _make_builder_class() -> type:
                 sink=self.config.sink,
                 recent_tiles=self.config.recent_tiles,
                 read_lens=dev_read,
+                window_keys=self.config.window_keys,
+                key_read_lens=dev_keys,
             )
             group = RowGroup(
                 rows=None,
@@ -930,6 +963,7 @@ def _make_builder_class() -> type:
                 query_start_loc_host=qsl,
                 sink_lens=self._view(buf, "sink_lens", num_reqs) if self.config.sink else None,
                 sink_slots=self._view(buf, "sink_slots", num_reqs) if self.config.sink else None,
+                key_lens=dev_keys,
             )
             return KvarnMetadata(
                 num_reqs=num_reqs,

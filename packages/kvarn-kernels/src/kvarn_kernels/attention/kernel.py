@@ -84,12 +84,25 @@ def _exact_step(q, qpos, window, pos, valid, m_i, l_i, acc, k_ptrs, v_ptrs, FP32
     vis = _visible(pos, qpos, window, 0, False) & valid[None, :]  # valid bounds the positions
     s = tl.where(vis, s, float("-inf"))
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+    return m_i, l_i, _exact_values(p, acc, v_ptrs, valid, FP32)
+
+
+@triton.jit
+def _exact_values(p, acc, v_ptrs, valid, FP32):
+    """``acc + p V`` with the unquantized (rotated) values at ``v_ptrs`` ``[SUB, D]``."""
     v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
     if FP32:
         acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         acc += dot_lowp(p.to(v.dtype), v)
-    return m_i, l_i, acc
+    return acc
+
+
+@triton.jit
+def _stage_rows(stage, pos, stride_sp, RING: tl.constexpr, SINK: tl.constexpr, D: tl.constexpr):
+    """Pointers ``[SUB, D]`` to positions ``pos`` of a staging ring (kvarn_kernels.staging_view)."""
+    d = tl.arange(0, D)
+    return stage + staging_rows(pos, RING, SINK).to(tl.int64)[:, None] * stride_sp + d[None, :]
 
 
 @triton.jit
@@ -101,20 +114,22 @@ def _dense_step(
     m_i,
     l_i,
     acc,
-    stage,
-    stride_skv,
+    k_stage,
+    v_stage,
     stride_sp,
     kv_end,
     D: tl.constexpr,
     SUB: tl.constexpr,
+    KSG: tl.constexpr,
+    KSINK: tl.constexpr,
     SG: tl.constexpr,
     SINK_ROWS: tl.constexpr,
     FP32: tl.constexpr,
 ):
-    """One step of unquantized (rotated) tokens from staging, positions before ``kv_end``."""
+    """One step of unquantized (rotated) tokens from staging, positions before ``kv_end``: keys
+    at ``k_stage`` rows ``staging_rows(p, KSG, KSINK)``, values at ``v_stage`` rows
+    ``staging_rows(p, SG, SINK_ROWS)``."""
     pos = c * SUB + tl.arange(0, SUB)
-    d = tl.arange(0, D)
-    s_off = staging_rows(pos, SG, SINK_ROWS).to(tl.int64)[:, None] * stride_sp + d[None, :]
     return _exact_step(
         q,
         qpos,
@@ -124,8 +139,8 @@ def _dense_step(
         m_i,
         l_i,
         acc,
-        stage + s_off,
-        stage + stride_skv + s_off,
+        _stage_rows(k_stage, pos, stride_sp, KSG, KSINK, D),
+        _stage_rows(v_stage, pos, stride_sp, SG, SINK_ROWS, D),
         FP32,
     )
 
@@ -197,18 +212,15 @@ def _load_step(
 ):
     """Issue every load of one step (part ``part`` of the tile in ``block``); ``ok`` masks all.
     ``raw``: the tile's keys are in their own channels (``RAW_KEYS``: its flag is read)."""
+    k_raw, k_scale, k_zero, k_tok, raw = _load_keys(
+        cache_u8_ptr, cache_f16_ptr, block, head_off, part, ok, G, D, SUB, KEY_BITS,
+        OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_FL, RAW_KEYS,
+    )  # fmt: skip
     rec = block.to(tl.int64) * head_off[0] + head_off[1]
     u8 = cache_u8_ptr + rec
     f16 = cache_f16_ptr + rec // 2
     d = tl.arange(0, D)
     j = part * SUB + tl.arange(0, SUB)
-    # K codes [D, SUB]: columns part*SUB.. of the [D, G] per-channel packed rows.
-    k_raw = load_packed(
-        u8 + OFF_KC + part * (SUB * KEY_BITS // 8), G * KEY_BITS // 8, ok, D, SUB, KEY_BITS
-    )
-    k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
-    k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
-    k_tok = tl.load(u8 + OFF_KT + j, mask=ok, other=0)  # log8 codes
     # V codes [SUB, D]: rows part*SUB.. of the [G, D] per-token packed rows.
     v_raw = load_packed(
         u8 + OFF_VC + part * (SUB * (D * VALUE_BITS // 8)),
@@ -221,10 +233,130 @@ def _load_step(
     v_scale = tl.load(f16 + OFF_VS // 2 + j, mask=ok, other=0.0)
     v_zero = tl.load(f16 + OFF_VZ // 2 + j, mask=ok, other=0.0)
     v_chan = tl.load(u8 + OFF_VCS + d, mask=ok, other=0)
+    return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan, raw
+
+
+@triton.jit
+def _load_keys(
+    cache_u8_ptr,
+    cache_f16_ptr,
+    block,
+    head_off,
+    part,
+    ok,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_FL: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
+):
+    """The key loads of one step (:func:`_load_step` without the values)."""
+    rec = block.to(tl.int64) * head_off[0] + head_off[1]
+    u8 = cache_u8_ptr + rec
+    f16 = cache_f16_ptr + rec // 2
+    d = tl.arange(0, D)
+    j = part * SUB + tl.arange(0, SUB)
+    # K codes [D, SUB]: columns part*SUB.. of the [D, G] per-channel packed rows.
+    k_raw = load_packed(
+        u8 + OFF_KC + part * (SUB * KEY_BITS // 8), G * KEY_BITS // 8, ok, D, SUB, KEY_BITS
+    )
+    k_scale = tl.load(f16 + OFF_KS // 2 + d, mask=ok, other=0.0)
+    k_zero = tl.load(f16 + OFF_KZ // 2 + d, mask=ok, other=0.0)
+    k_tok = tl.load(u8 + OFF_KT + j, mask=ok, other=0)  # log8 codes
     raw = ok & False
     if RAW_KEYS:
         raw = (tl.load(u8 + OFF_FL, mask=ok, other=0) & 1) != 0
-    return k_raw, k_scale, k_zero, k_tok, v_raw, v_scale, v_zero, v_chan, raw
+    return k_raw, k_scale, k_zero, k_tok, raw
+
+
+@triton.jit
+def _record_scores(
+    q,
+    q_amax,
+    qpos,
+    window,
+    kv_end,
+    c,
+    k_raw,
+    k_scale,
+    k_zero,
+    k_tok,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    FP32: tl.constexpr,
+    CLIP: tl.constexpr,
+):
+    """Scores (log2 units, invisible keys -inf) of one step's keys from their record."""
+    j = tl.arange(0, SUB)
+    k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
+    qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
+    if FP32:
+        raw = tl.dot(qn, k_codes.to(tl.float32), input_precision="ieee")
+    else:
+        raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
+    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
+    s = (raw + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok)[None, :])
+    return tl.where(_visible(c * SUB + j, qpos, window, kv_end, CLIP), s, float("-inf"))
+
+
+@triton.jit
+def _window_step(
+    qs,
+    q_amax,
+    qos,
+    qo_amax,
+    qpos,
+    window,
+    kv_end,
+    c,
+    m_i,
+    l_i,
+    acc,
+    cache_u8_ptr,
+    cache_f16_ptr,
+    bt_row,
+    head_off,
+    v_stage,
+    stride_sp,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    SG: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_FL: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
+    FP32: tl.constexpr,
+    CLIP: tl.constexpr,
+):
+    """One step of a values-only exact window: keys from the tile's record, values exact from
+    ``v_stage`` rows ``staging_rows(p, SG, SINK_ROWS)`` (kvarn_math.quantize_sequence with
+    ``window_keys=False``)."""
+    PARTS: tl.constexpr = G // SUB
+    block = tl.load(bt_row + c // PARTS)
+    k_raw, k_scale, k_zero, k_tok, raw = _load_keys(
+        cache_u8_ptr, cache_f16_ptr, block, head_off, c % PARTS, c >= 0, G, D, SUB, KEY_BITS,
+        OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_FL, RAW_KEYS,
+    )  # fmt: skip
+    qsel, asel = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
+    s = _record_scores(
+        qsel, asel, qpos, window, kv_end, c, k_raw, k_scale, k_zero, k_tok, D, SUB, KEY_BITS,
+        FP32, CLIP,
+    )  # fmt: skip
+    p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+    pos = c * SUB + tl.arange(0, SUB)
+    v_ptrs = _stage_rows(v_stage, pos, stride_sp, SG, SINK_ROWS, D)
+    return m_i, l_i, _exact_values(p, acc, v_ptrs, pos >= 0, FP32)
 
 
 @triton.jit
@@ -255,16 +387,10 @@ def _attend_step(
 ):
     """Online-softmax update with one step (SUB tokens) of a quantized tile, from its bytes
     (``CLIP``: keys at and past ``kv_end`` hidden too)."""
-    j = tl.arange(0, SUB)
-    k_codes = unpack_loaded(k_raw, D, SUB, KEY_BITS)  # [D, SUB]
-    qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
-    if FP32:
-        raw = tl.dot(qn, k_codes.to(tl.float32), input_precision="ieee")
-    else:
-        raw = tl.dot(qn.to(tl.float16), k_codes.to(tl.float16))
-    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
-    s = (raw + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok)[None, :])
-    s = tl.where(_visible(c * SUB + j, qpos, window, kv_end, CLIP), s, float("-inf"))
+    s = _record_scores(
+        q, q_amax, qpos, window, kv_end, c, k_raw, k_scale, k_zero, k_tok, D, SUB, KEY_BITS,
+        FP32, CLIP,
+    )  # fmt: skip
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
 
     v_codes = unpack_loaded(v_raw, SUB, D, VALUE_BITS)  # [SUB, D]
@@ -566,6 +692,7 @@ def attention_partial_kernel(
     slots_ptr,
     sink_lens_ptr,
     sink_slots_ptr,
+    key_lens_ptr,
     fk_ptr,
     fv_ptr,
     stride_fkt,
@@ -586,6 +713,9 @@ def attention_partial_kernel(
     D: tl.constexpr,
     SG: tl.constexpr,
     SINK_ROWS: tl.constexpr,
+    KSG: tl.constexpr,
+    KSINK: tl.constexpr,
+    VWIN: tl.constexpr,
     KEY_BITS: tl.constexpr,
     VALUE_BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -628,6 +758,12 @@ def attention_partial_kernel(
 
     ``RAW_KEYS``: a tile's record may hold its keys in their own channels (its
     ``KEYS_UNROTATED`` flag); such a tile is scored with the un-rotated query.
+
+    Staging (:func:`kvarn_kernels.staging_view`): keys at rows ``staging_rows(p, KSG, KSINK)``,
+    values ``stride_skv`` further at rows ``staging_rows(p, SG, SINK_ROWS)``. ``VWIN``:
+    values-only exact windows: the sink tile and positions ``[qlen, key_lens)`` take their keys
+    from their records and only their values from staging (``key_lens``: per sequence, where
+    the exact keys start).
     """
     seq = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -882,9 +1018,6 @@ def attention_partial_kernel(
                 k_raw, k_scale, k_zero, k_tok = k_raw1, k_scale1, k_zero1, k_tok1
                 v_raw, v_scale, v_zero, v_chan, raw = v_raw1, v_scale1, v_zero1, v_chan1, raw1
 
-        # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
-        # is not held in registers through the quantized loop.
-        q = qs * q_amax[:, None]
         stage = stage_ptr + slot * stride_ss + hkv.to(tl.int64) * stride_sh
         # The sink rows may be another slot's: a request that hit the prefix cache on tile 0
         # reads the exact tile 0 its owner wrote (kvarn-vllm decides which, per step).
@@ -892,44 +1025,40 @@ def attention_partial_kernel(
         if SINK_ROWS > 0:
             sink_slot = tl.load(sink_slots_ptr + seq).to(tl.int64)
             sink_stage = stage_ptr + sink_slot * stride_ss + hkv.to(tl.int64) * stride_sh
-        for c in range(c0, tl.minimum(c1, n_sink)):
+        # Values-only windows: steps before n_key (the sink tile, [qlen, key_lens)) score keys
+        # from their records; the exact keys (the key ring, own slot) start at n_key.
+        n_key = n_quant * 0
+        sink_keys = sink_stage
+        if VWIN:
+            n_key = tl.load(key_lens_ptr + seq) // SUB
+            sink_keys = stage
+            for c in range(c0, tl.minimum(tl.minimum(c1, n_sink), n_key)):
+                m_i, l_i, acc = _window_step(
+                    qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                    cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
+                    stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
+                    OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
+                )  # fmt: skip
+            for c in range(tl.maximum(c0, n_quant), tl.minimum(c_stage, n_key)):
+                m_i, l_i, acc = _window_step(
+                    qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                    cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
+                    stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
+                    OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
+                )  # fmt: skip
+        # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
+        # is not held in registers through the quantized loop.
+        q = qs * q_amax[:, None]
+        for c in range(tl.maximum(c0, n_key), tl.minimum(c1, n_sink)):
             m_i, l_i, acc = _dense_step(
-                q,
-                qpos,
-                window,
-                c,
-                m_i,
-                l_i,
-                acc,
-                sink_stage,
-                stride_skv,
-                stride_sp,
-                kv_end,
-                D,
-                SUB,
-                SG,
-                SINK_ROWS,
-                FP32,
-            )
-        for c in range(tl.maximum(c0, n_quant), c_stage):
+                q, qpos, window, c, m_i, l_i, acc, sink_keys, sink_stage + stride_skv,
+                stride_sp, kv_end, D, SUB, KSG, KSINK, SG, SINK_ROWS, FP32,
+            )  # fmt: skip
+        for c in range(tl.maximum(tl.maximum(c0, n_quant), n_key), c_stage):
             m_i, l_i, acc = _dense_step(
-                q,
-                qpos,
-                window,
-                c,
-                m_i,
-                l_i,
-                acc,
-                stage,
-                stride_skv,
-                stride_sp,
-                kv_end,
-                D,
-                SUB,
-                SG,
-                SINK_ROWS,
-                FP32,
-            )
+                q, qpos, window, c, m_i, l_i, acc, stage, stage + stride_skv, stride_sp,
+                kv_end, D, SUB, KSG, KSINK, SG, SINK_ROWS, FP32,
+            )  # fmt: skip
         if FRESH:
             fk = fk_ptr + hkv.to(tl.int64) * stride_fkh
             fv = fv_ptr + hkv.to(tl.int64) * stride_fvh

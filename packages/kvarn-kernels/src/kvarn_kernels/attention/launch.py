@@ -26,6 +26,7 @@ from kvarn_kernels.attention.kernel import (
     attention_partial_kernel_autotuned,
     default_launch,
 )
+from kvarn_kernels.cache import staging_view
 
 __all__ = [
     "choose_num_splits",
@@ -247,6 +248,8 @@ def _check_common(
     num_seqs: int,
     sink_lens: torch.Tensor | None,
     sink_slots: torch.Tensor | None = None,
+    key_lens: torch.Tensor | None = None,
+    key_tiles: int | None = None,
 ) -> tuple[TileLayout, int]:
     check_tensor("query", query, dtype=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     _, num_q_heads, head_dim = query.shape
@@ -257,7 +260,15 @@ def _check_common(
     p, layout = check_preset(preset, head_dim)
     check_cache(kv_cache, layout)
     num_kv_heads = kv_cache.shape[1]
-    check_staging(staging, layout, num_kv_heads)
+    if (key_lens is None) != (key_tiles is None):
+        raise ValueError(
+            "key_lens and key_tiles go together (values-only exact windows): got "
+            f"key_lens={'None' if key_lens is None else 'a tensor'}, key_tiles={key_tiles!r}"
+        )
+    check_staging(staging, layout, num_kv_heads, sink=sink_lens is not None, key_tiles=key_tiles)
+    if key_lens is not None:
+        check_tensor("key_lens", key_lens, dtype=torch.int32, shape=(num_seqs,), contiguous=True)
+        check_same_device(query=query, key_lens=key_lens)
     if staging.dtype != query.dtype:
         raise ValueError(f"staging dtype must equal query dtype {query.dtype}, got {staging.dtype}")
     if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= _MAX_GROUP:
@@ -290,10 +301,10 @@ def _check_common(
     if sink_lens is not None:
         check_tensor("sink_lens", sink_lens, dtype=torch.int32, shape=(num_seqs,), contiguous=True)
         check_same_device(query=query, sink_lens=sink_lens)
-        if staging.shape[2] < 2 * layout.group_size:
+        if staging_view(staging, layout.group_size, True, key_tiles).ring < layout.group_size:
             raise ValueError(
-                f"with sink_lens, staging dim 2 must hold the G={layout.group_size} sink rows "
-                f"plus S*G ring rows, got {staging.shape[2]}"
+                f"with sink_lens, staging must hold the G={layout.group_size} sink rows plus "
+                f"S*G ring rows, got shape {list(staging.shape)}"
             )
     if sink_slots is not None:
         if sink_lens is None:
@@ -326,6 +337,8 @@ def _run(
     invariant: bool | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     raw_keys: bool = True,
+    key_lens: torch.Tensor | None = None,
+    key_tiles: int | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
@@ -344,8 +357,8 @@ def _run(
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if num_tokens == 0 or num_seqs == 0:
         return out
-    sink_rows = 0 if sink_lens is None else g
-    max_chunks = block_table.shape[1] + staging.shape[2] // g
+    sv = staging_view(staging, g, sink_lens is not None, key_tiles)
+    max_chunks = block_table.shape[1] + (sv.ring + sv.sink) // g
     group = num_q_heads // num_kv_heads
     block_h = _next_pow2(group)
     decode = query_start_loc is None
@@ -405,10 +418,10 @@ def _run(
         kv_cache.stride(0),
         kv_cache.stride(1),
         staging,
-        staging.stride(0),
-        staging.stride(1),
-        staging.stride(2),
-        staging.stride(3),
+        sv.slot,
+        sv.value_offset,
+        sv.row,
+        sv.head,
         block_table,
         block_table.stride(0),
         seq_lens,
@@ -416,6 +429,7 @@ def _run(
         staging_slots,
         seq_lens if sink_lens is None else sink_lens,  # unread without a sink
         staging_slots if sink_slots is None else sink_slots,  # unread without a sink
+        seq_lens if key_lens is None else key_lens,  # unread without values-only windows
         fk,
         fv,
         fk.stride(0),
@@ -434,8 +448,11 @@ def _run(
         rsqrt_d,
         G=g,
         D=d,
-        SG=staging.shape[2] - sink_rows,
-        SINK_ROWS=sink_rows,
+        SG=sv.ring,
+        SINK_ROWS=sv.sink,
+        KSG=sv.key_ring,
+        KSINK=sv.key_sink,
+        VWIN=key_tiles is not None,
         KEY_BITS=p.key_bits,
         VALUE_BITS=p.value_bits,
         GROUP=group,
@@ -504,6 +521,8 @@ def decode_attention(
     sink_slots: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
     raw_keys: bool = True,
+    key_lens: torch.Tensor | None = None,
+    key_tiles: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its quantized tiles and staging.
 
@@ -538,6 +557,12 @@ def decode_attention(
         raw_keys: records may hold keys in their own channels (``store_kv``'s
             ``key_frame="auto"``): each tile's flag is read and such tiles are scored with the
             un-rotated query. ``False`` skips the flag, for a cache whose store only rotates.
+        key_lens: int32 ``[B]``, with ``key_tiles``: values-only exact windows (a
+            ``plan_store(window_keys=False)`` cache, whose staging is the 4-D area of
+            ``staging_shape(key_tiles=)``): keys before ``key_lens`` (the plan's
+            ``key_read_lens``) are read from their records, values only before
+            ``quantized_lens`` (the sink tile's values from its sink rows).
+        key_tiles: the key ring's tiles ``S_k`` (the plan's ``key_tiles``).
 
     Returns:
         ``[B, Hq, D]`` in the original frame, query's dtype.
@@ -555,6 +580,8 @@ def decode_attention(
         query.shape[0],
         sink_lens,
         sink_slots,
+        key_lens,
+        key_tiles,
     )
     return _run(
         query,
@@ -576,6 +603,8 @@ def decode_attention(
         sink_slots,
         batch_invariant,
         raw_keys=raw_keys,
+        key_lens=key_lens,
+        key_tiles=key_tiles,
     )
 
 
@@ -599,6 +628,8 @@ def multi_query_attention(
     batch_invariant: bool | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     raw_keys: bool = True,
+    key_lens: torch.Tensor | None = None,
+    key_tiles: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -606,8 +637,9 @@ def multi_query_attention(
     ``query`` ``[num_q_tokens, Hq, D]`` and are its last ``n_b`` positions; their own K/V must
     already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
-    are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``, ``raw_keys``: as
-    :func:`decode_attention` (batch-invariant mode runs every query row with decode's launch).
+    are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``, ``raw_keys``,
+    ``key_lens``, ``key_tiles``: as :func:`decode_attention` (batch-invariant mode runs every
+    query row with decode's launch).
 
     ``fresh_kv``: optional ``(k, v)``, each ``[num_q_tokens, Hkv, D]`` in query's dtype and the
     rotated frame (:func:`kvarn_kernels.rotate`), row ``i`` the K/V of query row ``i``'s own
@@ -635,6 +667,8 @@ def multi_query_attention(
         num_seqs,
         sink_lens,
         sink_slots,
+        key_lens,
+        key_tiles,
     )
     check_same_device(query=query, query_start_loc=query_start_loc)
     if max_query_len is None:
@@ -672,4 +706,6 @@ def multi_query_attention(
         batch_invariant,
         fresh_kv,
         raw_keys,
+        key_lens,
+        key_tiles,
     )

@@ -237,6 +237,8 @@ def quantize_tiles_kernel(
     D: tl.constexpr,
     SG: tl.constexpr,
     SINK_ROWS: tl.constexpr,
+    KSG: tl.constexpr,
+    KSINK: tl.constexpr,
     GROUP: tl.constexpr,
     KEY_FRAME: tl.constexpr,
     KEY_BITS: tl.constexpr,
@@ -259,6 +261,8 @@ def quantize_tiles_kernel(
 
     ``tiles`` rows: ``block_id, slot, start_pos, num_staged, fresh_index`` (block -1: skip).
     Byte offsets ``stride_cb``/``stride_ch`` of ``cache_u8``; ``cache_f16`` aliases it.
+    Staged keys sit at rows ``staging_rows(p, KSG, KSINK)``, staged values ``stride_skv``
+    further at ``staging_rows(p, SG, SINK_ROWS)`` (:func:`kvarn_kernels.staging_view`).
 
     The keys' frame (``KEY_FRAME``): 0 rotated; 1 chosen per tile and KV head by the smaller
     estimated attention-score error over the queries ``q`` ``[num_tokens, Hq, D]`` (original
@@ -288,7 +292,7 @@ def quantize_tiles_kernel(
             # Keys: the tile as [D, G] (rows are channels), quantized per channel over tokens.
             k = _load_tile(
                 key_ptr, stride_kt, stride_kh, stage_k, stride_ss, stride_sp, head, slot, start,
-                num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
+                num_staged, fresh_index, rsqrt_d, G, D, KSG, KSINK, FRESH_ROTATED,
             )  # fmt: skip
             raw = head < 0  # False: the rotated frame
             if KEY_FRAME == 1:
@@ -345,33 +349,32 @@ def stage_tokens_kernel(
 ):
     """Rotate ``BLOCK_T`` fresh tokens of one KV head and write them to their staging positions.
 
-    ``writes`` rows: ``token_index, slot, staging_pos`` (token -1: skip).
+    ``writes`` rows: ``token_index, slot, staging_pos, key_pos`` (token -1: skip; the value
+    goes to row ``staging_pos`` of the value rows, ``stride_skv`` after the key rows, the key to
+    row ``key_pos``; a row of -1 is not written).
     """
     pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     r = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = r < num_rows
-    token = tl.load(writes_ptr + r * 3, mask=in_range, other=-1)
+    token = tl.load(writes_ptr + r * 4, mask=in_range, other=-1)
     live = token >= 0
-    slot = tl.load(writes_ptr + r * 3 + 1, mask=live, other=0).to(tl.int64)
-    pos = tl.load(writes_ptr + r * 3 + 2, mask=live, other=0).to(tl.int64)
+    slot = tl.load(writes_ptr + r * 4 + 1, mask=live, other=0).to(tl.int64)
+    pos = tl.load(writes_ptr + r * 4 + 2, mask=live, other=-1).to(tl.int64)
+    kpos = tl.load(writes_ptr + r * 4 + 3, mask=live, other=-1).to(tl.int64)
     tok = token.to(tl.int64)
     d = tl.arange(0, D)
-    mask = live[:, None]
-    dst = (
-        stage_ptr
-        + slot[:, None] * stride_ss
-        + pos[:, None] * stride_sp
-        + head * stride_sh
-        + d[None, :]
-    )
+    mask = (pos >= 0)[:, None]
+    kmask = (kpos >= 0)[:, None]
+    base = stage_ptr + slot[:, None] * stride_ss + head * stride_sh + d[None, :]
     k = tl.load(
-        key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0
+        key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=kmask, other=0.0
     )
     k = fwht_rows(k.to(tl.float32), BLOCK_T, D) * rsqrt_d
-    tl.store(dst, round_to(k, stage_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + kpos[:, None] * stride_sp, round_to(k, stage_ptr.dtype.element_ty), mask=kmask)
     v = tl.load(
         value_ptr + tok[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0
     )
     v = fwht_rows(v.to(tl.float32), BLOCK_T, D) * rsqrt_d
-    tl.store(dst + stride_skv, round_to(v, stage_ptr.dtype.element_ty), mask=mask)
+    dst = base + stride_skv + pos[:, None] * stride_sp
+    tl.store(dst, round_to(v, stage_ptr.dtype.element_ty), mask=mask)

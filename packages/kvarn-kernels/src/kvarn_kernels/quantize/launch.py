@@ -21,6 +21,7 @@ from kvarn_kernels._guards import (
     check_tensor,
 )
 from kvarn_kernels._triton import PRECISE_MATH
+from kvarn_kernels.cache import staging_view
 from kvarn_kernels.plan import StorePlan
 from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
 
@@ -81,7 +82,8 @@ def _launch_quantize(
     layout: TileLayout,
     iterations: int,
     fresh_rotated: bool,
-    sink_rows: int = 0,
+    sink: bool = False,
+    key_tiles: int | None = None,
     key_frame: str = "rotated",
     query: torch.Tensor | None = None,
     frames: torch.Tensor | None = None,
@@ -89,6 +91,7 @@ def _launch_quantize(
     if tiles.shape[0] == 0:
         return
     p, d = layout.preset, layout.head_dim
+    sv = staging_view(staging, p.group_size, sink, key_tiles)
     cache_f16 = kv_cache.view(torch.float16)
     num_kv_heads = kv_cache.shape[1]
     group = 1
@@ -106,10 +109,10 @@ def _launch_quantize(
         value.stride(0),
         value.stride(1),
         staging,
-        staging.stride(0),
-        staging.stride(1),
-        staging.stride(2),
-        staging.stride(3),
+        sv.slot,
+        sv.value_offset,
+        sv.row,
+        sv.head,
         kv_cache,
         cache_f16,
         kv_cache.stride(0),
@@ -122,8 +125,10 @@ def _launch_quantize(
         float(np.float32(1.0 / math.sqrt(d))),
         G=p.group_size,
         D=d,
-        SG=staging.shape[2] - sink_rows,
-        SINK_ROWS=sink_rows,
+        SG=sv.ring,
+        SINK_ROWS=sv.sink,
+        KSG=sv.key_ring,
+        KSINK=sv.key_sink,
         GROUP=group,
         KEY_FRAME=_FRAME_MODE[key_frame],
         KEY_BITS=p.key_bits,
@@ -156,7 +161,8 @@ def store_kv(
             (after RoPE); last dim contiguous, other strides free.
         kv_cache: uint8 ``[num_blocks, num_kv_heads, tile_bytes]``, written in place.
         staging: ``[num_slots, 2, S*G, num_kv_heads, head_dim]`` rotated frame, written in place
-            (``G + S*G`` positions when the plan keeps the sink: see :func:`plan_store`).
+            (``G + S*G`` positions when the plan keeps the sink: see :func:`plan_store`; with a
+            ``window_keys=False`` plan the 4-D area of ``staging_shape(key_tiles=S - R)``).
         plan: this step's :func:`kvarn_kernels.plan_store` result, on the cache's device.
         preset: the cache preset.
         iterations: variance-normalization sweeps (kvarn-math's default).
@@ -181,9 +187,9 @@ def store_kv(
             f"plan was made for G={plan.group_size}, preset {p.name} has G={p.group_size}"
         )
     check_cache(kv_cache, layout, num_kv_heads)
-    check_staging(staging, layout, num_kv_heads, plan.staging_tiles, plan.sink)
+    check_staging(staging, layout, num_kv_heads, plan.staging_tiles, plan.sink, plan.key_tiles)
     check_tensor("plan.tiles", plan.tiles, dtype=torch.int32, shape=(None, 5), contiguous=True)
-    check_tensor("plan.writes", plan.writes, dtype=torch.int32, shape=(None, 3), contiguous=True)
+    check_tensor("plan.writes", plan.writes, dtype=torch.int32, shape=(None, 4), contiguous=True)
     check_same_device(
         kv_cache=kv_cache,
         key=key,
@@ -209,7 +215,6 @@ def store_kv(
                 f"{head_dim}], got {list(query.shape)}"
             )
         check_same_device(key=key, query=query)
-    sink_rows = p.group_size if plan.sink else 0
     _launch_quantize(
         key,
         value,
@@ -219,12 +224,14 @@ def store_kv(
         layout,
         iterations,
         False,
-        sink_rows,
+        plan.sink,
+        plan.key_tiles,
         key_frame=key_frame,
         query=query,
     )
     rows = plan.writes.shape[0]
     if rows:
+        sv = staging_view(staging, p.group_size, plan.sink, plan.key_tiles)
         grid = (triton.cdiv(rows, _STAGE_BLOCK_T), num_kv_heads)
         stage_tokens_kernel[grid](
             key,
@@ -234,10 +241,10 @@ def store_kv(
             value.stride(0),
             value.stride(1),
             staging,
-            staging.stride(0),
-            staging.stride(1),
-            staging.stride(2),
-            staging.stride(3),
+            sv.slot,
+            sv.value_offset,
+            sv.row,
+            sv.head,
             plan.writes,
             rows,
             float(np.float32(1.0 / math.sqrt(head_dim))),
