@@ -89,6 +89,7 @@ def test_parse_cache_kvarn_settings() -> None:
         parse_cache("fp8+recent0")
     rot = parse_cache("kvarn_k2v2_g128+rotated")
     assert rot.env == (("KVARN_VLLM_KEY_FRAME", "rotated"),)
+    assert parse_cache("kvarn_k4v2_g128+keys").env == (("KVARN_VLLM_WINDOW_KEYS", "1"),)
     both = parse_cache("kvarn_k4v2_g128+recent0+mqa")
     assert both.label == "kvarn_k4v2_g128+recent0+mqa"
     assert both.env == (("KVARN_VLLM_RECENT_TILES", "0"), ("KVARN_VLLM_DENSE_CONTEXT", "0"))

@@ -9,7 +9,9 @@ each after a ``+``: ``kvarn_k4v2_g128+recent0`` reads no complete tile exact fro
 (``KVARN_VLLM_RECENT_TILES=0`` in its engine's environment; ``recentN`` for N = 0-4), ``+mqa``
 runs continuation chunks through the multi-query kernel instead of dequantizing the context for
 FlashAttention (``KVARN_VLLM_DENSE_CONTEXT=0``), ``+rotated`` stores every tile's keys rotated
-instead of choosing each tile's key frame from the queries (``KVARN_VLLM_KEY_FRAME=rotated``). Names are
+instead of choosing each tile's key frame from the queries (``KVARN_VLLM_KEY_FRAME=rotated``),
+``+keys`` keeps the exact tiles' keys exact too instead of their values only
+(``KVARN_VLLM_WINDOW_KEYS=1``). Names are
 checked here, without importing vLLM, against the values vLLM 0.26 accepts (a test compares with
 vLLM's own list).
 
@@ -73,6 +75,7 @@ _KVARN_SETTINGS: dict[str, tuple[str, str | None]] = {
     r"recent([0-4])": ("KVARN_VLLM_RECENT_TILES", None),
     r"mqa": ("KVARN_VLLM_DENSE_CONTEXT", "0"),
     r"rotated": ("KVARN_VLLM_KEY_FRAME", "rotated"),
+    r"keys": ("KVARN_VLLM_WINDOW_KEYS", "1"),
 }
 
 DEFAULT_CACHES: tuple[str, ...] = (
