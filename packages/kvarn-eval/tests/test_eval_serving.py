@@ -463,7 +463,8 @@ def test_serving_jobs(tmp_path: Path) -> None:
     )
     assert fp8["kv_cache_dtype"] == "fp8" and "attention_config" not in kvarn
     assert kvarn["load_format"] == "dummy" and kvarn["skip_tokenizer_init"] is True
-    assert kvarn["tensor_parallel_size"] == 2 and kvarn["max_model_len"] == 2048 + 32 + 16
+    # 2048 + 32 + 16 rounded up to a multiple of 256, so whole requests fill whole tiles
+    assert kvarn["tensor_parallel_size"] == 2 and kvarn["max_model_len"] == 2304
     assert (tmp_path / "llama-3.1-8b" / "config.json").is_file()
     assert jobs[0].workload["prompt_lens"] == [1024, 2048]
     capacity = serving_jobs(opts, tmp_path, "capacity")
@@ -477,8 +478,14 @@ def test_serving_jobs(tmp_path: Path) -> None:
     assert [j.env for j in two] == [{}, {"KVARN_VLLM_RECENT_TILES": "0"}]
     assert two[0].engine_key() != two[1].engine_key()
     assert two[1].cache["env"] == {"KVARN_VLLM_RECENT_TILES": "0"}
-    with pytest.raises(ValueError, match="exceed qwen3-8b's 40960 positions"):
+    with pytest.raises(
+        ValueError, match=r"rounded up to 41216\) exceed qwen3-8b's 40960 positions"
+    ):
         _options(gpu_models=("qwen3-8b",), prompt_lens=(40920,))
+    for lens, out in (((4096,), 1024), ((16384, 4096), 1024), ((100,), 1)):
+        opts = _options(prompt_lens=lens, output_len=out)
+        assert opts.max_model_len % 256 == 0
+        assert 0 <= opts.max_model_len - (max(lens) + out + 16) < 256
 
 
 def test_worker_throughput_and_capacity(fake_vllm: Path, tmp_path: Path) -> None:

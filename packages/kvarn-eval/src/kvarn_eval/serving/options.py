@@ -127,12 +127,18 @@ class ServingOptions:
             limit = get_shape(shape_name).max_position_embeddings
             if self.max_model_len > limit:
                 raise ValueError(
-                    f"prompt_lens {max(self.prompt_lens)} + output_len {self.output_len} (+16) exceed "
+                    f"prompt_lens {max(self.prompt_lens)} + output_len {self.output_len} (+16, rounded "
+                    f"up to {self.max_model_len}) exceed "
                     f"{shape_name}'s {limit} positions"
                 )
 
     @property
     def max_model_len(self) -> int:
         """vLLM's ``max_model_len`` for capacity and throughput engines: the longest request
-        plus a margin of 16 tokens."""
-        return max(self.prompt_lens) + self.output_len + 16
+        plus a margin of 16 tokens, rounded up to a multiple of 256.
+
+        vLLM logs its "GPU KV cache size" as whole ``max_model_len`` requests, each rounded up
+        to its last block; a length that is a multiple of every block size in use (16 for
+        bf16, the tile of 64, 128 or 256 tokens for kvarn) makes that number the pool's
+        tokens for every cache, instead of penalizing the larger blocks."""
+        return -(-(max(self.prompt_lens) + self.output_len + 16) // 256) * 256
