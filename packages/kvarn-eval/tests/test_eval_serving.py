@@ -90,12 +90,15 @@ def test_parse_cache_kvarn_settings() -> None:
     rot = parse_cache("kvarn_k2v2_g128+rotated")
     assert rot.env == (("KVARN_VLLM_KEY_FRAME", "rotated"),)
     assert parse_cache("kvarn_k4v2_g128+keys").env == (("KVARN_VLLM_WINDOW_KEYS", "1"),)
+    assert parse_cache("kvarn_k2v2_g128+values").env == (("KVARN_VLLM_WINDOW_KEYS", "0"),)
+    with pytest.raises(ValueError, match="sets KVARN_VLLM_WINDOW_KEYS twice"):
+        parse_cache("kvarn_k2v2_g128+keys+values")
     both = parse_cache("kvarn_k4v2_g128+recent0+mqa")
     assert both.label == "kvarn_k4v2_g128+recent0+mqa"
     assert both.env == (("KVARN_VLLM_RECENT_TILES", "0"), ("KVARN_VLLM_DENSE_CONTEXT", "0"))
     with pytest.raises(ValueError, match="sets KVARN_VLLM_RECENT_TILES twice"):
         parse_cache("kvarn_k4v2_g128+recent0+recent2")
-    with pytest.raises(ValueError, match="unknown kvarn setting 'dense'"):
+    with pytest.raises(ValueError, match="unknown kvarn setting 'dense'.*keys.*values"):
         parse_cache("kvarn_k4v2_g128+mqa+dense")
 
 

@@ -8,6 +8,7 @@ import pytest
 from kvarn_math.layout import DEFAULT_PRESET, PRESETS
 from kvarn_vllm.config import (
     KvarnConfig,
+    default_window_keys,
     is_kvarn_dtype,
     parse_kv_cache_dtype,
     preset_names,
@@ -24,6 +25,7 @@ def test_preset_names_cover_every_kvarn_math_preset_default_first():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_parse_every_preset(name, monkeypatch):
     monkeypatch.delenv("KVARN_VLLM_RECENT_TILES", raising=False)
+    monkeypatch.delenv("KVARN_VLLM_WINDOW_KEYS", raising=False)
     cfg = parse_kv_cache_dtype(name)
     assert cfg.name == name
     assert cfg.preset is PRESETS[name]
@@ -33,10 +35,31 @@ def test_parse_every_preset(name, monkeypatch):
     assert cfg.recent_tiles == 1  # default: and the last complete one
     assert cfg.ring_tiles == 2
     assert cfg.ring_tokens == 2 * cfg.block_size
-    # default: the exact tiles keep only their values: the keys of the open tile, the values
-    # of the sink, recent and open tiles (4 half tiles)
-    assert not cfg.window_keys and cfg.key_tiles == 1
-    assert cfg.staging_tokens == 2 * cfg.block_size
+    if PRESETS[name].key_bits == 4:
+        # default: the exact tiles keep only their values: the keys of the open tile, the
+        # values of the sink, recent and open tiles (4 half tiles)
+        assert not cfg.window_keys and cfg.key_tiles == 1
+        assert cfg.staging_tokens == 2 * cfg.block_size
+    else:
+        # 2- and 3-bit keys: the exact tiles keep their keys too (sink, recent, open tiles)
+        assert cfg.window_keys and cfg.key_tiles is None
+        assert cfg.staging_tokens == 3 * cfg.block_size
+
+
+def test_window_keys_default_follows_the_key_bits(monkeypatch):
+    monkeypatch.delenv("KVARN_VLLM_WINDOW_KEYS", raising=False)
+    assert [p for p in sorted(PRESETS) if default_window_keys(p)] == [
+        "kvarn_k2v2_g128",
+        "kvarn_k3v2_g128",
+    ]
+    assert default_window_keys(PRESETS["kvarn_k4v4_g64"]) is False
+    with pytest.raises(ValueError, match="kvarn_k9v2_g128"):
+        default_window_keys("kvarn_k9v2_g128")
+    # the environment overrides the preset's default either way
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", "0")
+    assert not parse_kv_cache_dtype("kvarn_k2v2_g128").window_keys
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", "1")
+    assert parse_kv_cache_dtype("kvarn_k4v2_g128").window_keys
 
 
 def test_window_keys_env(monkeypatch):

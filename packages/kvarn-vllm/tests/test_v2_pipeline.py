@@ -47,7 +47,7 @@ def _near_reference(out, q, k, v, window, where, kv_cache, block_row, recent=0):
         recent_tiles=recent,
         ring_tiles=1 + recent,
         keep_first_tile=True,
-        window_keys=window_keys_from_env(),
+        window_keys=window_keys_from_env(PRESET),
     )
     seq = cached_records(kv_cache, block_row, kf, vf, seq, PRESET, D)
     lay = tile_layout(PRESET, D)
@@ -333,7 +333,7 @@ def test_v2_pipeline_full_and_sliding(
                 v.float().numpy(),
                 PRESET,
                 keep_first_tile=exact,
-                window_keys=window_keys_from_env() or not exact,
+                window_keys=window_keys_from_env(PRESET) or not exact,
             )
             # the record the cache holds (its key frame chosen from the queries)
             kf, vf = k.float().numpy(), v.float().numpy()

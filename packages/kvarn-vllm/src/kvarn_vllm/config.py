@@ -22,6 +22,7 @@ __all__ = [
     "SINK_ENV",
     "WINDOW_KEYS_ENV",
     "KvarnConfig",
+    "default_window_keys",
     "env_flag",
     "is_kvarn_dtype",
     "parse_kv_cache_dtype",
@@ -49,9 +50,13 @@ says which); ``rotated`` always rotates them (the plain format; attention then s
 DEFAULT_KEY_FRAME = "auto"
 WINDOW_KEYS_ENV = "KVARN_VLLM_WINDOW_KEYS"
 """Environment variable: ``1`` keeps the keys of the exact windows (the first tile, the recent
-tiles) exact too; ``0`` (default) keeps only their values exact and reads their keys from the
-records, which halves their staging (kvarn_math.quantize_sequence(window_keys=False))."""
-DEFAULT_WINDOW_KEYS = False
+tiles) exact too; ``0`` keeps only their values exact and reads their keys from the records,
+which halves their staging (kvarn_math.quantize_sequence(window_keys=False)). Unset: the
+preset's default, :func:`default_window_keys`."""
+WINDOW_KEYS_BELOW_KEY_BITS = 4
+"""Presets with fewer key bits than this keep their windows' keys exact by default. Measured on
+CPU (docs/results/cpu-2026-12-01d): values-only windows add 0.1 (SmolLM2) to 0.4 (Gemma-3)
+percentage points to kvarn_k4v2's perplexity change, but 11 to kvarn_k2v2's."""
 # kvarn-math defines records for 512 as well; the dense backend serves these (issue 5).
 SERVED_HEAD_DIMS: tuple[int, ...] = tuple(d for d in SUPPORTED_HEAD_DIMS if d <= 256)
 
@@ -88,7 +93,7 @@ class KvarnConfig:
         window_keys: the exact windows (sink, recent tiles) keep their keys exact too;
             ``False``: only their values, and the keys get a ring of the ``staging_tiles``
             open tiles, from :data:`WINDOW_KEYS_ENV` (the dataclass default keeps them; the
-            environment's default does not).
+            environment's default depends on the preset, :func:`default_window_keys`).
     """
 
     preset: Preset
@@ -227,9 +232,17 @@ def key_frame_from_env() -> str:
     return raw
 
 
-def window_keys_from_env() -> bool:
-    """The :data:`WINDOW_KEYS_ENV` setting: ``0`` (default) values-only windows, ``1`` keys too."""
-    return env_flag(WINDOW_KEYS_ENV, DEFAULT_WINDOW_KEYS)
+def default_window_keys(preset: Preset | str) -> bool:
+    """Whether ``preset``'s exact windows keep their keys by default: for keys of fewer than
+    :data:`WINDOW_KEYS_BELOW_KEY_BITS` bits (2- and 3-bit keys need their recent keys exact);
+    4-bit keys read them from the records and give half the windows' staging to the cache."""
+    return get_preset(preset).key_bits < WINDOW_KEYS_BELOW_KEY_BITS
+
+
+def window_keys_from_env(preset: Preset | str) -> bool:
+    """The :data:`WINDOW_KEYS_ENV` setting: ``0`` values-only windows, ``1`` keys too, unset
+    :func:`default_window_keys` of ``preset``."""
+    return env_flag(WINDOW_KEYS_ENV, default_window_keys(preset))
 
 
 def invariant_from_env() -> bool:
@@ -245,8 +258,8 @@ def parse_kv_cache_dtype(
     The exact first tile follows :data:`SINK_ENV` (on unless it is ``0``); the recent exact
     tiles :data:`RECENT_ENV` (1 unless set); batch-invariant attention follows
     :data:`INVARIANT_ENV` (off unless it is ``1``); the key frame :data:`KEY_FRAME_ENV`
-    (``auto`` unless set); the windows' keys :data:`WINDOW_KEYS_ENV` (values only unless it
-    is ``1``).
+    (``auto`` unless set); the windows' keys :data:`WINDOW_KEYS_ENV` (unless set: kept for
+    2- and 3-bit keys, values only for 4-bit keys, :func:`default_window_keys`).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -270,5 +283,5 @@ def parse_kv_cache_dtype(
         batch_invariant=invariant_from_env(),
         recent_tiles=recent_from_env(),
         key_frame=key_frame_from_env(),
-        window_keys=window_keys_from_env(),
+        window_keys=window_keys_from_env(preset),
     )

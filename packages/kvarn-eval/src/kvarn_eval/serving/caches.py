@@ -11,7 +11,8 @@ runs continuation chunks through the multi-query kernel instead of dequantizing 
 FlashAttention (``KVARN_VLLM_DENSE_CONTEXT=0``), ``+rotated`` stores every tile's keys rotated
 instead of choosing each tile's key frame from the queries (``KVARN_VLLM_KEY_FRAME=rotated``),
 ``+keys`` keeps the exact tiles' keys exact too instead of their values only
-(``KVARN_VLLM_WINDOW_KEYS=1``). Names are
+(``KVARN_VLLM_WINDOW_KEYS=1``, the default of 2- and 3-bit keys), ``+values`` keeps only their
+values exact (``KVARN_VLLM_WINDOW_KEYS=0``, the default of 4-bit keys). Names are
 checked here, without importing vLLM, against the values vLLM 0.26 accepts (a test compares with
 vLLM's own list).
 
@@ -76,6 +77,7 @@ _KVARN_SETTINGS: dict[str, tuple[str, str | None]] = {
     r"mqa": ("KVARN_VLLM_DENSE_CONTEXT", "0"),
     r"rotated": ("KVARN_VLLM_KEY_FRAME", "rotated"),
     r"keys": ("KVARN_VLLM_WINDOW_KEYS", "1"),
+    r"values": ("KVARN_VLLM_WINDOW_KEYS", "0"),
 }
 
 DEFAULT_CACHES: tuple[str, ...] = (
@@ -197,7 +199,8 @@ def parse_cache(text: str) -> CacheSpec:
             raise ValueError(
                 f"unknown kvarn setting {setting!r} in {text!r}; expected recentN (N = 0-4: "
                 "complete tiles read exact from staging), mqa (continuation chunks through "
-                "the multi-query kernel) or rotated (every tile's keys rotated)"
+                "the multi-query kernel), rotated (every tile's keys rotated), keys (the exact "
+                "tiles keep their keys) or values (the exact tiles keep only their values)"
             )
     dtype = _ALIASES.get(name, name)
     known = (*VLLM_CACHE_DTYPES, *PRESETS)
