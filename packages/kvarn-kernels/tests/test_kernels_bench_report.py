@@ -1,7 +1,9 @@
-"""The benchmark's markdown report (the timing itself needs a GPU)."""
+"""The benchmark's markdown report and its decode cases (the timing itself needs a GPU)."""
 
 from __future__ import annotations
 
+import pytest
+import torch
 from kvarn_kernels import bench
 
 
@@ -45,3 +47,52 @@ def test_sweep_table_shows_stages_and_error() -> None:
 def test_git_sha_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("KVARN_GIT_SHA", "f8c4936")
     assert bench._git_sha() == "f8c4936"
+
+
+@pytest.mark.parametrize("windows", bench.WINDOWS)
+def test_decode_case_with_each_window_layout_matches_its_reference(windows: str) -> None:
+    """The bench's decode case, in Triton's interpreter, with the staging of each window layout
+    (sink and recent tile exact, keys too or values only): the kernel matches SDPA over the
+    records with the staged rows put in, and a reference that takes the wrong rows does not
+    (so the check can fail)."""
+    cpu = torch.device("cpu")
+    preset, d, hkv = "kvarn_k4v2_g128", 64, 2
+    template = bench._template_records(preset, d, hkv, torch.bfloat16, cpu, mixed=True)
+    case = bench._Case(preset, 4, hkv, d, 1, 256, torch.bfloat16, cpu, template, True, windows)
+    assert bench._check_against_dequantized(case) < 1e-2
+    if windows == "open":
+        return
+    right = case.staged_kv
+
+    def wrong_rows() -> tuple[torch.Tensor, ...]:
+        k, v, from_keys, from_values = right()
+        # the windows' keys from the other place: values-only windows read as if their keys
+        # were staged, keys-too windows as if every key came from the records
+        wrong = from_values if windows == "values" else torch.zeros_like(from_keys)
+        return k, v, wrong, from_values
+
+    case.staged_kv = wrong_rows  # type: ignore[method-assign]
+    assert bench._check_against_dequantized(case) > 0.2
+
+
+def test_window_layouts_read_what_they_stage() -> None:
+    cpu = torch.device("cpu")
+    preset, d, hkv, g = "kvarn_k4v2_g128", 64, 2, 128
+    template = bench._template_records(preset, d, hkv, torch.bfloat16, cpu)
+    cases = {
+        w: bench._Case(preset, 4, hkv, d, 3, 4 * g, torch.bfloat16, cpu, template, False, w)
+        for w in bench.WINDOWS
+    }
+    assert cases["open"].staging.shape == (3, 2, g, hkv, d)
+    assert cases["keys"].staging.shape == (3, 2, 3 * g, hkv, d)  # sink rows, 2-tile ring
+    assert cases["values"].staging.shape == (3, g + 3 * g, hkv, d)  # key ring, value rows
+    assert cases["keys"].qlens.tolist() == [3 * g] * 3  # the recent tile read from staging
+    assert cases["values"].key_lens.tolist() == [4 * g] * 3  # its keys from the records
+    # bytes read: keys staging 2 tiles more than values, which read 2 more records (whole)
+    tile = cases["open"].layout.tile_bytes
+    diff = cases["keys"].bytes_quantized() - cases["values"].bytes_quantized()
+    assert diff == 3 * hkv * (2 * g * d * 2 - 2 * tile)
+    with pytest.raises(ValueError, match="windows must be one of"):
+        bench._Case(preset, 4, hkv, d, 1, 2 * g, torch.bfloat16, cpu, template, False, "sink")
+    with pytest.raises(ValueError, match="needs a context of 2 tiles"):
+        bench._Case(preset, 4, hkv, d, 1, g, torch.bfloat16, cpu, template, False, "keys")

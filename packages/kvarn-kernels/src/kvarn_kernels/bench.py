@@ -148,6 +148,19 @@ def _template_records(
     return quantize_tiles(k, v, preset, raw_keys=raw if mixed else False)
 
 
+WINDOWS = ("open", "keys", "values")
+"""The staging a decode case reads besides the records (``--windows``): ``open``, only the open
+tile (half full); ``keys``, also the exact first tile (sink rows) and the recent tile, keys and
+values, as kvarn-vllm stages 2-bit keys; ``values``, the same windows with only their values
+staged and their keys read from the records (kvarn-vllm's default for 4-bit keys)."""
+
+_WINDOWS_TEXT = {
+    "open": "the open tile",
+    "keys": "the exact first, recent and open tiles",
+    "values": "the values of the exact first and recent tiles, the open tile",
+}
+
+
 class _Case:
     """One paged cache (quantized) plus its fp16 twin for the baselines."""
 
@@ -163,12 +176,19 @@ class _Case:
         device: torch.device,
         template: torch.Tensor,
         raw_keys: bool = False,
+        windows: str = "open",
     ) -> None:
         from kvarn_kernels.cache import allocate_staging
 
-        self.raw_keys = raw_keys
+        if windows not in WINDOWS:
+            raise ValueError(f"windows must be one of {WINDOWS}, got {windows!r}")
+        self.raw_keys, self.windows = raw_keys, windows
         p = get_preset(preset)
         g = p.group_size
+        if windows != "open" and context < 2 * g:
+            raise ValueError(
+                f"windows={windows!r} needs a context of 2 tiles or more, got {context}"
+            )
         self.layout = tile_layout(p, head_dim)
         self.preset, self.dtype, self.device = preset, dtype, device
         self.hq, self.hkv, self.d, self.b = num_q_heads, num_kv_heads, head_dim, batch
@@ -182,22 +202,42 @@ class _Case:
         gen = torch.Generator(device="cpu").manual_seed(1)
         perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         self.block_table = perm.view(batch, tiles).to(device)
-        self.staging = allocate_staging(batch, num_kv_heads, head_dim, p, dtype, device)
+        exact = windows != "open"
+        self.key_tiles = 1 if windows == "values" else None
+        self.staging = allocate_staging(
+            batch, num_kv_heads, head_dim, p, dtype, device,
+            staging_tiles=2 if exact else 1, sink=exact, key_tiles=self.key_tiles,
+        )  # fmt: skip
         self.staging.normal_()
         self.seq_lens = torch.full((batch,), self.seq_len, dtype=torch.int32, device=device)
-        self.qlens = torch.full((batch,), self.quantized, dtype=torch.int32, device=device)
+        # attention reads staging from read_len on: the recent tile too with the windows
+        self.read_len = context - g if exact else context
+        self.qlens = torch.full((batch,), self.read_len, dtype=torch.int32, device=device)
+        self.sink_lens = (
+            torch.full((batch,), g, dtype=torch.int32, device=device) if exact else None
+        )
+        # values-only windows: keys come from the records up to the open tile
+        self.key_lens = self.qlens + g if self.key_tiles else None
         self.slots = torch.arange(batch, dtype=torch.int32, device=device)
         self.query = torch.randn((batch, num_q_heads, head_dim), dtype=dtype, device=device)
         self.out = torch.empty_like(self.query)
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def bytes_quantized(self) -> int:
+        """Bytes attention reads: the records it reads (whole, also where only their keys are
+        needed), the staged key and value rows, the queries and outputs, the block table."""
+        g = self.layout.group_size
+        tiles = self.quantized // g
+        windows = 0 if self.windows == "open" else 2 * g  # sink and recent tile rows
+        records = tiles - (2 if self.windows == "keys" else 0)
+        key_rows = self.open_tokens + (windows if self.windows == "keys" else 0)
+        value_rows = self.open_tokens + windows
         per_seq = self.hkv * (
-            (self.quantized // self.layout.group_size) * self.layout.tile_bytes
-            + self.open_tokens * 2 * self.d * self.staging.element_size()
+            records * self.layout.tile_bytes
+            + (key_rows + value_rows) * self.d * self.staging.element_size()
         )
         io = 2 * self.hq * self.d * self.query.element_size()
-        return self.b * (per_seq + io + 4 * (self.quantized // self.layout.group_size))
+        return self.b * (per_seq + io + 4 * tiles)
 
     def bytes_fp16(self) -> int:
         return self.b * (self.hkv * self.seq_len * 2 * self.d * 2 + 2 * self.hq * self.d * 2)
@@ -217,8 +257,33 @@ class _Case:
             self.scale,
             out=self.out,
             num_splits=num_splits,
+            sink_lens=self.sink_lens,
             raw_keys=self.raw_keys,
+            key_lens=self.key_lens,
+            key_tiles=self.key_tiles,
         )
+
+    def staged_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sequence 0's staged keys and values, ``[T, Hkv, D]`` each over positions
+        ``[0, seq_len)`` (zeros where not staged), and the masks ``[T]`` of the positions
+        attention reads keys and values from staging."""
+        from kvarn_kernels.cache import staging_rows
+
+        g = self.layout.group_size
+        pos = torch.arange(self.seq_len, device=self.device)
+        sink = 0 if self.windows == "open" else g
+        if self.key_tiles is None:
+            ks, vs = self.staging[0, 0], self.staging[0, 1]
+            ring = ks.shape[0] - sink
+            key_rows = value_rows = staging_rows(pos, ring, sink)
+        else:
+            key_ring = self.key_tiles * g
+            ks, vs = self.staging[0, :key_ring], self.staging[0, key_ring:]
+            key_rows = pos % key_ring
+            value_rows = staging_rows(pos, vs.shape[0] - sink, sink)
+        from_values = (pos >= self.read_len) | (pos < sink)
+        from_keys = from_values if self.key_lens is None else pos >= self.read_len + g
+        return ks[key_rows].float(), vs[value_rows].float(), from_keys, from_values
 
 
 def _check_against_dequantized(case: _Case) -> float:
@@ -230,10 +295,11 @@ def _check_against_dequantized(case: _Case) -> float:
     k, v = dequantize(
         case.kv_cache, case.block_table[0].contiguous(), case.preset, case.d, dtype=torch.float32
     )
-    sk = case.staging[0, 0, : case.open_tokens].float()
-    sv = case.staging[0, 1, : case.open_tokens].float()
-    k = torch.cat([k, sk]).transpose(0, 1)[None]  # [1, Hkv, T, D] rotated
-    v = torch.cat([v, sv]).transpose(0, 1)[None]
+    sk, sv, from_keys, from_values = case.staged_kv()
+    k = torch.cat([k, sk[k.shape[0] :]])  # the open tile's positions exist only in staging
+    v = torch.cat([v, sv[v.shape[0] :]])
+    k = torch.where(from_keys[:, None, None], sk, k).transpose(0, 1)[None]  # [1, Hkv, T, D]
+    v = torch.where(from_values[:, None, None], sv, v).transpose(0, 1)[None]
     q = rotate(case.query[:1].float())[:, :, None, :]  # [1, Hq, 1, D]
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, scale=case.scale, enable_gqa=True
@@ -448,7 +514,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The whole pipeline on tiny sizes in Triton's interpreter: checks the script, not speed.
         device = torch.device("cpu")
         shapes = [("tiny", 4, 2, 64)]
-        batches, contexts, store_batch = [1, 2], [128], 4
+        batches, contexts, store_batch = [1, 2], [256], 4
     else:
         if not torch.cuda.is_available():
             raise SystemExit(
@@ -478,6 +544,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "quick": quick,
         "key_frame": args.key_frame,
+        "windows": args.windows,
         "batch_invariant": batch_invariant(),
         "hbm_copy_gbps": hbm,
         "attention": [],
@@ -501,7 +568,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"skipped {preset} {shape_name} b={b} ctx={ctx}: memory"
                         )
                         continue
-                    case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template, auto)
+                    case = _Case(
+                        preset, hq, hkv, d, b, ctx, dtype, device, template, auto, args.windows
+                    )
                     row: dict[str, Any] = {
                         "preset": preset,
                         "shape": shape_name,
@@ -589,11 +658,13 @@ def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
     the fast path, the Gluon kernel's splits plus the Triton kernel's one)."""
     from kvarn_kernels.attention.launch import batch_invariant, fast_decode_splits, launch_splits
+    from kvarn_kernels.cache import staging_view
 
     if _fast(case):
         return 1 + fast_decode_splits(case.b, case.hkv, case.block_table.shape[1], case.device)
     g = case.layout.group_size
-    chunks = case.block_table.shape[1] + case.staging.shape[2] // g  # as the launcher counts
+    sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
+    chunks = case.block_table.shape[1] + (sv.ring + sv.sink) // g  # as the launcher counts
     return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, batch_invariant())[1]
 
 
@@ -617,6 +688,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"GPU: {report['gpu']}; copy bandwidth {report['hbm_copy_gbps']:.0f} GB/s; "
         f"git {report['git_sha']}; {report['versions']}",
+        "",
+        f"Decode attention; key frames {report.get('key_frame', 'rotated')}; staging read "
+        f"besides the records: {report.get('windows', 'open')} ({_WINDOWS_TEXT[report.get('windows', 'open')]}).",
         "",
         "| preset | shape | batch | context | time (us) | GB/s | of HBM | SDPA fp16 (us) | "
         "x SDPA | "
@@ -684,6 +758,15 @@ def main(argv: list[str] | None = None) -> int:
         default="rotated",
         help="auto: the store chooses each tile's key frame from the queries, half the records "
         "read by attention hold unrotated keys (kvarn-vllm's default); rotated: the plain format",
+    )
+    parser.add_argument(
+        "--windows",
+        choices=WINDOWS,
+        default="open",
+        help="what decode attention reads from staging besides the records: open (the open "
+        "tile only), keys (also the exact first and recent tiles, keys and values: kvarn-vllm "
+        "with 2-bit keys), values (those tiles' values only, their keys from the records: "
+        "kvarn-vllm's default with 4-bit keys)",
     )
     parser.add_argument(
         "--autotune",

@@ -234,8 +234,9 @@ def key_frame_from_env() -> str:
 
 def default_window_keys(preset: Preset | str) -> bool:
     """Whether ``preset``'s exact windows keep their keys by default: for keys of fewer than
-    :data:`WINDOW_KEYS_BELOW_KEY_BITS` bits (2- and 3-bit keys need their recent keys exact);
-    4-bit keys read them from the records and give half the windows' staging to the cache."""
+    :data:`WINDOW_KEYS_BELOW_KEY_BITS` bits (2-bit keys need their recent keys exact, as
+    measured; 3-bit keys, not measured, are treated alike). 4-bit keys read them from the
+    records and give half the windows' staging to the cache."""
     return get_preset(preset).key_bits < WINDOW_KEYS_BELOW_KEY_BITS
 
 
