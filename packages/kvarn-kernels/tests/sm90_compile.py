@@ -216,6 +216,18 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                         attention_partial_kernel, ptrs, vconsts, opts, f"{label} value windows"
                     )
                 )
+                if decode:
+                    # Beside the fast decode kernel: the staged splits only (QUANT=False).
+                    for wname, wconsts in (("keys", consts), ("value windows", vconsts)):
+                        rows.append(
+                            compile_kernel(
+                                attention_partial_kernel,
+                                ptrs,
+                                {**wconsts, "QUANT": False},
+                                opts,
+                                f"{label} staged splits, {wname}",
+                            )
+                        )
             if d == max(head_dims) and name == "kvarn_k4v2_g128":
                 # Other query dtypes at the largest head size: fp16, and fp32 (exact dots).
                 for dt in ("fp16", "fp32"):

@@ -839,3 +839,39 @@ def test_batch_invariant_mode(
     args = TestGuards()._args()
     with pytest.raises(ValueError, match="num_splits must be None"):
         kk.decode_attention(**args, num_splits=2, batch_invariant=invariant)
+
+
+@pytest.mark.parametrize("windows", ["keys", "values"])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128"])
+def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(preset, windows):
+    """The Triton kernel's part of the fast decode path (``QUANT=False``) runs one split per
+    staged tile: with the sink tile, the recent tile and the open tile exact (keys too, or
+    values only with keys from their records) and no other tile, those splits alone must give
+    the whole decode attention: every staged step walked once, by one split."""
+    from kvarn_kernels import bench
+    from kvarn_kernels.attention import launch
+
+    cpu = torch.device("cpu")
+    g, d, hkv, hq, b = 128, 64, 2, 4, 3
+    template = bench._template_records(preset, d, hkv, torch.bfloat16, cpu, mixed=True)
+    case = bench._Case(preset, hq, hkv, d, b, 2 * g, torch.bfloat16, cpu, template, True, windows)
+    assert launch.staged_splits(case.staging, g, True, case.key_tiles) == 3
+    want = case.run().float()
+    got = launch._run(
+        case.query, None, 1, case.kv_cache, case.staging, case.block_table, case.seq_lens,
+        case.qlens, case.slots, case.layout, hkv, case.scale, None, None, None,
+        case.sink_lens, None, False, raw_keys=True, key_lens=case.key_lens,
+        key_tiles=case.key_tiles, staged_only=True,
+    ).float()  # fmt: skip
+    # bf16 outputs: the two split layouts round differently (a bf16 ulp is 2^-8 = 3.9e-3)
+    assert_close_rms(want.numpy(), got.numpy(), 8e-3, what=f"{preset} {windows}")
+    # with a tile in between that only the quantized pass reads, the staged splits alone miss it
+    long = bench._Case(preset, hq, hkv, d, 1, 3 * g, torch.bfloat16, cpu, template, True, windows)
+    full = long.run().float()
+    part = launch._run(
+        long.query, None, 1, long.kv_cache, long.staging, long.block_table, long.seq_lens,
+        long.qlens, long.slots, long.layout, hkv, long.scale, None, None, None,
+        long.sink_lens, None, False, raw_keys=True, key_lens=long.key_lens,
+        key_tiles=long.key_tiles, staged_only=True,
+    ).float()  # fmt: skip
+    assert float((full - part).norm() / full.norm()) > 0.05

@@ -656,13 +656,20 @@ def _fast(case: _Case) -> bool:
 
 def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
-    the fast path, the Gluon kernel's splits plus the Triton kernel's one)."""
-    from kvarn_kernels.attention.launch import batch_invariant, fast_decode_splits, launch_splits
+    the fast path, the Gluon kernel's splits plus the Triton kernel's, one per staged tile)."""
+    from kvarn_kernels.attention.launch import (
+        batch_invariant,
+        fast_decode_splits,
+        launch_splits,
+        staged_splits,
+    )
     from kvarn_kernels.cache import staging_view
 
-    if _fast(case):
-        return 1 + fast_decode_splits(case.b, case.hkv, case.block_table.shape[1], case.device)
     g = case.layout.group_size
+    if _fast(case):
+        staged = staged_splits(case.staging, g, case.sink_lens is not None, case.key_tiles)
+        tiles = case.block_table.shape[1]
+        return staged + fast_decode_splits(case.b, case.hkv, tiles, case.device, staged)
     sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
     chunks = case.block_table.shape[1] + (sv.ring + sv.sink) // g  # as the launcher counts
     return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, batch_invariant())[1]

@@ -818,6 +818,11 @@ def attention_partial_kernel(
         hi = q_hi // SUB + 1
         lo = tl.maximum(q_lo - window + 1, 0) // SUB
         lo = tl.where(window > 0, lo, 0)
+        # Steps of tile 0 read from the sink rows of staging when the sequence has its exact
+        # first tile there (then its quantized record, kept for prefix-cache sharing, is skipped).
+        n_sink = qlen * 0
+        if SINK_ROWS > 0:
+            n_sink = tl.minimum(tl.load(sink_lens_ptr + seq), qlen) // SUB
         if split_steps > 0:
             # Batch-invariant: split s covers steps [s * split_steps, (s + 1) * split_steps)
             # of every sequence, whatever the batch or the query block.
@@ -827,6 +832,24 @@ def attention_partial_kernel(
             per = tl.cdiv(hi - lo, num_splits)
             c0 = lo + split * per
             c1 = tl.minimum(c0 + per, hi)
+        # The steps of the sink rows [cs0, cs1) and of the staged tokens [ct0, ct1) a split walks:
+        # both [c0, c1), or without the quantized tiles (QUANT=False, never batch-invariant) equal
+        # shares of the sink steps [lo, n_sink) followed by the staged ones [n_quant, hi).
+        cs0 = c0
+        cs1 = c1
+        ct0 = c0
+        ct1 = c1
+        if not QUANT:
+            n_sink_steps = tl.maximum(n_sink - lo, 0)
+            st0 = tl.maximum(n_quant, lo)
+            n_steps = n_sink_steps + tl.maximum(hi - st0, 0)
+            vper = tl.cdiv(n_steps, num_splits)
+            v0 = tl.minimum(split * vper, n_steps)
+            v1 = tl.minimum(v0 + vper, n_steps)
+            cs0 = lo + tl.minimum(v0, n_sink_steps)
+            cs1 = lo + tl.minimum(v1, n_sink_steps)
+            ct0 = st0 + tl.maximum(v0 - n_sink_steps, 0)
+            ct1 = st0 + tl.maximum(v1 - n_sink_steps, 0)
 
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -838,16 +861,11 @@ def attention_partial_kernel(
         # give only the positions before the queries' own.
         kv_end = seq_len
         c_end = tl.minimum(c1, n_quant)
-        c_stage = c1
+        c_stage = ct1
         if FRESH:
             kv_end = seq_len - nq
             c_end = tl.minimum(c1, tl.cdiv(tl.minimum(qlen, kv_end), SUB))
-            c_stage = tl.minimum(c1, tl.cdiv(kv_end, SUB))
-        # Steps of tile 0 read from the sink rows of staging when the sequence has its exact
-        # first tile there (then its quantized record, kept for prefix-cache sharing, is skipped).
-        n_sink = qlen * 0
-        if SINK_ROWS > 0:
-            n_sink = tl.minimum(tl.load(sink_lens_ptr + seq), qlen) // SUB
+            c_stage = tl.minimum(ct1, tl.cdiv(kv_end, SUB))
         cq0 = tl.maximum(c0, n_sink)
         if not QUANT:
             c_end = cq0  # the quantized tiles are another kernel's
@@ -1032,14 +1050,14 @@ def attention_partial_kernel(
         if VWIN:
             n_key = tl.load(key_lens_ptr + seq) // SUB
             sink_keys = stage
-            for c in range(c0, tl.minimum(tl.minimum(c1, n_sink), n_key)):
+            for c in range(cs0, tl.minimum(tl.minimum(cs1, n_sink), n_key)):
                 m_i, l_i, acc = _window_step(
                     qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
                     cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
                     stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
                     OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
                 )  # fmt: skip
-            for c in range(tl.maximum(c0, n_quant), tl.minimum(c_stage, n_key)):
+            for c in range(tl.maximum(ct0, n_quant), tl.minimum(c_stage, n_key)):
                 m_i, l_i, acc = _window_step(
                     qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
                     cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
@@ -1049,12 +1067,12 @@ def attention_partial_kernel(
         # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
         # is not held in registers through the quantized loop.
         q = qs * q_amax[:, None]
-        for c in range(tl.maximum(c0, n_key), tl.minimum(c1, n_sink)):
+        for c in range(tl.maximum(cs0, n_key), tl.minimum(cs1, n_sink)):
             m_i, l_i, acc = _dense_step(
                 q, qpos, window, c, m_i, l_i, acc, sink_keys, sink_stage + stride_skv,
                 stride_sp, kv_end, D, SUB, KSG, KSINK, SG, SINK_ROWS, FP32,
             )  # fmt: skip
-        for c in range(tl.maximum(tl.maximum(c0, n_quant), n_key), c_stage):
+        for c in range(tl.maximum(tl.maximum(ct0, n_quant), n_key), c_stage):
             m_i, l_i, acc = _dense_step(
                 q, qpos, window, c, m_i, l_i, acc, stage, stage + stride_skv, stride_sp,
                 kv_end, D, SUB, KSG, KSINK, SG, SINK_ROWS, FP32,
@@ -1062,7 +1080,7 @@ def attention_partial_kernel(
         if FRESH:
             fk = fk_ptr + hkv.to(tl.int64) * stride_fkh
             fv = fv_ptr + hkv.to(tl.int64) * stride_fvh
-            for c in range(tl.maximum(c0, kv_end // SUB), c1):
+            for c in range(tl.maximum(ct0, kv_end // SUB), ct1):
                 m_i, l_i, acc = _fresh_step(
                     q,
                     qpos,

@@ -182,13 +182,25 @@ def fast_decode_supported(
 
 
 def fast_decode_splits(
-    num_seqs: int, num_kv_heads: int, max_tiles: int, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    max_tiles: int,
+    device: torch.device,
+    staged_splits: int = 1,
 ) -> int:
-    """Splits of the fast decode kernel: about 4 programs per SM, at most one per tile, one
-    less than the combine's maximum (the Triton kernel's split for staging is the other)."""
+    """Splits of the fast decode kernel: about 4 programs per SM, at most one per tile, at most
+    the combine's maximum less the Triton kernel's ``staged_splits`` (:func:`staged_splits`)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(1, (4 * sms) // max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, max_tiles, _MAX_SPLITS - 1))
+    return max(1, min(want, max_tiles, _MAX_SPLITS - staged_splits))
+
+
+def staged_splits(staging: torch.Tensor, group_size: int, sink: bool, key_tiles: int | None) -> int:
+    """Splits of the Triton kernel beside the fast decode kernel (which attends the quantized
+    tiles): one per tile of rows it reads from staging (the sink tile and the ring), so that
+    the exact windows' tiles are walked side by side instead of one after the other."""
+    sv = staging_view(staging, group_size, sink, key_tiles)
+    return max(1, (sv.ring + sv.sink) // group_size)
 
 
 def _next_pow2(n: int) -> int:
@@ -339,7 +351,11 @@ def _run(
     raw_keys: bool = True,
     key_lens: torch.Tensor | None = None,
     key_tiles: int | None = None,
+    staged_only: bool = False,
 ) -> torch.Tensor:
+    """Launch the attention kernels (the checks are the callers'). ``staged_only``: for tests,
+    only the Triton kernel's part of the fast decode path, its staged splits over the sink
+    rows and staging (``QUANT=False``), the quantized tiles left out; decode only."""
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
     p = layout.preset
@@ -384,8 +400,14 @@ def _run(
     ):
         from kvarn_kernels.attention import fast
 
-        fast_splits = fast_decode_splits(num_seqs, num_kv_heads, block_table.shape[1], query.device)
-        num_splits = 1
+        num_splits = staged_splits(staging, g, sink_lens is not None, key_tiles)
+        fast_splits = fast_decode_splits(
+            num_seqs, num_kv_heads, block_table.shape[1], query.device, num_splits
+        )
+    if staged_only:
+        if not decode or invariant:
+            raise ValueError("staged_only is the fast decode path's: decode, not batch-invariant")
+        num_splits = staged_splits(staging, g, sink_lens is not None, key_tiles)
     if num_splits is None:
         split_steps, num_splits = launch_splits(
             num_seqs, num_kv_heads, max_chunks, d, g, query.device, invariant
@@ -465,7 +487,7 @@ def _run(
         FRESH=fresh_kv is not None,
         **offset_constants(layout),
         RAW_KEYS=bool(raw_keys),
-        QUANT=not fast_splits,
+        QUANT=not (fast_splits or staged_only),
         **launch,
     )
     if fast_splits:
