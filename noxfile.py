@@ -46,7 +46,9 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """CPU tests of all four packages; kernels run in Triton's interpreter.
+    """CPU tests of kvarn-math, kvarn-vllm and kvarn-eval (kernels in Triton's interpreter), and
+    kvarn-kernels' layering test beside an installed vLLM; ``nox -s kernels`` runs the kernels'
+    whole suite (once, in its vLLM-free environment: it takes 7 of CI's minutes).
 
     One pytest run per package (each package's tests are their own rootdir: the packages share
     test-module names such as test_attention.py).  ``nox -s tests -- PATH [ARGS]`` runs one.
@@ -59,8 +61,8 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("pytest", *common, *session.posargs)
         return
-    for package in (MATH, KERNELS, VLLM, EVAL):
-        session.run("pytest", *common, f"{package}/tests")
+    for target in (MATH, f"{KERNELS}/tests/test_kernels_layering.py", VLLM, EVAL):
+        session.run("pytest", *common, target if target.endswith(".py") else f"{target}/tests")
 
 
 @nox.session(python="3.11")

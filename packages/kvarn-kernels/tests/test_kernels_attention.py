@@ -841,8 +841,12 @@ def test_batch_invariant_mode(
         kk.decode_attention(**args, num_splits=2, batch_invariant=invariant)
 
 
-@pytest.mark.parametrize("windows", ["keys", "values"])
-@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k2v2_g128"])
+@pytest.mark.parametrize(
+    ("preset", "windows"),
+    # the 4-bit-key (phased) path with values-only windows, the generic path with keys too:
+    # the two presets' defaults in kvarn-vllm
+    [("kvarn_k4v2_g128", "values"), ("kvarn_k2v2_g128", "keys")],
+)
 def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(preset, windows):
     """The Triton kernel's part of the fast decode path (``QUANT=False``) runs one split per
     staged tile: with the sink tile, the recent tile and the open tile exact (keys too, or
