@@ -926,3 +926,36 @@ def test_vllm_greedy_with_context_passages_from_the_command_line(
 def test_greedy_context_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="greedy_context_tokens must be >= 0, got -1"):
         _options(greedy_context_tokens=-1)
+
+
+def test_kernel_command_benches_what_kvarn_vllm_serves(tmp_path) -> None:
+    from kvarn_eval.gpu_suites import kernel_command
+    from kvarn_eval.serving.options import KERNEL_KEY_FRAMES, KERNEL_WINDOWS, ServingOptions
+
+    cmd = kernel_command(ServingOptions(), tmp_path / "k.json")
+    assert cmd[1:] == [
+        "-m", "kvarn_kernels.bench", "--out", str(tmp_path / "k.json"),
+        "--presets", "kvarn_k4v2_g128", "--key-frame", "auto", "--windows", "values",
+    ]  # fmt: skip
+    opts = ServingOptions(
+        kernel_presets="kvarn_k2v2_g128, kvarn_k4v4_g128",
+        kernel_key_frame="rotated",
+        kernel_windows="keys",
+        kernel_quick=True,
+    )
+    cmd = kernel_command(opts, tmp_path / "k.json")
+    assert cmd[cmd.index("--presets") + 1 : cmd.index("--key-frame")] == [
+        "kvarn_k2v2_g128",
+        "kvarn_k4v4_g128",
+    ]
+    assert cmd[-5:] == ["--key-frame", "rotated", "--windows", "keys", "--quick"]
+    with pytest.raises(ValueError, match="kernel_windows must be one of open, keys, values"):
+        ServingOptions(kernel_windows="sink")
+    with pytest.raises(ValueError, match="kernel_key_frame must be one of auto, rotated"):
+        ServingOptions(kernel_key_frame="raw")
+    # the choices are the bench's own
+    from kvarn_kernels import bench
+    from kvarn_math.tile import KEY_FRAMES
+
+    assert KERNEL_WINDOWS == bench.WINDOWS
+    assert set(KERNEL_KEY_FRAMES) == set(KEY_FRAMES)

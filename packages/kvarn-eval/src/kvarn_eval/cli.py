@@ -21,7 +21,7 @@ from typing import Any
 
 from kvarn_eval import __version__
 from kvarn_eval.models import BUILTIN_MODELS, DEFAULT_MODEL, MissingDependencyError
-from kvarn_eval.serving.options import ServingOptions
+from kvarn_eval.serving.options import KERNEL_KEY_FRAMES, KERNEL_WINDOWS, ServingOptions
 from kvarn_eval.suites import (
     DEFAULT_SUITES,
     DEFAULT_TASK_METHODS,
@@ -218,6 +218,22 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         default=defaults.kernel_presets,
         help=f"presets of the kernel benchmark ({defaults.kernel_presets})",
     )
+    gpu.add_argument(
+        "--kernel-key-frame",
+        choices=KERNEL_KEY_FRAMES,
+        default=defaults.kernel_key_frame,
+        help="the kernel benchmark's key frames: auto, chosen per tile as kvarn-vllm stores "
+        f"them, or rotated, the plain format ({defaults.kernel_key_frame})",
+    )
+    gpu.add_argument(
+        "--kernel-windows",
+        choices=KERNEL_WINDOWS,
+        default=defaults.kernel_windows,
+        help="what the kernel benchmark's decode attention reads from staging: values (the "
+        "exact first and recent tiles' values, kvarn-vllm's default for 4-bit keys), keys "
+        "(their keys too, its default for 2- and 3-bit keys) or open (the open tile only) "
+        f"({defaults.kernel_windows})",
+    )
 
 
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
@@ -252,6 +268,8 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
         ppl_chunk_size=args.vllm_ppl_chunk_size,
         kernel_quick=args.kernel_quick,
         kernel_presets=args.kernel_presets,
+        kernel_key_frame=args.kernel_key_frame,
+        kernel_windows=args.kernel_windows,
     )
 
 

@@ -22,8 +22,10 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from kvarn_eval.serving.options import ServingOptions
 from kvarn_eval.serving.runner import Budget
 from kvarn_eval.serving.suites import (
     capacity_result,
@@ -200,8 +202,9 @@ def kernel_result(report: dict[str, Any] | None, status: str, error: str = "") -
     gbps = report.get("hbm_copy_gbps")
     title = (
         f"kernels: decode attention on {report.get('gpu', '?')}, copy bandwidth "
-        f"{_fmt(gbps, '.0f')} GB/s, {report.get('dtype', '?')}, status {status}"
-        + (f": {error}" if error else "")
+        f"{_fmt(gbps, '.0f')} GB/s, {report.get('dtype', '?')}, key frames "
+        f"{report.get('key_frame', '?')}, staged windows {report.get('windows', '?')}, "
+        f"status {status}" + (f": {error}" if error else "")
     )
     tables = [{"title": title, "header": header, "rows": rows}]
     if store_rows:
@@ -219,6 +222,17 @@ def kernel_result(report: dict[str, Any] | None, status: str, error: str = "") -
     }
 
 
+def kernel_command(opts: ServingOptions, json_path: Path) -> list[str]:
+    """The ``kernels`` suite's ``python -m kvarn_kernels.bench`` command line: the presets,
+    key frames and staged windows of ``opts`` (by default as kvarn-vllm serves
+    ``kvarn_k4v2_g128``), the JSON report at ``json_path``."""
+    presets = [p.strip() for p in opts.kernel_presets.split(",") if p.strip()]
+    cmd = [sys.executable, "-m", "kvarn_kernels.bench", "--out", str(json_path)]
+    cmd += ["--presets", *presets, "--key-frame", opts.kernel_key_frame]
+    cmd += ["--windows", opts.kernel_windows]
+    return [*cmd, "--quick"] if opts.kernel_quick else cmd
+
+
 def _kernels(ctx: BenchContext) -> dict[str, Any]:
     from kvarn_eval.serving.runner import stop_process_group
 
@@ -226,18 +240,7 @@ def _kernels(ctx: BenchContext) -> dict[str, Any]:
     out = ctx.out_dir / "runs" / "kernels"
     out.mkdir(parents=True, exist_ok=True)
     json_path, log_path = out / "kernels.json", out / "kernels.log"
-    presets = [p.strip() for p in opts.kernel_presets.split(",") if p.strip()]
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvarn_kernels.bench",
-        "--out",
-        str(json_path),
-        "--presets",
-        *presets,
-    ]
-    if opts.kernel_quick:
-        cmd.append("--quick")
+    cmd = kernel_command(opts, json_path)
     timeout = _budget(ctx).timeout_for(opts.run_timeout)
     if timeout is None:
         return kernel_result(None, "skipped", "time budget (--max-seconds) spent")

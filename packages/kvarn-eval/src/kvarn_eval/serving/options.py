@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from kvarn_eval.serving.caches import parse_caches
 from kvarn_eval.serving.shapes import get_shape
 
+# kvarn_kernels.bench's --key-frame and --windows choices (not imported: kvarn-eval runs the
+# bench in a child process and does not need the kernels installed; a test compares)
+KERNEL_KEY_FRAMES: tuple[str, ...] = ("auto", "rotated")
+KERNEL_WINDOWS: tuple[str, ...] = ("open", "keys", "values")
+
 __all__ = ["ServingOptions"]
 
 
@@ -50,6 +55,12 @@ class ServingOptions:
             its earlier chunks wrote, as decoding would (pseudo-decode; 128 is a kvarn tile).
         kernel_quick: the kernel microbenchmark's ``--quick`` grid.
         kernel_presets: kvarn presets of the kernel microbenchmark (comma-separated).
+        kernel_key_frame: its ``--key-frame`` (``auto``: each tile's key frame chosen, as
+            kvarn-vllm stores; ``rotated``: the plain format).
+        kernel_windows: its ``--windows`` (:data:`KERNEL_WINDOWS`; ``values``: the exact first
+            and recent tiles staged with their values only, kvarn-vllm's default for 4-bit keys;
+            ``keys``: with their keys too, its default for 2- and 3-bit keys; ``open``: only
+            the open tile).
     """
 
     gpu_models: tuple[str, ...] = ("llama-3.1-8b", "qwen3-8b", "qwen3-32b")
@@ -78,6 +89,8 @@ class ServingOptions:
     ppl_chunk_size: int = 128
     kernel_quick: bool = False
     kernel_presets: str = "kvarn_k4v2_g128"
+    kernel_key_frame: str = "auto"
+    kernel_windows: str = "values"
 
     def __post_init__(self) -> None:
         for name in self.gpu_models:
@@ -102,6 +115,16 @@ class ServingOptions:
         if self.greedy_context_tokens < 0:
             raise ValueError(
                 f"greedy_context_tokens must be >= 0, got {self.greedy_context_tokens}"
+            )
+        if self.kernel_key_frame not in KERNEL_KEY_FRAMES:
+            raise ValueError(
+                f"kernel_key_frame must be one of {', '.join(KERNEL_KEY_FRAMES)}, got "
+                f"{self.kernel_key_frame!r}"
+            )
+        if self.kernel_windows not in KERNEL_WINDOWS:
+            raise ValueError(
+                f"kernel_windows must be one of {', '.join(KERNEL_WINDOWS)}, got "
+                f"{self.kernel_windows!r}"
             )
         if self.requests is not None and self.requests < 1:
             raise ValueError(f"requests must be >= 1, got {self.requests}")
