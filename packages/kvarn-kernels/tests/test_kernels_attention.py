@@ -858,24 +858,24 @@ def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(preset, wind
     cpu = torch.device("cpu")
     g, d, hkv, hq, b = 128, 64, 2, 4, 3
     template = bench._template_records(preset, d, hkv, torch.bfloat16, cpu, mixed=True)
+
+    def staged(case: bench._Case) -> torch.Tensor:
+        """The staged splits of ``case``'s decode attention alone."""
+        return launch._run(
+            case.query, None, 1, case.kv_cache, case.staging, case.block_table, case.seq_lens,
+            case.qlens, case.slots, case.layout, hkv, case.scale, None, None, None,
+            case.sink_lens, None, False, raw_keys=True, key_lens=case.key_lens,
+            key_tiles=case.key_tiles, staged_only=True,
+        ).float()  # fmt: skip
+
     case = bench._Case(preset, hq, hkv, d, b, 2 * g, torch.bfloat16, cpu, template, True, windows)
     assert launch.staged_splits(case.staging, g, True, case.key_tiles) == 3
     want = case.run().float()
-    got = launch._run(
-        case.query, None, 1, case.kv_cache, case.staging, case.block_table, case.seq_lens,
-        case.qlens, case.slots, case.layout, hkv, case.scale, None, None, None,
-        case.sink_lens, None, False, raw_keys=True, key_lens=case.key_lens,
-        key_tiles=case.key_tiles, staged_only=True,
-    ).float()  # fmt: skip
+    got = staged(case)
     # bf16 outputs: the two split layouts round differently (a bf16 ulp is 2^-8 = 3.9e-3)
     assert_close_rms(want.numpy(), got.numpy(), 8e-3, what=f"{preset} {windows}")
     # with a tile in between that only the quantized pass reads, the staged splits alone miss it
     long = bench._Case(preset, hq, hkv, d, 1, 3 * g, torch.bfloat16, cpu, template, True, windows)
     full = long.run().float()
-    part = launch._run(
-        long.query, None, 1, long.kv_cache, long.staging, long.block_table, long.seq_lens,
-        long.qlens, long.slots, long.layout, hkv, long.scale, None, None, None,
-        long.sink_lens, None, False, raw_keys=True, key_lens=long.key_lens,
-        key_tiles=long.key_tiles, staged_only=True,
-    ).float()  # fmt: skip
+    part = staged(long)
     assert float((full - part).norm() / full.norm()) > 0.05

@@ -391,23 +391,22 @@ def _run(
         )
     split_steps = 0
     # The fast path: the Gluon kernel attends the quantized tiles in `fast_splits` splits,
-    # this kernel the rest (sink rows, staging) in one split before them; the combine merges.
-    fast_splits = 0
-    if (
+    # this kernel the rest (sink rows, staging) in one split per staged tile before them; the
+    # combine merges. `staged_only` (tests) launches this kernel's part alone.
+    if staged_only and (not decode or invariant):
+        raise ValueError("staged_only is the fast decode path's: decode, not batch-invariant")
+    fast = not staged_only and (
         decode
         and num_splits is None
         and fast_decode_applies(query, layout, num_kv_heads, sliding_window, invariant)
-    ):
-        from kvarn_kernels.attention import fast
-
-        num_splits = staged_splits(staging, g, sink_lens is not None, key_tiles)
-        fast_splits = fast_decode_splits(
-            num_seqs, num_kv_heads, block_table.shape[1], query.device, num_splits
-        )
-    if staged_only:
-        if not decode or invariant:
-            raise ValueError("staged_only is the fast decode path's: decode, not batch-invariant")
-        num_splits = staged_splits(staging, g, sink_lens is not None, key_tiles)
+    )
+    fast_splits = 0
+    if fast or staged_only:
+        num_splits = staged = staged_splits(staging, g, sink_lens is not None, key_tiles)
+        if fast:
+            fast_splits = fast_decode_splits(
+                num_seqs, num_kv_heads, block_table.shape[1], query.device, staged
+            )
     if num_splits is None:
         split_steps, num_splits = launch_splits(
             num_seqs, num_kv_heads, max_chunks, d, g, query.device, invariant
@@ -487,11 +486,13 @@ def _run(
         FRESH=fresh_kv is not None,
         **offset_constants(layout),
         RAW_KEYS=bool(raw_keys),
-        QUANT=not (fast_splits or staged_only),
+        QUANT=not (fast or staged_only),
         **launch,
     )
-    if fast_splits:
-        fast.launch_fast_decode(
+    if fast:
+        from kvarn_kernels.attention.fast import launch_fast_decode
+
+        launch_fast_decode(
             query,
             kv_cache,
             block_table,
