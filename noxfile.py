@@ -61,8 +61,9 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run("pytest", *common, *session.posargs)
         return
-    for target in (MATH, f"{KERNELS}/tests/test_kernels_layering.py", VLLM, EVAL):
-        session.run("pytest", *common, target if target.endswith(".py") else f"{target}/tests")
+    layering = f"{KERNELS}/tests/test_kernels_layering.py"
+    for tests in (f"{MATH}/tests", layering, f"{VLLM}/tests", f"{EVAL}/tests"):
+        session.run("pytest", *common, tests)
 
 
 @nox.session(python="3.11")
