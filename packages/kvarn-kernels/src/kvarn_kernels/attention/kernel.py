@@ -360,6 +360,89 @@ def _window_step(
 
 
 @triton.jit
+def _window_step_phased(
+    qs,
+    q_amax,
+    qos,
+    qo_amax,
+    qpos,
+    window,
+    kv_end,
+    c,
+    m_i,
+    l_i,
+    acc,
+    cache_u8_ptr,
+    cache_f16_ptr,
+    bt_row,
+    head_off,
+    v_stage,
+    stride_sp,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    SG: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_FL: tl.constexpr,
+    RAW_KEYS: tl.constexpr,
+    FP32: tl.constexpr,
+    CLIP: tl.constexpr,
+):
+    """:func:`_window_step` for 4-bit keys without unpacking the codes into token order (a
+    register reshuffle): as in :func:`_attend_step_phased`, the low and high nibbles of the key
+    bytes score the even and odd tokens, and each half multiplies its own exact value rows."""
+    PARTS: tl.constexpr = G // SUB
+    NBK: tl.constexpr = SUB // 2
+    block = tl.load(bt_row + c // PARTS)
+    part = c % PARTS
+    rec = block.to(tl.int64) * head_off[0] + head_off[1]
+    u8 = cache_u8_ptr + rec
+    f16 = cache_f16_ptr + rec // 2
+    d = tl.arange(0, D)
+    mm = tl.arange(0, NBK)
+    k_raw = tl.load(u8 + OFF_KC + part * NBK + d[:, None] * (G // 2) + mm[None, :])  # [D, NBK]
+    k_scale = tl.load(f16 + OFF_KS // 2 + d)
+    k_zero = tl.load(f16 + OFF_KZ // 2 + d)
+    even = part * SUB + 2 * mm  # the tile's tokens 2m (low nibbles) and 2m + 1 (high nibbles)
+    k_tok0 = tl.load(u8 + OFF_KT + even)  # log8 codes
+    k_tok1 = tl.load(u8 + OFF_KT + even + 1)
+    pos0 = c * SUB + 2 * mm
+    raw = block < 0  # False
+    if RAW_KEYS:
+        raw = (tl.load(u8 + OFF_FL) & 1) != 0
+    q, a = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
+    qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
+    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
+    kc0, kc1 = unpack_nibbles(k_raw)  # [D, NBK] fp16 codes
+    if FP32:
+        s0 = tl.dot(qn, kc0.to(tl.float32), input_precision="ieee")
+        s1 = tl.dot(qn, kc1.to(tl.float32), input_precision="ieee")
+    else:
+        s0 = tl.dot(qn.to(tl.float16), kc0)
+        s1 = tl.dot(qn.to(tl.float16), kc1)
+    s0 = (s0 + bias[:, None]) * (a[:, None] * log8_factor(k_tok0)[None, :])
+    s1 = (s1 + bias[:, None]) * (a[:, None] * log8_factor(k_tok1)[None, :])
+    s0 = tl.where(_visible(pos0, qpos, window, kv_end, CLIP), s0, float("-inf"))
+    s1 = tl.where(_visible(pos0 + 1, qpos, window, kv_end, CLIP), s1, float("-inf"))
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(tl.minimum(s0 - m_new[:, None], 0.0))  # p <= 1, as _online_update
+    p1 = tl.exp2(tl.minimum(s1 - m_new[:, None], 0.0))
+    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+    acc = acc * alpha[:, None]
+    ok = mm >= 0
+    acc = _exact_values(p0, acc, _stage_rows(v_stage, pos0, stride_sp, SG, SINK_ROWS, D), ok, FP32)
+    acc = _exact_values(
+        p1, acc, _stage_rows(v_stage, pos0 + 1, stride_sp, SG, SINK_ROWS, D), ok, FP32
+    )
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_step(
     q,
     q_amax,
@@ -1051,19 +1134,35 @@ def attention_partial_kernel(
             n_key = tl.load(key_lens_ptr + seq) // SUB
             sink_keys = stage
             for c in range(cs0, tl.minimum(tl.minimum(cs1, n_sink), n_key)):
-                m_i, l_i, acc = _window_step(
-                    qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
-                    cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
-                    stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
-                    OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
-                )  # fmt: skip
+                if PHASED:
+                    m_i, l_i, acc = _window_step_phased(
+                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
+                        stride_sp, G, D, SUB, SG, SINK_ROWS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT,
+                        OFF_FL, RAW_KEYS, FP32, FRESH,
+                    )  # fmt: skip
+                else:
+                    m_i, l_i, acc = _window_step(
+                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
+                        stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
+                        OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
+                    )  # fmt: skip
             for c in range(tl.maximum(ct0, n_quant), tl.minimum(c_stage, n_key)):
-                m_i, l_i, acc = _window_step(
-                    qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
-                    cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
-                    stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
-                    OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
-                )  # fmt: skip
+                if PHASED:
+                    m_i, l_i, acc = _window_step_phased(
+                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
+                        stride_sp, G, D, SUB, SG, SINK_ROWS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT,
+                        OFF_FL, RAW_KEYS, FP32, FRESH,
+                    )  # fmt: skip
+                else:
+                    m_i, l_i, acc = _window_step(
+                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
+                        stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
+                        OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
+                    )  # fmt: skip
         # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
         # is not held in registers through the quantized loop.
         q = qs * q_amax[:, None]
