@@ -174,7 +174,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
     rows = []
     ptrs = {"q_ptr": "*bf16", "stage_ptr": "*bf16", "cache_u8_ptr": "*u8"}
     ptrs |= {"cache_f16_ptr": "*fp16", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
-    ptrs |= {"fk_ptr": "*bf16", "fv_ptr": "*bf16"}
+    ptrs |= {"fk_ptr": "*bf16", "fv_ptr": "*bf16", "pq_ptr": "*fp16", "pa_ptr": "*fp32"}
     # (preset, decode): the 4-bit-key path and the generic one, decode and multi-query blocks
     # of 16 query tokens at GQA group 4 (as the launcher sizes them); multi-query with the
     # step's own K/V (FRESH, what kvarn-vllm launches; without it is a subset).
@@ -204,6 +204,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                 FRESH=not decode,
                 RAW_KEYS=True,
                 QUANT=True,
+                PREPARED=False,
             )
             opts = {k: v for k, v in launch.items() if k != "SUB"}
             label = f"attention {'decode' if decode else 'multi-query'} {name} D{d}"
@@ -217,14 +218,15 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
                     )
                 )
                 if decode:
-                    # Beside the fast decode kernel: the staged splits only (QUANT=False).
+                    # Beside the fast decode kernel: the staged splits only (QUANT=False), with
+                    # the prepared query rows and one stage, as the launcher runs them.
                     for wname, wconsts in (("keys", consts), ("value windows", vconsts)):
                         rows.append(
                             compile_kernel(
                                 attention_partial_kernel,
                                 ptrs,
-                                {**wconsts, "QUANT": False},
-                                opts,
+                                {**wconsts, "QUANT": False, "PREPARED": True},
+                                {**opts, "num_stages": 1},
                                 f"{label} staged splits, {wname}",
                             )
                         )

@@ -44,7 +44,6 @@ from triton.experimental.gluon._runtime import constexpr_function  # type: ignor
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # type: ignore[import-untyped]
 
 from kvarn_kernels._format import offset_constants
-from kvarn_kernels.attention.prep import prepare_queries
 
 PRESET = "kvarn_k4v2_g128"
 HEAD_DIM = 128
@@ -569,23 +568,23 @@ def fast_decode_partial_kernel(
 
 
 def launch_fast_decode(
-    query: torch.Tensor,
+    prepared: tuple[torch.Tensor, torch.Tensor],
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     quantized_lens: torch.Tensor,
     sink_lens: torch.Tensor | None,
-    scale: float,
-    raw_keys: bool,
     acc: torch.Tensor,
     ml: torch.Tensor,
     split0: int,
     num_splits: int,
 ) -> None:
     """Write splits ``[split0, split0 + num_splits)`` of the partials ``acc`` / ``ml`` (the
-    layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence."""
-    b, hq, _ = query.shape
+    layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence.
+    ``prepared``: the query rows from :func:`kvarn_kernels.attention.prep.prepare_queries`
+    (two frames where tiles may hold their keys unrotated)."""
+    qs, qa = prepared
+    b, frames, hq, _ = qs.shape
     hkv = kv_cache.shape[1]
-    qs, qa = prepare_queries(query, scale, raw_keys)  # one launch
     # The kernel takes base pointers and addresses records from the strides (16-byte aligned).
     fast_decode_partial_kernel[(b, hkv, num_splits)](
         qs,
@@ -607,7 +606,7 @@ def launch_fast_decode(
         acc.shape[2],
         split0,
         GROUP=hq // hkv,
-        NUM_FRAMES=2 if raw_keys else 1,
+        NUM_FRAMES=frames,
         SINK=sink_lens is not None,
         **offset_constants(tile_layout(PRESET, HEAD_DIM)),
         num_warps=NUM_WARPS,

@@ -778,6 +778,8 @@ def attention_partial_kernel(
     key_lens_ptr,
     fk_ptr,
     fv_ptr,
+    pq_ptr,
+    pa_ptr,
     stride_fkt,
     stride_fkh,
     stride_fvt,
@@ -821,6 +823,7 @@ def attention_partial_kernel(
     OFF_FL: tl.constexpr,
     RAW_KEYS: tl.constexpr,
     QUANT: tl.constexpr,
+    PREPARED: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, query block, split).
 
@@ -837,7 +840,9 @@ def attention_partial_kernel(
 
     ``QUANT=False`` skips the quantized tiles: only the sink rows, staging and fresh K/V are
     attended (the decode launcher's fast path attends the tiles with its own kernel and merges
-    the two partials).
+    the two partials). ``PREPARED`` (decode, with ``QUANT=False``): the query rows come from
+    ``pq`` / ``pa``, the fast kernel's prepared rows (:func:`kvarn_kernels.attention.prep.
+    prepare_queries`), instead of being rotated here.
 
     ``RAW_KEYS``: a tile's record may hold its keys in their own channels (its
     ``KEYS_UNROTATED`` flag); such a tile is scored with the un-rotated query.
@@ -872,23 +877,43 @@ def attention_partial_kernel(
         head = hkv * GROUP + rh
         qpos = seq_len - nq + qi
         d = tl.arange(0, D)
-        q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        # Tiles whose keys are stored unrotated are scored with the query as it comes.
-        qo = q * qk_scale
-        # Into the rotated frame, with the softmax scale and log2(e) folded in.
-        q = fwht_rows(q, BLOCK_M, D) * (rsqrt_d * qk_scale)
-        # Quantized tiles see the rows divided by their largest entry, |q| <= 1, so q * k_scale
-        # (k_scale is fp16) fits fp16 without a per-tile reduction; q_amax is applied after.
-        q_amax = tl.max(tl.abs(q), axis=1)
-        q_amax = tl.where(q_amax > 0, q_amax, 1.0)
-        qs = q / q_amax[:, None]
-        qo_amax = q_amax
-        qos = qs
-        if RAW_KEYS:
-            qo_amax = tl.max(tl.abs(qo), axis=1)
-            qo_amax = tl.where(qo_amax > 0, qo_amax, 1.0)
-            qos = qo / qo_amax[:, None]
+        if PREPARED:
+            # The rows kvarn_kernels.attention.prep prepared for the fast decode kernel (the
+            # same arithmetic, rounded to fp16): qs [T, F, Hq, D], qa [T, F, Hq], frame 0
+            # rotated, frame 1 (RAW_KEYS) as it comes. Saves each staged split the rotation.
+            FRAMES: tl.constexpr = 2 if RAW_KEYS else 1
+            base = tok * (FRAMES * num_q_heads) + head
+            qs = tl.load(pq_ptr + base[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            qs = qs.to(tl.float32)
+            q_amax = tl.load(pa_ptr + base, mask=row_ok, other=1.0)
+            qo_amax = q_amax
+            qos = qs
+            if RAW_KEYS:
+                qos = tl.load(
+                    pq_ptr + (base + num_q_heads)[:, None] * D + d[None, :],
+                    mask=row_ok[:, None],
+                    other=0.0,
+                ).to(tl.float32)
+                qo_amax = tl.load(pa_ptr + base + num_q_heads, mask=row_ok, other=1.0)
+        else:
+            q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
+            q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            # Tiles whose keys are stored unrotated are scored with the query as it comes.
+            qo = q * qk_scale
+            # Into the rotated frame, with the softmax scale and log2(e) folded in.
+            q = fwht_rows(q, BLOCK_M, D) * (rsqrt_d * qk_scale)
+            # Quantized tiles see the rows divided by their largest entry, |q| <= 1, so
+            # q * k_scale (k_scale is fp16) fits fp16 without a per-tile reduction; q_amax is
+            # applied after.
+            q_amax = tl.max(tl.abs(q), axis=1)
+            q_amax = tl.where(q_amax > 0, q_amax, 1.0)
+            qs = q / q_amax[:, None]
+            qo_amax = q_amax
+            qos = qs
+            if RAW_KEYS:
+                qo_amax = tl.max(tl.abs(qo), axis=1)
+                qo_amax = tl.where(qo_amax > 0, qo_amax, 1.0)
+                qos = qo / qo_amax[:, None]
 
         # Step c covers positions [c*SUB, (c+1)*SUB): part c % (G/SUB) of tile c // (G/SUB) for
         # c < qlen / SUB (qlen is a multiple of G), staged tokens after.  Only steps some row of

@@ -26,6 +26,7 @@ from kvarn_kernels.attention.kernel import (
     attention_partial_kernel_autotuned,
     default_launch,
 )
+from kvarn_kernels.attention.prep import prepare_queries
 from kvarn_kernels.cache import staging_view
 
 __all__ = [
@@ -432,6 +433,9 @@ def _run(
     )
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
     fk, fv = (query, query) if fresh_kv is None else fresh_kv  # unread without FRESH
+    # The fast path's query rows, prepared once for both of its kernels (one launch).
+    prepared = prepare_queries(query, scale, bool(raw_keys)) if fast or staged_only else None
+    pq, pa = (query, query) if prepared is None else prepared  # unread without PREPARED
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
     kernel[grid](
@@ -458,6 +462,8 @@ def _run(
         seq_lens if key_lens is None else key_lens,  # unread without values-only windows
         fk,
         fv,
+        pq,
+        pa,
         fk.stride(0),
         fk.stride(1),
         fv.stride(0),
@@ -492,13 +498,15 @@ def _run(
         **offset_constants(layout),
         RAW_KEYS=bool(raw_keys),
         QUANT=not (fast or staged_only),
+        PREPARED=prepared is not None,
         **launch,
     )
     if fast:
         from kvarn_kernels.attention.fast import launch_fast_decode
 
+        assert prepared is not None
         launch_fast_decode(
-            query,
+            prepared,
             kv_cache,
             block_table,
             quantized_lens,
