@@ -511,8 +511,6 @@ def _run(
             block_table,
             quantized_lens,
             sink_lens,
-            scale,
-            bool(raw_keys),
             acc,
             ml,
             num_splits,
