@@ -1,0 +1,50 @@
+"""Eighteenth run: per-kernel CUDA time of one decode-attention call (kernel bench cases,
+Llama-3.1-8B shape, kvarn_k4v2_g128, key frames per tile) for each windows mode, and the staged
+Triton pass at num_stages=1 (KVARN_KERNELS_ATTN_LAUNCH). torch.profiler, 50 calls each."""
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvarn_kernels.bench import _Case, _template_records
+
+dev = torch.device("cuda")
+tmpl = _template_records("kvarn_k4v2_g128", 128, 8, torch.bfloat16, dev, mixed=True)
+for launch in ("", "SUB=128,num_warps=4,num_stages=1"):
+    os.environ["KVARN_KERNELS_ATTN_LAUNCH"] = launch
+    for b, ctx in ((64, 4096), (16, 4096), (64, 16384)):
+        for w in ("open", "keys", "values"):
+            case = _Case("kvarn_k4v2_g128", 32, 8, 128, b, ctx, torch.bfloat16, dev, tmpl, True, w)
+            for _ in range(5):
+                case.run()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                case.run()
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                case.run()
+            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            g.replay()
+            st.record()
+            for _ in range(50):
+                g.replay()
+            en.record()
+            torch.cuda.synchronize()
+            total = st.elapsed_time(en) / 50 * 1e3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(50):
+                    case.run()
+                torch.cuda.synchronize()
+            parts = []
+            for e in prof.key_averages():
+                if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+                    t = getattr(e, "self_device_time_total", 0) / 50
+                    if t > 0:
+                        parts.append(f"{e.key[:40]}={t:.1f}")
+            print(f"launch[{launch or 'default'}] b={b} ctx={ctx} {w}: graph {total:.1f} us | " + " ".join(parts), flush=True)
+            del case, g
+            torch.cuda.empty_cache()
