@@ -842,18 +842,29 @@ def test_batch_invariant_mode(
 
 
 @pytest.mark.parametrize(
-    ("preset", "windows"),
+    ("preset", "windows", "cap"),
     # the 4-bit-key (phased) path with values-only windows, the generic path with keys too:
-    # the two presets' defaults in kvarn-vllm
-    [("kvarn_k4v2_g128", "values"), ("kvarn_k2v2_g128", "keys")],
+    # the two presets' defaults in kvarn-vllm; then fewer splits than staged tiles
+    [
+        ("kvarn_k4v2_g128", "values", None),
+        ("kvarn_k2v2_g128", "keys", None),
+        ("kvarn_k4v2_g128", "values", 1),
+        ("kvarn_k4v2_g128", "values", 2),
+    ],
 )
-def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(preset, windows):
+def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(
+    preset, windows, cap, monkeypatch
+):
     """The Triton kernel's part of the fast decode path (``QUANT=False``) runs one split per
-    staged tile: with the sink tile, the recent tile and the open tile exact (keys too, or
-    values only with keys from their records) and no other tile, those splits alone must give
-    the whole decode attention: every staged step walked once, by one split."""
+    staged tile (at most ``KVARN_KERNELS_STAGED_SPLITS``): with the sink tile, the recent tile
+    and the open tile exact (keys too, or values only with keys from their records) and no other
+    tile, those splits alone must give the whole decode attention: every staged step walked
+    once, by one split."""
     from kvarn_kernels import bench
     from kvarn_kernels.attention import launch
+
+    if cap is not None:
+        monkeypatch.setenv(launch.STAGED_SPLITS_ENV, str(cap))
 
     cpu = torch.device("cpu")
     g, d, hkv, hq, b = 128, 64, 2, 4, 3
@@ -869,7 +880,7 @@ def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(preset, wind
         ).float()  # fmt: skip
 
     case = bench._Case(preset, hq, hkv, d, b, 2 * g, torch.bfloat16, cpu, template, True, windows)
-    assert launch.staged_splits(case.staging, g, True, case.key_tiles) == 3
+    assert launch.staged_splits(case.staging, g, True, case.key_tiles) == (cap or 3)
     want = case.run().float()
     got = staged(case)
     # bf16 outputs: the two split layouts round differently (a bf16 ulp is 2^-8 = 3.9e-3)
@@ -879,3 +890,13 @@ def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(preset, wind
     full = long.run().float()
     part = staged(long)
     assert float((full - part).norm() / full.norm()) > 0.05
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "two", "1.5"])
+def test_staged_splits_cap_rejects_bad_values(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_kernels.attention import launch
+
+    staging = torch.zeros(kk.staging_shape(1, 1, 64, "kvarn_k4v2_g128", staging_tiles=2, sink=True))
+    monkeypatch.setenv(launch.STAGED_SPLITS_ENV, raw)
+    with pytest.raises(ValueError, match="KVARN_KERNELS_STAGED_SPLITS must be an integer >= 1"):
+        launch.staged_splits(staging, 128, True, None)

@@ -44,6 +44,23 @@ def test_sweep_table_shows_stages_and_error() -> None:
     assert "| hd64 | 64 | 16384 | 64 | 2 | 2 | - | OutOfResources: shared memory | |" in text
 
 
+def test_report_header_names_the_launch_settings_of_the_environment() -> None:
+    report = {
+        "gpu": "test",
+        "hbm_copy_gbps": 4000.0,
+        "git_sha": "abc",
+        "versions": {},
+        "launch_env": {"KVARN_KERNELS_STAGED_SPLITS": "1"},
+        "attention": [],
+        "store": [],
+        "notes": [],
+    }
+    header = bench.markdown(report).splitlines()[0]
+    assert header.endswith("; KVARN_KERNELS_STAGED_SPLITS=1")
+    del report["launch_env"]
+    assert "KVARN_KERNELS" not in bench.markdown(report)
+
+
 def test_git_sha_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("KVARN_GIT_SHA", "f8c4936")
     assert bench._git_sha() == "f8c4936"

@@ -148,6 +148,13 @@ def _template_records(
     return quantize_tiles(k, v, preset, raw_keys=raw if mixed else False)
 
 
+_LAUNCH_ENV = (
+    "KVARN_KERNELS_FAST_DECODE",
+    "KVARN_KERNELS_ATTN_LAUNCH",
+    "KVARN_KERNELS_STAGED_SPLITS",
+    "KVARN_KERNELS_AUTOTUNE",
+)
+
 WINDOWS = ("open", "keys", "values")
 """The staging a decode case reads besides the records (``--windows``): ``open``, only the open
 tile (half full); ``keys``, also the exact first tile (sink rows) and the recent tile, keys and
@@ -546,6 +553,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "key_frame": args.key_frame,
         "windows": args.windows,
         "batch_invariant": batch_invariant(),
+        # the measurement settings of the environment, as read by the launcher
+        "launch_env": {k: os.environ.get(k) for k in _LAUNCH_ENV if os.environ.get(k)},
         "hbm_copy_gbps": hbm,
         "attention": [],
         "store": [],
@@ -694,7 +703,8 @@ def _row_line(r: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"GPU: {report['gpu']}; copy bandwidth {report['hbm_copy_gbps']:.0f} GB/s; "
-        f"git {report['git_sha']}; {report['versions']}",
+        f"git {report['git_sha']}; {report['versions']}"
+        + "".join(f"; {k}={v}" for k, v in report.get("launch_env", {}).items()),
         "",
         f"Decode attention; key frames {report.get('key_frame', 'rotated')}; staging read "
         f"besides the records: {report.get('windows', 'open')} ({_WINDOWS_TEXT[report.get('windows', 'open')]}).",

@@ -196,12 +196,28 @@ def fast_decode_splits(
     return max(1, min(want, max_tiles, _MAX_SPLITS - staged_splits))
 
 
+STAGED_SPLITS_ENV = "KVARN_KERNELS_STAGED_SPLITS"
+"""Environment variable: a cap on :func:`staged_splits` (an integer >= 1; ``1`` walks the staged
+tiles one after the other in one split). For measurements; an engine leaves it unset."""
+
+
 def staged_splits(staging: torch.Tensor, group_size: int, sink: bool, key_tiles: int | None) -> int:
     """Splits of the Triton kernel beside the fast decode kernel (which attends the quantized
     tiles): one per tile of rows it reads from staging (the sink tile and the ring), so that
-    the exact windows' tiles are walked side by side instead of one after the other."""
+    the exact windows' tiles are walked side by side instead of one after the other, at most
+    :data:`STAGED_SPLITS_ENV` when set.
+
+    Raises:
+        ValueError: :data:`STAGED_SPLITS_ENV` is set to anything but an integer >= 1.
+    """
     sv = staging_view(staging, group_size, sink, key_tiles)
-    return max(1, (sv.ring + sv.sink) // group_size)
+    splits = max(1, (sv.ring + sv.sink) // group_size)
+    raw = os.environ.get(STAGED_SPLITS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{STAGED_SPLITS_ENV} must be an integer >= 1, got {raw!r}")
+        splits = min(splits, int(raw))
+    return splits
 
 
 def _next_pow2(n: int) -> int:
