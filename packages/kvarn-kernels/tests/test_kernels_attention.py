@@ -844,10 +844,12 @@ def test_batch_invariant_mode(
 @pytest.mark.parametrize(
     ("preset", "windows", "cap"),
     # the 4-bit-key (phased) path with values-only windows, the generic path with keys too:
-    # the two presets' defaults in kvarn-vllm; then fewer splits than staged tiles
+    # the two presets' defaults in kvarn-vllm; 2-bit keys from the records (the generic window
+    # step, kvarn-eval's +values); then fewer splits than staged tiles
     [
         ("kvarn_k4v2_g128", "values", None),
         ("kvarn_k2v2_g128", "keys", None),
+        ("kvarn_k2v2_g128", "values", None),
         ("kvarn_k4v2_g128", "values", 1),
         ("kvarn_k4v2_g128", "values", 2),
     ],

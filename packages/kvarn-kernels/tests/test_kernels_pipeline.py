@@ -20,18 +20,22 @@ pytestmark = pytest.mark.interpreter
 
 
 @pytest.mark.parametrize(
-    ("sink", "recent", "window_keys"),
+    ("sink", "recent", "window_keys", "preset"),
     [
-        (False, 0, True),
-        (True, 0, True),
-        (False, 1, True),
-        (True, 1, True),
-        (True, 0, False),
-        (False, 1, False),
-        (True, 1, False),
+        (False, 0, True, "kvarn_k4v2_g64"),
+        (True, 0, True, "kvarn_k4v2_g64"),
+        (False, 1, True, "kvarn_k4v2_g64"),
+        (True, 1, True, "kvarn_k4v2_g64"),
+        (True, 0, False, "kvarn_k4v2_g64"),
+        (False, 1, False, "kvarn_k4v2_g64"),
+        (True, 1, False, "kvarn_k4v2_g64"),
+        # 2-bit keys from the records: the generic (not nibble-split) window step
+        (True, 1, False, "kvarn_k2v2_g128"),
     ],
 )
-def test_prefill_then_decode_matches_reference(sink: bool, recent: int, window_keys: bool) -> None:
+def test_prefill_then_decode_matches_reference(
+    sink: bool, recent: int, window_keys: bool, preset: str
+) -> None:
     """Two requests: chunked prefill, then decode steps across a tile boundary.
 
     With ``sink`` the first tile stays exact in the staging's sink rows (attention reads it
@@ -42,9 +46,9 @@ def test_prefill_then_decode_matches_reference(sink: bool, recent: int, window_k
     the records; the key ring holds the open tile): the continuation chunk (multi-query, its
     own tokens exact) and every decode step match kvarn_math's ``window_keys=False``.
     """
-    preset, d, h, hq = "kvarn_k4v2_g64", 64, 2, 4
+    d, h, hq = 64, 2, 4
     g = get_preset(preset).group_size
-    lens = [g + 60, 30]
+    lens = [2 * g - 4, 30]  # request 0 crosses into its third tile while decoding
     total = [t + 8 for t in lens]
     seqs = [
         (make_kv((t, h, d), "outlier_channels", i), make_kv((t, h, d), "gaussian", 7 + i))

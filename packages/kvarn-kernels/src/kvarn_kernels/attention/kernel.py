@@ -341,22 +341,30 @@ def _window_step(
 ):
     """One step of a values-only exact window: keys from the tile's record, values exact from
     ``v_stage`` rows ``staging_rows(p, SG, SINK_ROWS)`` (kvarn_math.quantize_sequence with
-    ``window_keys=False``)."""
-    PARTS: tl.constexpr = G // SUB
-    block = tl.load(bt_row + c // PARTS)
-    k_raw, k_scale, k_zero, k_tok, raw = _load_keys(
-        cache_u8_ptr, cache_f16_ptr, block, head_off, c % PARTS, c >= 0, G, D, SUB, KEY_BITS,
-        OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_FL, RAW_KEYS,
-    )  # fmt: skip
-    qsel, asel = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
-    s = _record_scores(
-        qsel, asel, qpos, window, kv_end, c, k_raw, k_scale, k_zero, k_tok, D, SUB, KEY_BITS,
-        FP32, CLIP,
-    )  # fmt: skip
-    p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
-    pos = c * SUB + tl.arange(0, SUB)
-    v_ptrs = _stage_rows(v_stage, pos, stride_sp, SG, SINK_ROWS, D)
-    return m_i, l_i, _exact_values(p, acc, v_ptrs, pos >= 0, FP32)
+    ``window_keys=False``); 4-bit keys by nibble halves (:func:`_window_step_phased`)."""
+    if KEY_BITS == 4:
+        m_i, l_i, acc = _window_step_phased(
+            qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc, cache_u8_ptr,
+            cache_f16_ptr, bt_row, head_off, v_stage, stride_sp, G, D, SUB, SG, SINK_ROWS,
+            OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_FL, RAW_KEYS, FP32, CLIP,
+        )  # fmt: skip
+    else:
+        PARTS: tl.constexpr = G // SUB
+        block = tl.load(bt_row + c // PARTS)
+        k_raw, k_scale, k_zero, k_tok, raw = _load_keys(
+            cache_u8_ptr, cache_f16_ptr, block, head_off, c % PARTS, c >= 0, G, D, SUB,
+            KEY_BITS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_FL, RAW_KEYS,
+        )  # fmt: skip
+        qsel, asel = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
+        s = _record_scores(
+            qsel, asel, qpos, window, kv_end, c, k_raw, k_scale, k_zero, k_tok, D, SUB,
+            KEY_BITS, FP32, CLIP,
+        )  # fmt: skip
+        p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
+        pos = c * SUB + tl.arange(0, SUB)
+        v_ptrs = _stage_rows(v_stage, pos, stride_sp, SG, SINK_ROWS, D)
+        acc = _exact_values(p, acc, v_ptrs, pos >= 0, FP32)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -1159,35 +1167,19 @@ def attention_partial_kernel(
             n_key = tl.load(key_lens_ptr + seq) // SUB
             sink_keys = stage
             for c in range(cs0, tl.minimum(tl.minimum(cs1, n_sink), n_key)):
-                if PHASED:
-                    m_i, l_i, acc = _window_step_phased(
-                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
-                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
-                        stride_sp, G, D, SUB, SG, SINK_ROWS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT,
-                        OFF_FL, RAW_KEYS, FP32, FRESH,
-                    )  # fmt: skip
-                else:
-                    m_i, l_i, acc = _window_step(
-                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
-                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
-                        stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
-                        OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
-                    )  # fmt: skip
+                m_i, l_i, acc = _window_step(
+                    qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                    cache_u8_ptr, cache_f16_ptr, bt_row, head_off, sink_stage + stride_skv,
+                    stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
+                    OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
+                )  # fmt: skip
             for c in range(tl.maximum(ct0, n_quant), tl.minimum(c_stage, n_key)):
-                if PHASED:
-                    m_i, l_i, acc = _window_step_phased(
-                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
-                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
-                        stride_sp, G, D, SUB, SG, SINK_ROWS, OFF_KC, OFF_KS, OFF_KZ, OFF_KT,
-                        OFF_FL, RAW_KEYS, FP32, FRESH,
-                    )  # fmt: skip
-                else:
-                    m_i, l_i, acc = _window_step(
-                        qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
-                        cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
-                        stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
-                        OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
-                    )  # fmt: skip
+                m_i, l_i, acc = _window_step(
+                    qs, q_amax, qos, qo_amax, qpos, window, kv_end, c, m_i, l_i, acc,
+                    cache_u8_ptr, cache_f16_ptr, bt_row, head_off, stage + stride_skv,
+                    stride_sp, G, D, SUB, SG, SINK_ROWS, KEY_BITS, OFF_KC, OFF_KS, OFF_KZ,
+                    OFF_KT, OFF_FL, RAW_KEYS, FP32, FRESH,
+                )  # fmt: skip
         # The unquantized steps take the query back from qs (within an ulp), so the fp32 query
         # is not held in registers through the quantized loop.
         q = qs * q_amax[:, None]
