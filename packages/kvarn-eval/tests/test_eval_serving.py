@@ -254,8 +254,16 @@ def test_percentile_and_burst_summary() -> None:
     s = summarize_burst([100, 100], [10, 10], timings, 2.0)
     assert s["total_tok_per_s"] == 110 and s["output_tok_per_s"] == 10 and s["requests_per_s"] == 1
     assert s["ttft_s_p50"] == 2.0 and s["tpot_s_mean"] == pytest.approx(0.02)
+    # the last first token came after the burst ended: no phases
+    assert s["ttft_s_max"] == 3.0 and s["prefill_phase_tok_per_s"] is None
+    phased = summarize_burst([100, 300], [10, 10], timings, 8.0)
+    assert phased["prefill_phase_tok_per_s"] == pytest.approx(400 / 3.0)
+    assert phased["decode_phase_s"] == pytest.approx(5.0)
     empty = summarize_burst([1], [1], [{"ttft_s": None, "tpot_s": None}], 1.0)
     assert empty["ttft_s_p50"] is None and empty["timed_requests"] == 0
+    assert empty["ttft_s_max"] is None and empty["decode_phase_s"] is None
+    partly = summarize_burst([1, 1], [1, 1], [timings[0], {"ttft_s": None, "tpot_s": None}], 5.0)
+    assert partly["ttft_s_max"] is None  # one request's first token is unknown
     with pytest.raises(ValueError):
         summarize_burst([1], [1], [], 0.0)
 

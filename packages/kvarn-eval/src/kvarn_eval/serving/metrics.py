@@ -152,7 +152,11 @@ def summarize_burst(
     Returns:
         ``requests``, token counts, ``seconds``, ``total_tok_per_s`` (prompt plus output tokens
         per second), ``output_tok_per_s``, ``requests_per_s``, and median / p90 / p99 of
-        ``ttft_s`` and ``tpot_s`` (``None`` without metrics).
+        ``ttft_s`` and ``tpot_s`` (``None`` without metrics). The burst's two phases, when
+        every request has its time to first token: ``ttft_s_max`` (the last request's first
+        token: the end of the phase in which prompts are prefilled, between decode steps),
+        ``prefill_phase_tok_per_s`` (prompt tokens per second of that phase) and
+        ``decode_phase_s`` (the time after it, decode only); ``None`` otherwise.
     """
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
@@ -173,4 +177,10 @@ def summarize_burst(
         summary[f"{name}_mean"] = sum(values) / len(values) if values else None
         for q in (50, 90, 99):
             summary[f"{name}_p{q}"] = percentile(values, q)
+    last_first = max(ttft) if ttft and len(ttft) == len(prompt_tokens) else None
+    summary["ttft_s_max"] = last_first
+    summary["prefill_phase_tok_per_s"] = summary["decode_phase_s"] = None
+    if last_first is not None and 0 < last_first <= seconds:
+        summary["prefill_phase_tok_per_s"] = prompt_sum / last_first
+        summary["decode_phase_s"] = seconds - last_first
     return summary

@@ -508,7 +508,8 @@ def throughput_result(
         )
     header = [
         "model", "prompt", "cache", "KV tokens", "x cap", "requests", "total tok/s",
-        "out tok/s", "x bf16", "TTFT p50 s", "TTFT p90 s", "TPOT p50 ms", "TPOT p90 ms", "status",
+        "out tok/s", "x bf16", "TTFT p50 s", "TTFT p90 s", "prefill phase tok/s", "TPOT p50 ms",
+        "TPOT p90 ms", "status",
     ]  # fmt: skip
     table_rows = []
     for row in rows:
@@ -526,6 +527,7 @@ def throughput_result(
                 _fmt(row["throughput_vs_bf16"], ".2f"),
                 _fmt(row.get("ttft_s_p50"), ".2f"),
                 _fmt(row.get("ttft_s_p90"), ".2f"),
+                _fmt(row.get("prefill_phase_tok_per_s")),
                 _fmt(None if tpot50 is None else 1e3 * tpot50, ".1f"),
                 _fmt(None if tpot90 is None else 1e3 * tpot90, ".1f"),
                 _status_text(row),
