@@ -7,10 +7,11 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 
 * ``agreement`` (real SmolLM2 weights): greedy outputs without speculation and with n-gram
   (prompt-lookup) speculation, for bf16, ``kvarn_k4v2_g128`` and ``kvarn_k4v4_g128``, over
-  prompts of repeated-but-varying text (prompt lookup proposes drafts that are then rejected).
-  vLLM 0.26 runs n-gram only on its V1 model runner and kvarn needs V2, so the kvarn n-gram
-  runs are expected to be refused at start-up; the refusal is recorded, not hidden. Acceptance
-  counts and generation time come from vLLM's own metrics (item 4 for bf16).
+  prompts of repeated-but-varying text (prompt lookup proposes drafts that are then rejected),
+  each behind ``--pad-words`` of its own notes so that decoding reads quantized tiles. vLLM
+  0.26 runs n-gram on its V1 model runner (kvarn keeps staging slots by request id there);
+  without speculation it runs V2. Acceptance counts and generation time come from vLLM's own
+  metrics (items 2 and 4).
 * ``dummy`` (dummy weights, SmolLM2 shape): the same comparison with EAGLE speculation (a
   one-layer EAGLE draft of the same shape, dummy weights too), which kvarn serves: almost every
   draft is rejected. Greedy agreement spec vs no spec for bf16 and both kvarn presets, and
@@ -24,8 +25,7 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
   accepted) and half vary (drafts rejected), each behind about 580 tokens of its own notes
   (``--pad-words``) so that decoding reads quantized tiles: greedy
   agreement spec vs no spec, acceptance and tokens/s, bf16 beside both kvarn presets. This
-  stands in for n-gram, which kvarn cannot run on vLLM 0.26, with real acceptances and
-  rejections in the same batches.
+  gives real acceptances and rejections in the same batches on the V2 runner's draft path.
 
 Usage (GPU machine)::
 
@@ -407,7 +407,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
     """Real weights; no speculation vs n-gram, for bf16 and the kvarn presets (item 2/4)."""
     base = engine_kwargs(args)
-    prompts = make_repetitive_prompts(args.num_prompts)
+    prompts = pad_prompts(make_repetitive_prompts(args.num_prompts), args.pad_words)
     model = smoke_model(args)
     return _phase(args, out, "agreement", model, ("ngram",), None, base, prompts, args.max_tokens)
 
@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pad-words",
         type=int,
         default=240,
-        help="repeat phase: words of per-prompt notes before each prompt (240: about 580 "
+        help="agreement and repeat phases: words of per-prompt notes before each prompt (240: about 580 "
         "SmolLM2 tokens, so generation reads quantized tiles; 0: the bare prompts, which fit "
         "in the exact first tile)",
     )

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 class SpecHarness:
     """One kvarn layer and its builder with speculative decoding configured (k = 4)."""
 
-    def __init__(self, vllm_config_factory, monkeypatch):
+    def __init__(self, vllm_config_factory, monkeypatch, method="eagle"):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
@@ -41,7 +41,7 @@ class SpecHarness:
         object.__setattr__(
             self.vc,
             "speculative_config",
-            SimpleNamespace(method="eagle", num_speculative_tokens=K),
+            SimpleNamespace(method=method, num_speculative_tokens=K),
         )
         torch.set_default_dtype(torch.float16)
         try:
@@ -56,7 +56,8 @@ class SpecHarness:
                 )
         finally:
             torch.set_default_dtype(torch.float32)
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        # EAGLE runs on vLLM's V2 model runner, n-gram on V1 (kvarn_vllm.metadata.SPEC_METHODS).
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if method == "ngram" else "1")
         spec = self.layer.get_kv_cache_spec(self.vc)
         builder_cls = self.layer.attn_backend.get_builder_cls()
         self.builder = builder_cls(spec, [self.layer.layer_name], self.vc, torch.device("cpu"))
@@ -282,12 +283,28 @@ def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory,
     assert int(meta.plan.quantized_lens[0]) == 64
 
 
-def test_ngram_is_refused_with_the_reason(vllm_config_factory, monkeypatch):
+@pytest.mark.parametrize(
+    ("method", "v2", "match"),
+    [
+        (
+            "ngram",
+            "1",
+            "serves 'ngram' on vLLM's V1 model runner, and this configuration runs the V2",
+        ),
+        (
+            "eagle",
+            "0",
+            "serves 'eagle' on vLLM's V2 model runner, and this configuration runs the V1",
+        ),
+        ("ngram_gpu", "0", "got method 'ngram_gpu'"),
+    ],
+)
+def test_spec_methods_follow_the_model_runner(vllm_config_factory, monkeypatch, method, v2, match):
     vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
     object.__setattr__(
-        vc, "speculative_config", SimpleNamespace(method="ngram", num_speculative_tokens=4)
+        vc, "speculative_config", SimpleNamespace(method=method, num_speculative_tokens=4)
     )
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2)
     from kvarn_vllm.config import parse_kv_cache_dtype
     from kvarn_vllm.spec import make_layer_spec
 
@@ -299,5 +316,5 @@ def test_ngram_is_refused_with_the_reason(vllm_config_factory, monkeypatch):
         head_size_v=D,
         sliding_window=None,
     )
-    with pytest.raises(ValueError, match="V1 model runner"):
+    with pytest.raises(ValueError, match=match):
         md.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))

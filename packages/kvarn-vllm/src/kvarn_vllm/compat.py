@@ -36,6 +36,7 @@ __all__ = [
     "wrap_backend_selection",
     "triton_prefill",
     "wrap_draft_decode_metadata",
+    "wrap_v1_runner_steps",
     "wrap_v2_runner_attn_preparation",
     "wrap_v2_runner_add_requests",
 ]
@@ -323,6 +324,54 @@ def wrap_v2_runner_add_requests(on_added: Callable[..., None]) -> bool:
         return result
 
     runner_cls.add_requests = _mark(add_requests, original)
+    return True
+
+
+# --- model runner V1: request identity per step -----------------------------------------
+
+
+def wrap_v1_runner_steps(
+    on_schedule: Callable[[Any, Any], None],
+    on_real_batch: Callable[[Any, list[str]], None],
+    on_dummy_batch: Callable[[int], None],
+) -> bool:
+    """Report each step's scheduler output and batch order on vLLM 0.26's V1 model runner.
+
+    The V1 runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``) moves a request
+    between batch rows as others finish (``InputBatch.condense``) and reorders them
+    (``swap_states``), so no row index is stable for a request's life. kvarn keys staging by
+    request id instead: ``_update_states(scheduler_output)`` runs once per step before the
+    batch is laid out, and gets ``on_schedule(runner, scheduler_output)`` (new, resumed,
+    finished and preempted requests, drafts per request); ``_build_attention_metadata`` then
+    gets ``on_real_batch(runner, req_ids)``, the batch rows' request ids in row order, when
+    called for a scheduled step (``num_scheduled_tokens`` given), and
+    ``on_dummy_batch(num_reqs)`` for profiling, warm-up and CUDA-graph capture batches.
+    """
+    module_name = "vllm.v1.worker.gpu_model_runner"
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    runner_cls = module.GPUModelRunner
+    original_update = runner_cls._update_states
+    if is_wrapped(original_update):
+        return False
+    original_build = runner_cls._build_attention_metadata
+    num_reqs_at = list(inspect.signature(original_build).parameters).index("num_reqs") - 1
+
+    @functools.wraps(original_update)
+    def _update_states(self, scheduler_output):
+        on_schedule(self, scheduler_output)
+        return original_update(self, scheduler_output)
+
+    @functools.wraps(original_build)
+    def _build_attention_metadata(self, *args, **kwargs):
+        num_reqs = int(kwargs["num_reqs"] if "num_reqs" in kwargs else args[num_reqs_at])
+        if kwargs.get("num_scheduled_tokens") is not None:
+            on_real_batch(self, list(self.input_batch.req_ids[:num_reqs]))
+        else:
+            on_dummy_batch(num_reqs)
+        return original_build(self, *args, **kwargs)
+
+    runner_cls._update_states = _mark(_update_states, original_update)
+    runner_cls._build_attention_metadata = _mark(_build_attention_metadata, original_build)
     return True
 
 

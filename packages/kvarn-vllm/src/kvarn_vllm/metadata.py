@@ -4,8 +4,9 @@ Each step the builder
 
 1. takes every request's staging slot from the V2 model runner's request-state row
    (``InputBatch.idx_mapping``: fixed for a request's life, reused after it finishes or
-   is preempted; see :mod:`kvarn_vllm.patches`), so a slot is never shared by two live
-   requests and needs no bookkeeping here;
+   is preempted; see :mod:`kvarn_vllm.patches`), or on the V1 runner, which has no such
+   row, from :data:`STEP`'s own slots by request id; either way a slot is never shared by
+   two live requests;
 2. calls ``kvarn_kernels.plan_store`` once (host NumPy) for the whole batch;
 3. splits the rows into three kinds, each served by one attention call per layer:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,8 +52,10 @@ __all__ = [
 
 logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
-SPEC_METHODS = ("eagle", "eagle3", "mtp")
-"""Speculative methods served (vLLM 0.26's V2 runner drafts them one token per step)."""
+SPEC_METHODS = {"v2": ("eagle", "eagle3", "mtp"), "v1": ("ngram",)}
+"""Speculative methods served, by vLLM 0.26 model runner: V2 drafts EAGLE, EAGLE-3 and MTP one
+token per step (each draft step marked by :data:`STEP`); V1 runs n-gram (prompt lookup), whose
+drafts are proposed on the host and only verified on the GPU."""
 
 WARMUP_ENV = "KVARN_VLLM_WARMUP"
 _WARMED: set[tuple[Any, ...]] = set()
@@ -163,6 +167,12 @@ class _StepChannel:
         self._record = StepRecord(serial=0, num_reqs=0, slots=None)
         self._added: dict[int, tuple[int, ...] | None] = {}
         self._draft_depth = threading.local()
+        # V1 model runner: staging slots by request id (see report_v1_schedule).
+        self._v1_runner: Any = None
+        self._v1_slots: dict[str, int] = {}
+        self._v1_free: list[int] = []  # released slots (a heap), all below _v1_next
+        self._v1_next = 0
+        self._v1_drafts: dict[str, int] = {}
 
     def report_added(self, rows: Any, first_blocks: Any = None) -> None:
         """Request-state rows (re)assigned to a request in this step (before report_real),
@@ -173,12 +183,81 @@ class _StepChannel:
                 self._added[int(r)] = None if key is None else tuple(int(b) for b in key)
 
     def report_real(self, input_batch: Any) -> None:
+        """A scheduled step of the V2 model runner: its ``InputBatch`` (request-state rows,
+        drafts per row)."""
         num_reqs = int(input_batch.num_reqs)
         slots = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int32).copy()
         drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
         num_drafts = np.zeros(num_reqs, dtype=np.int32)
         if drafts is not None:
             num_drafts[:] = np.asarray(drafts, dtype=np.int32)[:num_reqs]
+        self._publish(slots, num_drafts)
+
+    def report_v1_schedule(self, runner: Any, scheduler_output: Any) -> None:
+        """A step's ``SchedulerOutput`` on the V1 model runner, before its batch is laid out.
+
+        The V1 runner has no request-stable rows, so staging slots are kept here by request
+        id: a finished or preempted request releases its slot; a new request, or one resumed
+        after preemption (it recomputes its tokens), takes the lowest free slot and counts as
+        added (:meth:`report_added`). A request merely left out of a step keeps its slot.
+        Live requests never exceed ``max_num_seqs``, so neither do the slots. A different
+        runner object (a new engine in this process) starts from no slots.
+        """
+        import heapq
+
+        from kvarn_vllm.compat import first_tile_blocks
+
+        new = list(scheduler_output.scheduled_new_reqs)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        added = [(r.req_id, first_tile_blocks(getattr(r, "block_ids", None))) for r in new]
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in resumed:
+                added.append((req_id, first_tile_blocks(cached.new_block_ids[i])))
+        gone = set(scheduler_output.finished_req_ids or ())
+        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        gone |= {req_id for req_id, _ in added}
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        with self._lock:
+            if self._v1_runner is None or self._v1_runner() is not runner:
+                self._v1_runner = weakref.ref(runner)
+                self._v1_slots.clear()
+                self._v1_free.clear()
+                self._v1_next = 0
+            for req_id in gone:
+                slot = self._v1_slots.pop(req_id, None)
+                if slot is not None:
+                    heapq.heappush(self._v1_free, slot)
+            for req_id, blocks in added:
+                if self._v1_free:
+                    slot = heapq.heappop(self._v1_free)
+                else:
+                    slot, self._v1_next = self._v1_next, self._v1_next + 1
+                self._v1_slots[req_id] = slot
+                self._added[slot] = blocks
+            self._v1_drafts = {req_id: len(tokens) for req_id, tokens in spec.items()}
+
+    def report_v1_batch(self, runner: Any, req_ids: list[str]) -> None:
+        """A scheduled step's batch on the V1 model runner: its rows' request ids, in order."""
+        with self._lock:
+            missing = [r for r in req_ids if r not in self._v1_slots]
+            if missing or self._v1_runner is None or self._v1_runner() is not runner:
+                raise RuntimeError(
+                    f"kvarn: requests {missing[:3]} are in the V1 model runner's batch without "
+                    "a staging slot (their scheduling was not reported to kvarn). This is a "
+                    "kvarn-vllm bug; please report it with your vLLM version."
+                )
+            slots = np.array([self._v1_slots[r] for r in req_ids], dtype=np.int32)
+            num_drafts = np.array([self._v1_drafts.get(r, 0) for r in req_ids], dtype=np.int32)
+        self._publish(slots, num_drafts)
+
+    def report_v1_dummy(self, num_reqs: int) -> None:
+        """A profiling, warm-up or capture batch of ``num_reqs`` rows on the V1 runner."""
+        with self._lock:
+            self._record = StepRecord(self._record.serial + 1, int(num_reqs), None)
+
+    def _publish(self, slots: np.ndarray, num_drafts: np.ndarray) -> None:
+        num_reqs = len(slots)
         with self._lock:
             new_rows = np.isin(slots, np.fromiter(self._added, dtype=np.int32))
             first_blocks = dict(self._added)
@@ -453,30 +532,28 @@ def _make_builder_class() -> type:
             preset_name = getattr(kv_cache_spec, "kvarn_preset", "")
             spec_cfg = vllm_config.speculative_config
             self.speculative = spec_cfg is not None
+            runner = "v2" if vllm_config.use_v2_model_runner else "v1"
             num_spec = 0
             if spec_cfg is not None:
                 method = getattr(spec_cfg, "method", None)
-                if method not in SPEC_METHODS:
+                if method not in SPEC_METHODS[runner]:
+                    other = [r for r, methods in SPEC_METHODS.items() if method in methods]
                     hint = (
-                        " vLLM 0.26 runs n-gram (prompt lookup) speculation only on its V1 "
-                        "model runner, and kvarn needs the V2 runner."
-                        if method in ("ngram", "ngram_gpu")
+                        f" kvarn serves {method!r} on vLLM's {other[0].upper()} model runner, "
+                        f"and this configuration runs the {runner.upper()} runner (vLLM logs "
+                        "why: 'Model Runner V2 does not yet support ...'; "
+                        "VLLM_USE_V2_MODEL_RUNNER=1 or 0 chooses)."
+                        if other
                         else ""
                     )
                     raise ValueError(
                         f"kvarn-vllm serves speculative decoding with the methods "
-                        f"{', '.join(SPEC_METHODS)}; got method {method!r} (layers "
+                        f"{', '.join(SPEC_METHODS['v2'])} (vLLM's V2 model runner) and "
+                        f"{', '.join(SPEC_METHODS['v1'])} (V1); got method {method!r} (layers "
                         f"{layer_names[:2]}...).{hint} Use one of those methods, or "
                         "kv_cache_dtype auto/fp8 for this one."
                     )
                 num_spec = int(spec_cfg.num_speculative_tokens or 0)
-            if not vllm_config.use_v2_model_runner:
-                raise ValueError(
-                    "kvarn-vllm needs vLLM's V2 model runner, which gives each running "
-                    "request a fixed row for its staging slot; this configuration fell back "
-                    "to the V1 runner (see the 'Model Runner V2 does not yet support' log "
-                    "line). Set VLLM_USE_V2_MODEL_RUNNER=1 or remove the feature named there."
-                )
             patches.apply_worker_patches()
             from kvarn_vllm.impl import log_staging_once
 

@@ -159,6 +159,12 @@ def _install_step_hook():
     compat.wrap_v2_runner_add_requests(STEP.report_added)
 
 
+def _install_v1_step_hook():
+    from kvarn_vllm.metadata import STEP
+
+    compat.wrap_v1_runner_steps(STEP.report_v1_schedule, STEP.report_v1_batch, STEP.report_v1_dummy)
+
+
 def _install_draft_hook():
     from kvarn_vllm.metadata import STEP
 
@@ -241,6 +247,24 @@ LEDGER: tuple[Patch, ...] = (
         "new-request signal would still be needed for speculative decoding).",
         scope="worker",
         apply=_install_step_hook,
+    ),
+    Patch(
+        name="request-ids-v1",
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states / "
+        "_build_attention_metadata",
+        why="The V1 model runner (vLLM's choice for n-gram speculation and other features "
+        "its V2 runner lacks) moves requests between batch rows as others finish or are "
+        "reordered, so no row index follows a request; CommonAttentionMetadata carries no "
+        "request identity or draft count either.",
+        how="Wrap _update_states to see each step's SchedulerOutput (new, resumed, finished and "
+        "preempted requests, each one's first-tile block ids and drafts) and give each live "
+        "request a staging slot by request id (lowest free, released on finish or "
+        "preemption); wrap _build_attention_metadata to hand the step's rows, as slots and "
+        "draft counts, to kvarn's builder (or mark a dummy batch when no step is scheduled).",
+        remove_when="vLLM >= 0.33: CommonAttentionMetadata.req_idx (the draft count and the "
+        "new-request signal would still be needed for speculative decoding).",
+        scope="worker",
+        apply=_install_v1_step_hook,
     ),
     Patch(
         name="draft-steps",

@@ -1,0 +1,237 @@
+"""kvarn on vLLM's V1 model runner: staging slots by request id, and n-gram verify steps.
+
+The V1 runner (vLLM 0.26 runs n-gram speculation only there) moves requests between batch
+rows, so kvarn keeps its own slot per request id (``STEP.report_v1_schedule`` /
+``report_v1_batch``, fed by the ``request-ids-v1`` patch). These tests drive that channel
+with scheduler outputs shaped like vLLM's, and n-gram verify steps (1 + k tokens, random
+rejections, rows reordered between steps, a finished request's slot reused) through the
+builder and a real Attention layer, checked against kvarn-math.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from kvarn_vllm import compat
+from kvarn_vllm import metadata as md
+
+
+class _Runner:
+    """Stands in for a V1 GPUModelRunner (the channel keeps a weak reference to it)."""
+
+
+def _new(req_id, blocks=((4, 8),)):
+    return SimpleNamespace(req_id=req_id, block_ids=tuple(list(b) for b in blocks))
+
+
+def _schedule(new=(), cached=(), resumed=(), finished=(), preempted=(), drafts=None):
+    """A SchedulerOutput with the fields kvarn reads. cached: (req_id, new_block_ids)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            new_block_ids=[b for _, b in cached],
+            resumed_req_ids=set(resumed),
+        ),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+        scheduled_spec_decode_tokens={r: [0] * n for r, n in (drafts or {}).items()},
+    )
+
+
+def test_v1_slots_follow_requests_not_rows():
+    ch = md._StepChannel()
+    runner = _Runner()
+    ch.report_v1_schedule(runner, _schedule(new=[_new("a", ((3, 7),)), _new("b", ((0, 9),))]))
+    ch.report_v1_batch(runner, ["a", "b"])
+    rec = ch.record
+    assert rec.slots.tolist() == [0, 1] and rec.new_rows.tolist() == [True, True]
+    assert rec.first_blocks == {0: (3,), 1: None}  # vLLM's null block 0: no key
+    assert rec.num_drafts.tolist() == [0, 0]
+
+    # c joins; the runner reorders its rows; a has 3 drafts.
+    ch.report_v1_schedule(
+        runner,
+        _schedule(new=[_new("c")], cached=[("a", None), ("b", None)], drafts={"a": 3}),
+    )
+    ch.report_v1_batch(runner, ["c", "a", "b"])
+    rec = ch.record
+    assert rec.slots.tolist() == [2, 0, 1]
+    assert rec.new_rows.tolist() == [True, False, False]
+    assert rec.num_drafts.tolist() == [0, 3, 0]
+
+    # b finishes, a is preempted: d takes the lowest free slot; c keeps its slot although
+    # it moves to row 0... and is then left out of a step (no tokens), keeping it still.
+    ch.report_v1_schedule(
+        runner, _schedule(new=[_new("d")], cached=[("c", None)], finished={"b"}, preempted={"a"})
+    )
+    ch.report_v1_batch(runner, ["c", "d"])
+    assert ch.record.slots.tolist() == [2, 0]
+    ch.report_v1_schedule(runner, _schedule(cached=[("d", None)]))
+    ch.report_v1_batch(runner, ["d"])
+    assert ch.record.slots.tolist() == [0] and ch.record.new_rows.tolist() == [False]
+
+    # a resumes after preemption: a new slot, counted as added, its first tile from the
+    # block ids the scheduler sends with it; c is back with its old slot.
+    ch.report_v1_schedule(
+        runner,
+        _schedule(cached=[("c", None), ("a", ([5, 6],)), ("d", None)], resumed={"a"}),
+    )
+    ch.report_v1_batch(runner, ["a", "c", "d"])
+    rec = ch.record
+    assert rec.slots.tolist() == [1, 2, 0]
+    assert rec.new_rows.tolist() == [True, False, False]
+    assert rec.first_blocks == {1: (5,)}
+
+    # A request aborted and resubmitted under the same id in one step: a fresh start.
+    ch.report_v1_schedule(runner, _schedule(new=[_new("c")], finished={"c"}))
+    ch.report_v1_batch(runner, ["c"])
+    assert ch.record.new_rows.tolist() == [True]
+
+    # A request the channel never saw scheduled is a bug, said as such.
+    with pytest.raises(RuntimeError, match=r"\['zz'\] are in the V1 model runner's batch"):
+        ch.report_v1_batch(runner, ["zz"])
+
+    # Another runner (a new engine in this process) starts from no slots.
+    other = _Runner()
+    ch.report_v1_schedule(other, _schedule(new=[_new("x")]))
+    ch.report_v1_batch(other, ["x"])
+    assert ch.record.slots.tolist() == [0]
+    with pytest.raises(RuntimeError, match="without a staging slot"):
+        ch.report_v1_batch(runner, ["a"])  # the old runner's requests are gone
+
+    ch.report_v1_dummy(5)
+    assert ch.record.slots is None and ch.record.num_reqs == 5
+
+
+def test_v1_hook_reports_schedule_and_batch(monkeypatch):
+    """The hook sees the scheduler output before vLLM's _update_states, and the batch's
+    request ids for a scheduled step's metadata (a dummy batch otherwise); vLLM's own
+    methods still run with the same arguments (stand-ins here: the real ones need a runner)."""
+    from vllm.v1.worker import gpu_model_runner as v1
+
+    calls = []
+
+    def update(self, so):
+        calls.append(("update", so))
+        return "updated"
+
+    def build(self, num_tokens, num_reqs, max_query_len, *rest, **kwargs):
+        calls.append(("build", num_reqs, kwargs.get("num_scheduled_tokens")))
+        return "built"
+
+    monkeypatch.setattr(v1.GPUModelRunner, "_update_states", update)
+    monkeypatch.setattr(v1.GPUModelRunner, "_build_attention_metadata", build)
+    seen = []
+    assert compat.wrap_v1_runner_steps(
+        lambda r, so: seen.append(("schedule", so)),
+        lambda r, ids: seen.append(("batch", ids)),
+        lambda n: seen.append(("dummy", n)),
+    )
+    assert not compat.wrap_v1_runner_steps(print, print, print)  # once only
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["r2", "r0", "r1"]))
+    so = object()
+    assert v1.GPUModelRunner._update_states(runner, so) == "updated"
+    sched = {"r0": 1, "r2": 1}
+    built = v1.GPUModelRunner._build_attention_metadata(
+        runner, num_tokens=2, num_reqs=2, max_query_len=1, num_scheduled_tokens=sched
+    )
+    assert built == "built"
+    v1.GPUModelRunner._build_attention_metadata(runner, 4, 3, 1, for_cudagraph_capture=True)
+    assert seen == [("schedule", so), ("batch", ["r2", "r0"]), ("dummy", 3)]
+    assert calls == [("update", so), ("build", 2, sched), ("build", 3, None)]
+
+
+_interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="runs the kvarn kernels on CPU tensors: needs TRITON_INTERPRET=1",
+)
+
+
+@_interp
+def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch):
+    """n-gram verify steps of two requests whose rows swap between steps, with random
+    rejections; then one finishes and a new request takes its slot. Every query's output
+    matches kvarn-math over that request's accepted tokens."""
+    from test_speculative import HKV, D, G, K, SpecHarness, assert_matches
+
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "1")
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
+    h = SpecHarness(vllm_config_factory, monkeypatch, method="ngram")
+    runner = _Runner()
+    rng = np.random.default_rng(0)
+    cached: dict[str, int] = {}
+    slot_of: dict[str, int] = {}
+
+    def step(order, new=(), finished=()):
+        """One step: prompts for ``new`` (id, length), verify rows of 1 + K for the rest."""
+        new_ids = dict(new)
+        verify = [r for r in order if r not in new_ids]
+        md.STEP.report_v1_schedule(
+            runner,
+            _schedule(
+                new=[_new(r) for r in new_ids],
+                cached=[(r, None) for r in verify],
+                finished=finished,
+                drafts={r: K for r in verify},
+            ),
+        )
+        md.STEP.report_v1_batch(runner, list(order))
+        slots = md.STEP.record.slots.tolist()
+        for r, s in zip(order, slots):
+            slot_of[r] = s
+        num_new = [new_ids.get(r, 1 + K) for r in order]
+        before = [0 if r in new_ids else cached[r] for r in order]
+        # Host lengths: upper bounds, as under async scheduling.
+        upper = [0 if r in new_ids else K for r in order]
+        meta = h.builder.build(0, h.cam(slots, before, num_new, upper))
+        kv = [(h.rand(n, HKV, D), h.rand(n, HKV, D)) for n in num_new]
+        q, out = h.run(meta, [(s, c, x) for s, c, x in zip(slots, before, kv)])
+        at = 0
+        for i, r in enumerate(order):
+            s, n = slots[i], num_new[i]
+            if r in new_ids:
+                h.kv[s] = kv[i]
+                cached[r] = n
+                at += n
+                continue
+            ak, av = h.kv[s]
+            step_k, step_v = torch.cat([ak, kv[i][0]]), torch.cat([av, kv[i][1]])
+            ctx = meta.context  # verify rows: the multi-query kernel's group
+            g = i if ctx.rows is None else ctx.rows.tolist().index(i)
+            quantized = int(ctx.quantized_lens[g])
+            key_lens = ctx.key_lens
+            for j in range(n):
+                pos = cached[r] + j
+                assert_matches(
+                    h,
+                    out[at + j : at + j + 1],
+                    step_k[: pos + 1],
+                    step_v[: pos + 1],
+                    quantized,
+                    q[at + j : at + j + 1],
+                    (r, len(cached), j),
+                    s,
+                    None if key_lens is None else int(key_lens[g]),
+                )
+            accepted = int(rng.integers(0, K + 1))
+            h.kv[s] = (step_k[: cached[r] + 1 + accepted], step_v[: cached[r] + 1 + accepted])
+            cached[r] += 1 + accepted
+            at += n
+
+    step(["a", "b"], new=[("a", 61), ("b", 100)])
+    assert slot_of == {"a": 0, "b": 1}
+    for i in range(14):
+        step(["b", "a"] if i % 2 else ["a", "b"])
+    assert cached["a"] > G  # a's verify steps crossed a tile boundary
+    assert cached["b"] > 2 * G  # b quantized more tiles than c will have
+    # b finishes; c arrives and takes b's slot: its state starts afresh (b's count of
+    # quantized tiles would have c read records it never wrote).
+    step(["c", "a"], new=[("c", 70)], finished={"b"})
+    assert slot_of["c"] == 1
+    for i in range(4):
+        step(["a", "c"] if i % 2 else ["c", "a"])
