@@ -487,9 +487,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pad-words",
         type=int,
         default=240,
-        help="agreement and repeat phases: words of per-prompt notes before each prompt (240: about 580 "
-        "SmolLM2 tokens, so generation reads quantized tiles; 0: the bare prompts, which fit "
-        "in the exact first tile)",
+        help="agreement and repeat phases: words of per-prompt notes before each prompt "
+        "(240: about 580 SmolLM2 tokens, so generation reads quantized tiles; 0: the bare "
+        "prompts, which fit in the exact first tile)",
     )
     p.add_argument(
         "--eager",
