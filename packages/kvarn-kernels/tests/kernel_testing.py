@@ -133,6 +133,11 @@ def build_paged(
     )
 
 
+def as_dtype(x: npt.NDArray[np.float32], dtype: torch.dtype) -> npt.NDArray[np.float32]:
+    """``x`` rounded to ``dtype`` (K/V as a model hands them to the cache), back in float32."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).float().numpy()
+
+
 def through_dtype(x: npt.NDArray[np.float32], dtype: torch.dtype) -> npt.NDArray[np.float32]:
     """Original-frame K/V as a kernel sees them: rotated, rounded to ``dtype``, un-rotated in
     float64."""

@@ -8,7 +8,13 @@ import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
-from kernel_testing import build_paged, nan_like_staging, staged_reference, unwritten_cache
+from kernel_testing import (
+    as_dtype,
+    build_paged,
+    nan_like_staging,
+    staged_reference,
+    unwritten_cache,
+)
 from kvarn_math import PRESETS, encode_tiles, get_preset, reference_attention, rotate, tile_layout
 from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
@@ -388,10 +394,11 @@ def test_values_only_windows_decode(sink: bool, monkeypatch: pytest.MonkeyPatch)
     s_tiles, recent = 2, 1
     lens = [3 * g - 2, g - 1, 5 * g + 60, 2]
     steps = 4
+    # K/V as the model hands them over (bf16): the reference reads the same values.
     seqs = [
         (
-            make_kv((t + steps, hkv, d), "outlier_channels", 60 + i),
-            make_kv((t + steps, hkv, d), "gaussian", 80 + i),
+            as_dtype(make_kv((t + steps, hkv, d), "outlier_channels", 60 + i), dtype),
+            as_dtype(make_kv((t + steps, hkv, d), "gaussian", 80 + i), dtype),
         )
         for i, t in enumerate(lens)
     ]

@@ -18,7 +18,6 @@ except ImportError:  # pragma: no cover - every supported Triton has it
 __all__ = [
     "INTERPRET",
     "PRECISE_MATH",
-    "dot_lowp",
     "exp2_f32",
     "exp_f32",
     "fwht_rows",
@@ -240,19 +239,6 @@ def round_to(x, dtype: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
-
-
-@triton.jit
-def dot_lowp(a, b):
-    """``tl.dot`` of 16-bit operands with fp32 accumulation.
-
-    The interpreter multiplies bf16 tensors as raw uint16, so there the (exactly representable)
-    operands are widened to fp32 first: the same products, accumulated in fp32.
-    """
-    if _INTERP and a.dtype == tl.bfloat16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
