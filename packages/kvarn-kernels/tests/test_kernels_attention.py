@@ -894,6 +894,26 @@ def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(
     assert float((full - part).norm() / full.norm()) > 0.05
 
 
+def test_staged_splits_one_when_sequences_fill_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split per staged tile while sequences x KV heads leave SMs idle, one split from two
+    programs per SM on (the properties of a 132-SM GPU stand in for a GPU here)."""
+    from types import SimpleNamespace
+
+    from kvarn_kernels.attention import launch
+
+    staging = torch.zeros(kk.staging_shape(1, 1, 64, "kvarn_k4v2_g128", staging_tiles=2, sink=True))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132)
+    )
+    gpu = torch.device("cuda")
+    assert launch.staged_splits(staging, 128, True, None, 16 * 8, gpu) == 3
+    assert launch.staged_splits(staging, 128, True, None, 263, gpu) == 3
+    assert launch.staged_splits(staging, 128, True, None, 264, gpu) == 1
+    assert launch.staged_splits(staging, 128, True, None, 4096, torch.device("cpu")) == 3
+    monkeypatch.setenv(launch.STAGED_SPLITS_ENV, "2")
+    assert launch.staged_splits(staging, 128, True, None, 128, gpu) == 2
+
+
 @pytest.mark.parametrize("raw", ["0", "-1", "two", "1.5"])
 def test_staged_splits_cap_rejects_bad_values(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_kernels.attention import launch

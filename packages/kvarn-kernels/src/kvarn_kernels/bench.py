@@ -676,7 +676,10 @@ def _splits(case: _Case) -> int:
 
     g = case.layout.group_size
     if _fast(case):
-        staged = staged_splits(case.staging, g, case.sink_lens is not None, case.key_tiles)
+        staged = staged_splits(
+            case.staging, g, case.sink_lens is not None, case.key_tiles, case.b * case.hkv,
+            case.device,
+        )  # fmt: skip
         tiles = case.block_table.shape[1]
         return staged + fast_decode_splits(case.b, case.hkv, tiles, case.device, staged)
     sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
