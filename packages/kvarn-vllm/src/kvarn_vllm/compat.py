@@ -254,6 +254,13 @@ def wrap_attention_kv_cache_spec(make_spec: SpecFn) -> bool:
 StepFn = Callable[[Any], None]
 
 
+def _runner_class(module_name: str) -> Any:
+    """``GPUModelRunner`` of vLLM's V2 (``vllm.v1.worker.gpu.model_runner``) or V1
+    (``vllm.v1.worker.gpu_model_runner``) runner module."""
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    return module.GPUModelRunner
+
+
 def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepFn) -> bool:
     """Report each step's ``InputBatch`` to kvarn before attention metadata is built.
 
@@ -263,9 +270,7 @@ def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepF
     by it. ``GPUModelRunner.prepare_attn`` / ``prepare_dummy_attn`` run right before
     ``model_state.prepare_attn`` builds the metadata in ``execute_model``.
     """
-    module_name = "vllm.v1.worker.gpu.model_runner"
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    runner_cls = module.GPUModelRunner
+    runner_cls = _runner_class("vllm.v1.worker.gpu.model_runner")
     original_real = runner_cls.prepare_attn
     if is_wrapped(original_real):
         return False
@@ -305,9 +310,7 @@ def wrap_v2_runner_add_requests(on_added: Callable[..., None]) -> bool:
     ``GPUModelRunner.add_requests(scheduler_output)`` in vLLM 0.26's V2 runner; a
     resumed request may get the same row it had, so the row alone cannot tell.
     """
-    module_name = "vllm.v1.worker.gpu.model_runner"
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    runner_cls = module.GPUModelRunner
+    runner_cls = _runner_class("vllm.v1.worker.gpu.model_runner")
     original = runner_cls.add_requests
     if is_wrapped(original):
         return False
@@ -347,9 +350,7 @@ def wrap_v1_runner_steps(
     called for a scheduled step (``num_scheduled_tokens`` given), and
     ``on_dummy_batch(num_reqs)`` for profiling, warm-up and CUDA-graph capture batches.
     """
-    module_name = "vllm.v1.worker.gpu_model_runner"
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    runner_cls = module.GPUModelRunner
+    runner_cls = _runner_class("vllm.v1.worker.gpu_model_runner")
     original_update = runner_cls._update_states
     if is_wrapped(original_update):
         return False
