@@ -406,7 +406,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
     """Real weights; no speculation vs n-gram, for bf16 and the kvarn presets (item 2/4)."""
-    base = engine_kwargs(args)
+    base = engine_kwargs(args, enforce_eager=not args.graphs)
     prompts = pad_prompts(make_repetitive_prompts(args.num_prompts), args.pad_words)
     model = smoke_model(args)
     return _phase(args, out, "agreement", model, ("ngram",), None, base, prompts, args.max_tokens)
@@ -490,6 +490,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="agreement and repeat phases: words of per-prompt notes before each prompt "
         "(240: about 580 SmolLM2 tokens, so generation reads quantized tiles; 0: the bare "
         "prompts, which fit in the exact first tile)",
+    )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="agreement phase: CUDA graphs (vLLM's default) instead of eager engines, so that "
+        "tokens/s measure the GPU rather than the host (engines then take 90-200 s to start)",
     )
     p.add_argument(
         "--eager",

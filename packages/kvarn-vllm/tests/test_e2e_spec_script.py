@@ -137,6 +137,20 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
         assert seen[-1]["enforce_eager"] is eager
 
 
+def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
+    monkeypatch.setattr(spec_script, "_phase", lambda *a: seen.append((a[6], a[7])) or True)
+    for argv, eager in (([], True), (["--graphs"], False)):
+        args = spec_script.parse_args(["--phase", "agreement", "--num-prompts", "4", *argv])
+        assert spec_script.phase_agreement(args, tmp_path)
+        kwargs, prompts = seen[-1]
+        assert kwargs["enforce_eager"] is eager
+        # each prompt behind its own notes: decoding reads quantized tiles, not only tile 0
+        assert all(p.startswith(f"Notes {i}: ") for i, p in enumerate(prompts))
+        assert min(len(p.split()) for p in prompts) > 240
+
+
 def test_pad_prompts_keep_prompts_distinct_and_long(spec_script):
     prompts = spec_script.make_echo_prompts(6)
     padded = spec_script.pad_prompts(prompts, 240)
