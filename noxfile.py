@@ -110,7 +110,9 @@ def types(session: nox.Session) -> None:
     session.install("mypy>=1.11", "numpy>=1.24", "hypothesis>=6.100", "-e", MATH)
     session.run("mypy", "--strict", "packages/kvarn-math/src")
     _install_all(session, "mypy>=1.11")
-    session.run("mypy", "packages/kvarn-kernels/src", "packages/kvarn-eval/src")
+    session.run(
+        "mypy", "packages/kvarn-kernels/src", "packages/kvarn-vllm/src", "packages/kvarn-eval/src"
+    )
 
 
 @nox.session(python="3.11")

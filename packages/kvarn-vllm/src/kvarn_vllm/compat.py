@@ -111,15 +111,15 @@ def widen_cache_dtype_literal(names: Iterable[str]) -> tuple[str, ...]:
     from vllm.config import cache as cache_module
     from vllm.config.cache import CacheConfig
 
-    literal = cache_module.CacheDType
+    literal: Any = cache_module.CacheDType  # a typing.Literal, extended in place
     current = tuple(literal.__args__)
     added = tuple(n for n in names if n not in current)
     if added:
         literal.__args__ = current + added
-        rebuild_dataclass(CacheConfig, force=True)
+        rebuild_dataclass(CacheConfig, force=True)  # type: ignore[arg-type]
         from vllm.config.speculative import SpeculativeConfig
 
-        rebuild_dataclass(SpeculativeConfig, force=True)
+        rebuild_dataclass(SpeculativeConfig, force=True)  # type: ignore[arg-type]
     return tuple(literal.__args__)
 
 
@@ -168,7 +168,8 @@ def wrap_backend_selection(select: SelectFn) -> bool:
             return chosen
         return original(backend, attn_selector_config, num_heads)
 
-    selector._cached_get_attn_backend = _mark(_cached_get_attn_backend, original)
+    wrapped = _mark(_cached_get_attn_backend, original)
+    selector._cached_get_attn_backend = wrapped  # type: ignore[assignment]
     return True
 
 
@@ -193,9 +194,8 @@ def wrap_default_max_num_seqs(adjust: Callable[[Any, bool], None]) -> bool:
         adjust(self, was_unset)
         return result
 
-    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = _mark(
-        _set_default_max_num_seqs_and_batched_tokens_args, original
-    )
+    wrapped = _mark(_set_default_max_num_seqs_and_batched_tokens_args, original)
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = wrapped  # type: ignore[method-assign]
     return True
 
 
@@ -244,7 +244,7 @@ def wrap_attention_kv_cache_spec(make_spec: SpecFn) -> bool:
             return spec
         return original(self, vllm_config)
 
-    Attention.get_kv_cache_spec = _mark(get_kv_cache_spec, original)
+    Attention.get_kv_cache_spec = _mark(get_kv_cache_spec, original)  # type: ignore[method-assign]
     return True
 
 
@@ -394,7 +394,8 @@ def wrap_draft_decode_metadata(scope: Callable[[], Any]) -> bool:
         with scope():
             return original(self, *args, **kwargs)
 
-    DraftModelSpeculator._build_draft_attn_metadata = _mark(_build_draft_attn_metadata, original)
+    wrapped = _mark(_build_draft_attn_metadata, original)
+    DraftModelSpeculator._build_draft_attn_metadata = wrapped  # type: ignore[method-assign]
     return True
 
 

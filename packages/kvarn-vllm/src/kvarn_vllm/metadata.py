@@ -646,12 +646,13 @@ def _make_builder_class() -> type:
                 seq_lens = cam.seq_lens[:num_reqs].cpu().numpy().astype(np.int32)
             slots = np.zeros(num_reqs, dtype=np.int32)
             if record is not None:
+                assert record.slots is not None  # build() passes only real steps' records
                 real = min(record.num_reqs, num_reqs)
                 slots[:real] = record.slots[:real]
                 if slots.size and slots.max() >= self.max_num_reqs:
                     raise ValueError(
-                        f"staging slot {slots.max()} out of range: the V2 runner "
-                        f"has {self.max_num_reqs} request rows"
+                        f"staging slot {slots.max()} out of range: kvarn has "
+                        f"{self.max_num_reqs} (max_num_seqs)"
                     )
             elif capture:
                 seq_lens = np.minimum(num_new, 1).astype(np.int32)
@@ -675,7 +676,7 @@ def _make_builder_class() -> type:
                 added = np.flatnonzero(np.asarray(record.new_rows[:real], dtype=bool))
                 g = self.preset.group_size
                 self._exact_start[slots[added]] = num_cached[added] // g * g
-            if on_device:
+            if on_device and record is not None:
                 # Lengths on the host are upper bounds (accepted drafts are known on the
                 # GPU only): the plan is made on the device after the copy below.
                 real = min(record.num_reqs, num_reqs)
@@ -788,7 +789,7 @@ def _make_builder_class() -> type:
             dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
             dev_sink_slots = self._view(buf, "sink_slots", num_reqs) if self.config.sink else None
             dev_plan = None
-            if on_device:
+            if on_device and record is not None:
                 dev_plan = self._device_plan(cam, record, num_reqs, int(qsl[-1]), buf)
             elif plan is not None:
                 tiles = self._view(buf, "tiles", plan.tiles.shape[0], 5)
@@ -947,17 +948,18 @@ def _make_builder_class() -> type:
                     "kvarn-vllm: a drafter decode step with several query tokens per "
                     "request (parallel drafting) is not supported"
                 )
-            real = min(record.num_reqs, num_reqs) if record.slots is not None else 0
+            rslots = record.slots
+            real = min(record.num_reqs, num_reqs) if rslots is not None else 0
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
-            if real:
+            if rslots is not None and real:
                 s, _ = self._layout["slots"]
-                host[s : s + real] = record.slots[:real]
+                host[s : s + real] = rslots[:real]
                 if self.config.sink:
                     # Rows were (re)added in the target step of this record, which already
                     # decided their sink; num_cached does not matter here.
                     lens, sink_slots = sink_rows_for(
                         record,
-                        np.asarray(record.slots[:real], dtype=np.int32),
+                        np.asarray(rslots[:real], dtype=np.int32),
                         np.zeros(real, dtype=np.int32),
                         self.preset.group_size,
                         self.max_num_reqs,
