@@ -30,10 +30,6 @@ DEV = "cuda"
 TOL = {torch.float32: 1e-4, torch.float16: 6e-3, torch.bfloat16: 2.5e-2}
 
 
-def _round(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).float().numpy()
-
-
 # head_dim 256 with 128-token tiles: the largest tile a dense model has (Gemma-3); its store once
 # needed more shared memory than an SM has (found on the H200 through vLLM, 2026-11-30).
 _QUANT_CASES = [(p, 128) for p in PRESETS] + [
@@ -100,12 +96,12 @@ def test_store_kv_chunked_prefill_and_decode(dtype: torch.dtype, d: int, h: int)
         n = lens[i] // g
         got = cache[table[i, :n].tolist()].cpu().numpy()  # [n, h, tile_bytes]
         tk = (
-            _round(rotate(_round(k[: n * g], dtype), axis=-1), dtype)
+            as_dtype(rotate(as_dtype(k[: n * g], dtype), axis=-1), dtype)
             .reshape(n, g, h, d)
             .transpose(0, 2, 1, 3)
         )
         tv = (
-            _round(rotate(_round(v[: n * g], dtype), axis=-1), dtype)
+            as_dtype(rotate(as_dtype(v[: n * g], dtype), axis=-1), dtype)
             .reshape(n, g, h, d)
             .transpose(0, 2, 1, 3)
         )

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import examples, nan_like_staging, unwritten_cache
+from kernel_testing import as_dtype, examples, nan_like_staging, unwritten_cache
 from kvarn_math import (
     PRESETS,
     decode_tiles,
@@ -38,10 +38,6 @@ pytestmark = pytest.mark.interpreter
 MIN_CODE_AGREEMENT = 0.999
 MAX_FACTOR_FLIPS = 0.25
 MAX_ERROR_DRIFT = 0.01
-
-
-def _round(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).float().numpy()
 
 
 def assert_records_match(
@@ -119,11 +115,11 @@ def test_quantize_tiles_codes_are_bit_exact_on_typical_tiles() -> None:
 def test_quantize_tiles_half_inputs(dtype: torch.dtype, sample: object) -> None:
     """Half inputs: the kernel quantizes the rotated tokens as rounded to the model dtype."""
     preset = "kvarn_k4v2_g64"
-    k, v = _round(sample.k, dtype), _round(sample.v, dtype)  # type: ignore[attr-defined]
+    k, v = as_dtype(sample.k, dtype), as_dtype(sample.v, dtype)  # type: ignore[attr-defined]
     got = kk.quantize_tiles(
         torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype), preset
     ).numpy()
-    k_rot, v_rot = _round(rotate(k, axis=-1), dtype), _round(rotate(v, axis=-1), dtype)
+    k_rot, v_rot = as_dtype(rotate(k, axis=-1), dtype), as_dtype(rotate(v, axis=-1), dtype)
     want = encode_tiles(k_rot, v_rot, preset)
     assert_records_match(got, want, k_rot, v_rot, preset, 64)
 
@@ -216,7 +212,9 @@ def test_records_do_not_depend_on_chunking_batching_or_order(
         torch.testing.assert_close(a[0][blk], want[i], rtol=0, atol=0)
     # The open tile sits in staging, rotated and rounded to the model dtype.
     staged = a[1][2, 0, : t - 2 * g].float().numpy()
-    np.testing.assert_array_equal(staged, _round(rotate(_round(k[2 * g :], dtype), axis=-1), dtype))
+    np.testing.assert_array_equal(
+        staged, as_dtype(rotate(as_dtype(k[2 * g :], dtype), axis=-1), dtype)
+    )
 
 
 def test_store_kv_reference_records_and_spec_rejection() -> None:
