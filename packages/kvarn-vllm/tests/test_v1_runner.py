@@ -104,7 +104,7 @@ def test_v1_slots_follow_requests_not_rows():
     with pytest.raises(RuntimeError, match="without a staging slot"):
         ch.report_v1_batch(runner, ["a"])  # the old runner's requests are gone
 
-    ch.report_v1_dummy(5)
+    ch.report_dummy_rows(5)
     assert ch.record.slots is None and ch.record.num_reqs == 5
 
 

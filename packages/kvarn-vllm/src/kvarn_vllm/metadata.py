@@ -251,8 +251,8 @@ class _StepChannel:
             num_drafts = np.array([self._v1_drafts.get(r, 0) for r in req_ids], dtype=np.int32)
         self._publish(slots, num_drafts)
 
-    def report_v1_dummy(self, num_reqs: int) -> None:
-        """A profiling, warm-up or capture batch of ``num_reqs`` rows on the V1 runner."""
+    def report_dummy_rows(self, num_reqs: int) -> None:
+        """A profiling, warm-up or capture batch of ``num_reqs`` rows (either runner)."""
         with self._lock:
             self._record = StepRecord(self._record.serial + 1, int(num_reqs), None)
 
@@ -284,8 +284,8 @@ class _StepChannel:
         return getattr(self._draft_depth, "value", 0)
 
     def report_dummy(self, input_batch: Any) -> None:
-        with self._lock:
-            self._record = StepRecord(self._record.serial + 1, int(input_batch.num_reqs), None)
+        """A profiling, warm-up or capture batch of the V2 runner: its ``InputBatch``."""
+        self.report_dummy_rows(int(input_batch.num_reqs))
 
     @property
     def record(self) -> StepRecord:

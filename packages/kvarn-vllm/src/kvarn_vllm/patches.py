@@ -162,7 +162,9 @@ def _install_step_hook():
 def _install_v1_step_hook():
     from kvarn_vllm.metadata import STEP
 
-    compat.wrap_v1_runner_steps(STEP.report_v1_schedule, STEP.report_v1_batch, STEP.report_v1_dummy)
+    compat.wrap_v1_runner_steps(
+        STEP.report_v1_schedule, STEP.report_v1_batch, STEP.report_dummy_rows
+    )
 
 
 def _install_draft_hook():
