@@ -10,8 +10,9 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
   prompts of repeated-but-varying text (prompt lookup proposes drafts that are then rejected),
   each behind ``--pad-words`` of its own notes so that decoding reads quantized tiles. vLLM
   0.26 runs n-gram on its V1 model runner (kvarn keeps staging slots by request id there);
-  without speculation it runs V2. Acceptance counts and generation time come from vLLM's own
-  metrics (items 2 and 4).
+  without speculation it runs V2. ``--methods ngram ngram_gpu`` adds the GPU proposer (async
+  scheduling); ``--dtypes ... fp8`` adds vLLM's fp8 cache as a reference. Acceptance counts
+  and generation time come from vLLM's own metrics (items 2 and 4).
 * ``dummy`` (dummy weights, SmolLM2 shape): the same comparison with EAGLE speculation (a
   one-layer EAGLE draft of the same shape, dummy weights too), which kvarn serves: almost every
   draft is rejected. Greedy agreement spec vs no spec for bf16 and both kvarn presets, and
@@ -61,7 +62,11 @@ from e2e_smoke import (
 
 KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
 DTYPES = ("auto", *KVARN_PRESETS)
-_DTYPE_ORDER = {d: i for i, d in enumerate(DTYPES)}
+# fp8 (vLLM's own quantized cache) on request, as the reference for what quantizing the cache
+# does to agreement between serving modes.
+_ALL_DTYPES = (*DTYPES, "fp8")
+_DTYPE_ORDER = {d: i for i, d in enumerate(_ALL_DTYPES)}
+NGRAM_METHODS = ("ngram", "ngram_gpu")
 
 _SUBJECTS = (
     "the red fox",
@@ -160,9 +165,9 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any]
     """vLLM 0.26 ``speculative_config`` dict for ``method`` (None: no speculation)."""
     if method == "none":
         return None
-    if method == "ngram":
+    if method in NGRAM_METHODS:
         return {
-            "method": "ngram",
+            "method": method,
             "num_speculative_tokens": k,
             "prompt_lookup_min": 2,
             "prompt_lookup_max": 5,
@@ -171,7 +176,7 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any]
         if draft is None:
             raise ValueError("eagle needs a draft model folder")
         return {"method": "eagle", "model": draft, "num_speculative_tokens": k}
-    raise ValueError(f"method must be none, ngram or eagle, got {method!r}")
+    raise ValueError(f"method must be none, ngram, ngram_gpu or eagle, got {method!r}")
 
 
 def eagle_draft_dir(model: Path, out: Path) -> Path:
@@ -409,7 +414,8 @@ def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
     base = engine_kwargs(args, enforce_eager=not args.graphs)
     prompts = pad_prompts(make_repetitive_prompts(args.num_prompts), args.pad_words)
     model = smoke_model(args)
-    return _phase(args, out, "agreement", model, ("ngram",), None, base, prompts, args.max_tokens)
+    methods = tuple(args.methods)
+    return _phase(args, out, "agreement", model, methods, None, base, prompts, args.max_tokens)
 
 
 def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
@@ -508,8 +514,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtypes",
         nargs="+",
         default=list(DTYPES),
-        choices=list(DTYPES),
-        help="KV cache dtypes to run (default: all)",
+        choices=list(_ALL_DTYPES),
+        help="KV cache dtypes to run (default: bf16 and both kvarn presets; fp8 on request)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram"],
+        choices=list(NGRAM_METHODS),
+        help="agreement phase: the n-gram proposers to compare with no speculation (ngram: "
+        "drafts on the host, synchronous scheduling; ngram_gpu: drafts on the GPU, async "
+        "scheduling)",
     )
     p.add_argument("--internal-run", default=None, help=argparse.SUPPRESS)
     p.add_argument("--internal-result", default=None, help=argparse.SUPPRESS)

@@ -35,7 +35,7 @@ def test_speculative_config_keys_exist_in_vllm(spec_script):
     from vllm.config.speculative import SpeculativeConfig
 
     fields = set(SpeculativeConfig.__dataclass_fields__)
-    for method in ("ngram", "eagle"):
+    for method in ("ngram", "ngram_gpu", "eagle"):
         cfg = spec_script.speculative_config(method, 4, "/draft")
         assert set(cfg) <= fields, set(cfg) - fields
         assert cfg["num_speculative_tokens"] == 4
@@ -124,6 +124,10 @@ def test_parse_args(spec_script):
     assert only.dtypes == ["kvarn_k4v2_g128"]
     with pytest.raises(SystemExit):
         spec_script.parse_args(["--dtypes", "kvarn_bogus"])
+    both = spec_script.parse_args(["--methods", "ngram", "ngram_gpu", "--dtypes", "fp8"])
+    assert both.methods == ["ngram", "ngram_gpu"] and both.dtypes == ["fp8"]
+    with pytest.raises(SystemExit):
+        spec_script.parse_args(["--methods", "eagle"])
 
 
 def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
@@ -140,11 +144,12 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
 def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
-    monkeypatch.setattr(spec_script, "_phase", lambda *a: seen.append((a[6], a[7])) or True)
+    monkeypatch.setattr(spec_script, "_phase", lambda *a: seen.append((a[4], a[6], a[7])) or True)
     for argv, eager in (([], True), (["--graphs"], False)):
         args = spec_script.parse_args(["--phase", "agreement", "--num-prompts", "4", *argv])
         assert spec_script.phase_agreement(args, tmp_path)
-        kwargs, prompts = seen[-1]
+        methods, kwargs, prompts = seen[-1]
+        assert methods == ("ngram",)
         assert kwargs["enforce_eager"] is eager
         # each prompt behind its own notes: decoding reads quantized tiles, not only tile 0
         assert all(p.startswith(f"Notes {i}: ") for i, p in enumerate(prompts))

@@ -57,7 +57,10 @@ class SpecHarness:
         finally:
             torch.set_default_dtype(torch.float32)
         # EAGLE runs on vLLM's V2 model runner, n-gram on V1 (kvarn_vllm.metadata.SPEC_METHODS).
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if method == "ngram" else "1")
+        from kvarn_vllm.metadata import SPEC_METHODS
+
+        v1 = method in SPEC_METHODS["v1"]
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if v1 else "1")
         spec = self.layer.get_kv_cache_spec(self.vc)
         builder_cls = self.layer.attn_backend.get_builder_cls()
         self.builder = builder_cls(spec, [self.layer.layer_name], self.vc, torch.device("cpu"))
@@ -296,7 +299,13 @@ def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory,
             "0",
             "serves 'eagle' on vLLM's V2 model runner, and this configuration runs the V1",
         ),
-        ("ngram_gpu", "0", "got method 'ngram_gpu'"),
+        (
+            "ngram_gpu",
+            "1",
+            "serves 'ngram_gpu' on vLLM's V1 model runner, and this configuration runs the V2",
+        ),
+        ("dflash", "1", "got method 'dflash'"),
+        ("suffix", "0", "got method 'suffix'"),
     ],
 )
 def test_spec_methods_follow_the_model_runner(vllm_config_factory, monkeypatch, method, v2, match):

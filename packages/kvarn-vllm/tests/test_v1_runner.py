@@ -153,15 +153,17 @@ _interp = pytest.mark.skipif(
 
 
 @_interp
-def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu"])
+def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method):
     """n-gram verify steps of two requests whose rows swap between steps, with random
     rejections; then one finishes and a new request takes its slot. Every query's output
-    matches kvarn-math over that request's accepted tokens."""
+    matches kvarn-math over that request's accepted tokens. The host's lengths are upper
+    bounds (every draft accepted), as under the async scheduling ``ngram_gpu`` runs with."""
     from test_speculative import HKV, D, G, K, SpecHarness, assert_matches
 
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "1")
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
-    h = SpecHarness(vllm_config_factory, monkeypatch, method="ngram")
+    h = SpecHarness(vllm_config_factory, monkeypatch, method=method)
     runner = _Runner()
     rng = np.random.default_rng(0)
     cached: dict[str, int] = {}
