@@ -264,7 +264,8 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
 
 def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     """The Gluon decode kernel (kvarn_k4v2_g128, head_dim 128 only), as the launcher compiles
-    it: GQA 4 and 8, one frame and two (the key-frame flag read per tile), with a sink."""
+    it: GQA 4 and 8, one frame and two (the key-frame flag read per tile), with a sink, and
+    the batch-invariant launch's fixed splits."""
     from kvarn_kernels.attention import fast
     from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
 
@@ -275,10 +276,12 @@ def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     ptrs |= {"acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     tile = offset_constants(tile_layout(fast.PRESET, fast.HEAD_DIM))
     rows = []
-    for group, frames in ((4, 2), (8, 2), (4, 1)):
-        consts = dict(tile, GROUP=group, NUM_FRAMES=frames, SINK=True)
+    # (the batch-invariant launch, FIXED splits, once: it changes only the split bounds)
+    for group, frames, fixed in ((4, 2, False), (8, 2, False), (4, 1, False), (4, 2, True)):
+        consts = dict(tile, GROUP=group, NUM_FRAMES=frames, SINK=True, FIXED=fixed)
         opts = {"num_warps": fast.NUM_WARPS, "maxnreg": fast.MAX_REGISTERS}
         label = f"fast decode {fast.PRESET} D{fast.HEAD_DIM} group {group} frames {frames}"
+        label += " fixed splits" if fixed else ""
         rows.append(
             compile_kernel(
                 fast.fast_decode_partial_kernel, ptrs, consts, opts, label, GluonASTSource

@@ -862,6 +862,91 @@ def test_batch_invariant_mode(
         kk.decode_attention(**args, num_splits=2, batch_invariant=invariant)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_verify_rows_as_decode_rows_share_their_bits(
+    monkeypatch: pytest.MonkeyPatch, sinks: bool
+) -> None:
+    """Where the Gluon kernel decodes (forced here: ``verify_as_decode``), a batch-invariant
+    verify block runs as decode rows, one per token: each verify row has exactly the bits of
+    the decode row of its position, alone or in another batch."""
+    from kvarn_kernels.attention import launch
+
+    monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 64)
+    monkeypatch.setattr(launch, "verify_as_decode", lambda *args: True)
+    mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, None, True)
+    for j, (a, b) in enumerate(zip(alone, both, strict=True)):
+        assert _bits_equal(a, b), j
+        assert _bits_equal(a, mqa[j : j + 1]), j
+
+
+def test_verify_as_decode_keeps_padding_rows_and_sequences_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two sequences' verify blocks (3 and 2 tokens) and two padding rows, through decode rows:
+    each token's output is the decode row of its own sequence and position, bit for bit, and
+    the padding rows of ``out`` are left as they were."""
+    from kvarn_kernels.attention import launch
+
+    monkeypatch.setattr(launch, "verify_as_decode", lambda *args: True)
+    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
+    lens, n = [200, 150], [3, 2]
+    seqs = _sequences(lens, h, d, 7)
+    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
+    q = torch.from_numpy(make_kv((7, h * group, d), "gaussian", 13)).to(dtype)
+    out = torch.full_like(q, 7.0)
+    common = {
+        "kv_cache": batch.kv_cache,
+        "staging": batch.staging,
+        "block_table": batch.block_table,
+        "quantized_lens": batch.quantized_lens,
+        "staging_slots": batch.staging_slots,
+        "sink_lens": batch.sink_lens,
+        "preset": preset,
+        "scale": 0.125,
+        "batch_invariant": True,
+    }
+    i32 = {"dtype": torch.int32}
+    kk.multi_query_attention(
+        q, torch.tensor([0, 3, 5], **i32), seq_lens=batch.seq_lens, max_query_len=3, out=out,
+        **common,
+    )  # fmt: skip
+    assert bool((out[5:] == 7.0).all())
+    rows = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    for i, (b, j) in enumerate(rows):
+        seq_lens = batch.seq_lens.clone()
+        seq_lens[b] = lens[b] - n[b] + 1 + j
+        pair = torch.stack([q[i], q[0]]) if b == 0 else torch.stack([q[0], q[i]])
+        got = kk.decode_attention(pair, seq_lens=seq_lens, **common)
+        assert _bits_equal(got[b : b + 1], out[i : i + 1]), (b, j)
+
+
+def test_decode_rows_map_tokens_to_positions() -> None:
+    """Tokens of blocks [1, 5, 0, 3] tokens (one sequence empty) and two padding tokens: each
+    token's sequence and its position + 1; padding takes the last sequence's last position."""
+    from kvarn_kernels.attention.launch import decode_rows
+
+    qsl = torch.tensor([0, 1, 6, 6, 9], dtype=torch.int32)
+    rows, lens = decode_rows(qsl, 11, torch.tensor([10, 20, 7, 30], dtype=torch.int32))
+    assert rows.tolist() == [0, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3]
+    assert lens.tolist() == [10, 16, 17, 18, 19, 20, 28, 29, 30, 30, 30]
+    assert lens.dtype == torch.int32
+
+
+def test_fast_split_plan_fixed_positions() -> None:
+    """Batch-invariant splits of the Gluon kernel: 8 tiles each from tile 0, doubled until
+    the table fits beside the staged splits in the combine's 64."""
+    from kvarn_kernels.attention.launch import fast_split_plan
+
+    assert fast_split_plan(32, 3) == (8, 4)
+    assert fast_split_plan(33, 3) == (8, 5)
+    assert fast_split_plan(488, 3) == (8, 61)
+    assert fast_split_plan(489, 3) == (16, 31)
+    assert fast_split_plan(1000, 3) == (32, 32)
+    for bad in ((0, 3), (32, 0), (32, 64)):
+        with pytest.raises(ValueError, match="fast_split_plan"):
+            fast_split_plan(*bad)
+
+
 @pytest.mark.parametrize(
     ("preset", "windows", "cap"),
     # the 4-bit-key (phased) path with values-only windows, the generic path with keys too:

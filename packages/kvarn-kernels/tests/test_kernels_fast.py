@@ -68,11 +68,10 @@ def test_fast_decode_supported_shapes(preset, d, hq, hkv, dtype, window, want) -
 
 def test_fast_decode_never_applies_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A supported shape still takes the Triton kernel on the CPU, in Triton's interpreter,
-    batch-invariant, or with KVARN_KERNELS_FAST_DECODE=0."""
+    or with KVARN_KERNELS_FAST_DECODE=0."""
     lay = tile_layout("kvarn_k4v2_g128", 128)
     q = torch.zeros((2, 32, 128), dtype=torch.bfloat16)
     assert fast_decode_supported(lay, 32, 8, q.dtype, None)
-    assert not fast_decode_applies(q, lay, 8, None, False)
-    assert not fast_decode_applies(q, lay, 8, None, True)
+    assert not fast_decode_applies(q, lay, 8, None)
     monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", "0")
-    assert not fast_decode_applies(q, lay, 8, None, False)
+    assert not fast_decode_applies(q, lay, 8, None)

@@ -324,13 +324,23 @@ def test_batch_invariant_mode_bit_for_bit(
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (64, 8), (8, 8)])
 @pytest.mark.parametrize("raw_keys", [False, True])
+@pytest.mark.parametrize("invariant", ["0", "1"])
 def test_fast_decode_matches_the_triton_kernel(
-    dtype: torch.dtype, hq: int, hkv: int, raw_keys: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype,
+    hq: int,
+    hkv: int,
+    raw_keys: bool,
+    invariant: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The Gluon kernel of the quantized tiles (kvarn_k4v2_g128, head_dim 128) against the
     Triton kernel alone and the reference: sink rows, staging, half the tiles' keys in their
-    own channels, sequences with no record at all."""
+    own channels, sequences with no record at all; in the default launch and batch-invariant
+    (``invariant``: the Gluon kernel's splits at fixed positions, 8 tiles each, so the
+    9000-token sequence spans nine)."""
     from kvarn_kernels.attention.launch import fast_decode_applies
+
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
 
     preset, d, g = "kvarn_k4v2_g128", 128, 128
     lens = [1, g - 1, g + 5, 2000, 5 * g, 9000]
@@ -348,7 +358,7 @@ def test_fast_decode_matches_the_triton_kernel(
     outs = {}
     for fast in ("1", "0"):
         monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", fast)
-        assert fast_decode_applies(q, tile_layout(preset, d), hkv, None, False) == (fast == "1")
+        assert fast_decode_applies(q, tile_layout(preset, d), hkv, None) == (fast == "1")
         outs[fast] = kk.decode_attention(
             q,
             batch.kv_cache,

@@ -247,6 +247,46 @@ def test_continuation_own_kv_to_the_multi_query_kernel(vllm_config_factory, monk
     assert not torch.isnan(out).any()
 
 
+def test_query_runs():
+    from kvarn_vllm.impl import query_runs
+
+    assert query_runs([0, 5, 10, 40, 41, 100], 16) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert query_runs([0, 1, 2, 3], 16) == [(0, 3)]
+    assert query_runs([0, 17], 16) == [(0, 1)]
+    assert query_runs([0], 16) == []
+
+
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_invariant_context_runs_verify_blocks_apart(vllm_config_factory, monkeypatch, invariant):
+    """Batch-invariant mode: a context group holding a short block (3 tokens, a verify's size)
+    and a 30-token chunk goes to the multi-query kernel as two calls, each with its own longest
+    block, so that the short one may run as decode rows; both rows' outputs stay kvarn-math's.
+    The default launch makes one call for the group."""
+    from kvarn_vllm import kernels
+    from kvarn_vllm.config import INVARIANT_ENV
+
+    monkeypatch.setenv(INVARIANT_ENV, invariant)
+    seen = []
+    real = kernels.multi_query_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["max_query_len"], int(args[0].shape[0]), kwargs.get("fresh_kv")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "multi_query_attention", spy)
+    h = Harness(vllm_config_factory, monkeypatch)
+    h.step([(0, 0, 100, [9, 11]), (1, 0, 70, [3, 5])])
+    meta, q, out, _ = h.step([(0, 100, 3, [9, 11]), (1, 70, 30, [3, 5])])
+    assert meta.context is not None and meta.context.max_query_len == 30
+    if invariant == "1":
+        assert seen == [(3, 3, None), (30, 30, None)]
+    else:
+        assert [x[:2] for x in seen] == [(30, 33)]
+    _near_quantized(h, out[0:3], 0, q[0:3])
+    _near_quantized(h, out[3:33], 1, q[3:33])
+    assert not torch.isnan(out).any()
+
+
 def test_capture_and_replay_share_buffers(vllm_config_factory, monkeypatch):
     """A full CUDA graph captured on capture metadata reads the real step's values."""
     from vllm.v1.attention.backend import CommonAttentionMetadata

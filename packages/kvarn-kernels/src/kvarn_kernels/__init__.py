@@ -5,6 +5,7 @@ Importing this package never initializes CUDA and never imports vLLM.
 
 from kvarn_kernels._format import FORMAT_VERSION, check_format_version
 from kvarn_kernels.attention import choose_num_splits, decode_attention, multi_query_attention
+from kvarn_kernels.attention.launch import VERIFY_AS_DECODE_MAX_QUERY
 from kvarn_kernels.cache import (
     allocate_cache,
     allocate_staging,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMAT_VERSION",
     "StorePlan",
+    "VERIFY_AS_DECODE_MAX_QUERY",
     "__version__",
     "allocate_cache",
     "allocate_staging",

@@ -658,9 +658,9 @@ def _autotune_choices() -> dict[str, str]:
 
 def _fast(case: _Case) -> bool:
     """Whether ``decode_attention`` runs ``case``'s quantized tiles through the Gluon kernel."""
-    from kvarn_kernels.attention.launch import batch_invariant, fast_decode_applies
+    from kvarn_kernels.attention.launch import fast_decode_applies
 
-    return fast_decode_applies(case.query, case.layout, case.hkv, None, batch_invariant())
+    return fast_decode_applies(case.query, case.layout, case.hkv, None)
 
 
 def _splits(case: _Case) -> int:
@@ -669,22 +669,26 @@ def _splits(case: _Case) -> int:
     from kvarn_kernels.attention.launch import (
         batch_invariant,
         fast_decode_splits,
+        fast_split_plan,
         launch_splits,
         staged_splits,
     )
     from kvarn_kernels.cache import staging_view
 
     g = case.layout.group_size
+    invariant = batch_invariant()
     if _fast(case):
+        programs = 0 if invariant else case.b * case.hkv
         staged = staged_splits(
-            case.staging, g, case.sink_lens is not None, case.key_tiles, case.b * case.hkv,
-            case.device,
-        )  # fmt: skip
+            case.staging, g, case.sink_lens is not None, case.key_tiles, programs, case.device
+        )
         tiles = case.block_table.shape[1]
+        if invariant:
+            return staged + fast_split_plan(tiles, staged)[1]
         return staged + fast_decode_splits(case.b, case.hkv, tiles, case.device, staged)
     sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
     chunks = case.block_table.shape[1] + (sv.ring + sv.sink) // g  # as the launcher counts
-    return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, batch_invariant())[1]
+    return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, invariant)[1]
 
 
 def _fmt(x: object, spec: str) -> str:

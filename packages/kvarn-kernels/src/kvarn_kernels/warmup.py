@@ -23,7 +23,11 @@ from kvarn_math.tile import KEY_FRAMES
 
 from kvarn_kernels._guards import check_preset
 from kvarn_kernels.attention import decode_attention, multi_query_attention
-from kvarn_kernels.attention.launch import query_block_sizes
+from kvarn_kernels.attention.launch import (
+    VERIFY_AS_DECODE_MAX_QUERY,
+    query_block_sizes,
+)
+from kvarn_kernels.attention.launch import batch_invariant as invariant_mode
 from kvarn_kernels.cache import allocate_cache, allocate_staging
 from kvarn_kernels.dequantize import dequantize
 from kvarn_kernels.plan import plan_store
@@ -129,6 +133,7 @@ def warmup(
     sink_lens, sink_slots = (ints(g), ints(0)) if sink else (None, None)
     scale = head_dim**-0.5
     sizes = query_block_sizes(num_q_heads // num_kv_heads, batch_invariant)
+    invariant = invariant_mode(batch_invariant)
     for window in [None] if sliding_window is None else [None, int(sliding_window)]:
         common: dict[str, Any] = dict(
             sliding_window=window,
@@ -142,7 +147,10 @@ def warmup(
         query = randn(1, num_q_heads, head_dim)
         decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)
         launches += 2
-        for n in sizes:
+        for size in sizes:
+            # Batch-invariant verify blocks may run as decode rows (warmed above); longer
+            # blocks take the multi-query kernel, whose variant this launch compiles.
+            n = max(size, VERIFY_AS_DECODE_MAX_QUERY + 1) if invariant else size
             q = randn(n, num_q_heads, head_dim)
             for own in own_kv:
                 fresh = (

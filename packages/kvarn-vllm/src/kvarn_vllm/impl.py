@@ -24,6 +24,7 @@ never capped below what the user asked for.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -278,6 +279,8 @@ def _make_impl_class() -> type:
                 self._fresh(md.fresh, query, key, value, output, n)
             if md.context is not None and _use_dense_context(md.context, self.workspace):
                 self._context_dense(md.context, query, key, value, kv_cache, staging, output, n)
+            elif md.context is not None and self._verify_runs(md.context) is not None:
+                self._context_runs(md.context, query, kv_cache, staging, output, n)
             elif md.context is not None:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
@@ -320,6 +323,34 @@ def _make_impl_class() -> type:
             k_sel = key[:n] if idx is None else key.index_select(0, idx)
             v_sel = value[:n] if idx is None else value.index_select(0, idx)
             return kernels.rotate(k_sel), kernels.rotate(v_sel)
+
+        def _verify_runs(self, g):
+            """Batch-invariant mode, a context group with rows of at most
+            ``VERIFY_AS_DECODE_MAX_QUERY`` query tokens (verify blocks) and longer ones (chunks):
+            the runs of rows of each kind, so that the short ones may run as decode rows
+            (:func:`kvarn_kernels.attention.launch.verify_as_decode`) whatever else the step
+            holds; else None (one multi-query call)."""
+            if not self.config.batch_invariant:
+                return None
+            limit = kernels.verify_as_decode_max_query()
+            if g.max_query_len <= limit:
+                return None
+            runs = query_runs(g.query_start_loc_host, limit)
+            return runs if len(runs) > 1 else None
+
+        def _context_runs(self, g, query, kv_cache, staging, output, n):
+            """A batch-invariant context group in runs of verify blocks and of longer chunks
+            (:meth:`_verify_runs`), each through :meth:`_context_mqa`."""
+            q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+            res = torch.empty_like(q)
+            qs = [int(x) for x in g.query_start_loc_host]
+            for lo, hi in self._verify_runs(g):
+                self._context_mqa(g, q[qs[lo] : qs[hi]], kv_cache, staging, lo, hi,
+                                  res[qs[lo] : qs[hi]], None)  # fmt: skip
+            if g.token_index is None:
+                output[:n].copy_(res)
+            else:
+                output.index_copy_(0, g.token_index, res)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
             """Chunks after cached tokens through dense attention: rows are taken in runs
@@ -466,6 +497,8 @@ def _make_impl_class() -> type:
         def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own):
             """Rows ``lo:hi`` of a context group through the multi-query kernel (``own``: their
             tokens' K/V from this step, rotated)."""
+            qs = g.query_start_loc_host
+            max_query_len = int(max(int(qs[i + 1]) - int(qs[i]) for i in range(lo, hi)))
             kernels.multi_query_attention(
                 q,
                 g.query_start_loc[lo : hi + 1] - g.query_start_loc[lo],
@@ -478,7 +511,7 @@ def _make_impl_class() -> type:
                 self.preset,
                 self.scale,
                 sliding_window=self.sliding_window,
-                max_query_len=g.max_query_len,
+                max_query_len=max_query_len,
                 out=out,
                 sink_lens=None if g.sink_lens is None else g.sink_lens[lo:hi],
                 sink_slots=None if g.sink_slots is None else g.sink_slots[lo:hi],
@@ -580,6 +613,20 @@ def _use_dense_context(group: Any, workspace: Any) -> bool:
     if workspace is None:
         return False
     return group.host is not None and group.max_query_len >= DENSE_CONTEXT_MIN_QUERY
+
+
+def query_runs(query_start_loc: Any, limit: int) -> list[tuple[int, int]]:
+    """Maximal runs ``[lo, hi)`` of consecutive rows whose query lengths (from the host
+    ``query_start_loc``) are all at most ``limit``, or all above it."""
+    starts = [int(x) for x in query_start_loc]
+    lens = [b - a for a, b in itertools.pairwise(starts)]
+    runs: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or (lens[i] <= limit) != (lens[lo] <= limit):
+            runs.append((lo, i))
+            lo = i
+    return runs
 
 
 def dense_runs(seq_lens: Any, capacity: int) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ __all__ = [
     "staging_rows",
     "store_kv",
     "unrotate",
+    "verify_as_decode_max_query",
     "warmup",
     "window_start",
 ]
@@ -42,6 +43,7 @@ _REQUIRED = (
     "warmup",
     "window_start",
     "key_window_start",
+    "VERIFY_AS_DECODE_MAX_QUERY",
 )
 
 
@@ -121,6 +123,12 @@ def unrotate(*args, **kwargs):
 def staging_rows(*args, **kwargs):
     """``kvarn_kernels.staging_rows`` (position -> staging row, sink rows and ring)."""
     return kernels_module().staging_rows(*args, **kwargs)
+
+
+def verify_as_decode_max_query() -> int:
+    """``kvarn_kernels.VERIFY_AS_DECODE_MAX_QUERY``: batch-invariant multi-query calls of at
+    most this many query tokens per row may run as decode rows."""
+    return int(kernels_module().VERIFY_AS_DECODE_MAX_QUERY)
 
 
 def warmup(*args, **kwargs):

@@ -413,9 +413,11 @@ def fast_decode_partial_kernel(
     num_splits,
     part_splits,
     split0,
+    split_tiles,  # FIXED: tiles per split (split s walks tiles [s, s + 1) * split_tiles)
     GROUP: gl.constexpr,
     NUM_FRAMES: gl.constexpr,
     SINK: gl.constexpr,
+    FIXED: gl.constexpr,
     OFF_KC: gl.constexpr,
     OFF_KS: gl.constexpr,
     OFF_KZ: gl.constexpr,
@@ -430,7 +432,9 @@ def fast_decode_partial_kernel(
     tiles ``[first, qlen / G)`` (``first`` = 1 where the sink rows replace tile 0), in the
     partial format of ``attention_partial_kernel`` (split ``s`` at index ``split0 + s``).
     ``NUM_FRAMES = 2``: each tile's ``KEYS_UNROTATED`` flag picks frame 1 (the query in its
-    own channels) for it."""
+    own channels) for it. The splits divide each sequence's tiles evenly, or with ``FIXED``
+    sit at fixed positions (``split_tiles`` tiles each, from tile 0), so that a row's bits do
+    not depend on the batch (batch-invariant mode)."""
     D: gl.constexpr = 128
     G: gl.constexpr = 128
     seq = gl.program_id(0)
@@ -441,9 +445,13 @@ def fast_decode_partial_kernel(
     first = n_tiles * 0
     if SINK:
         first = gl.minimum(gl.load(sink_lens_ptr + seq) // G, n_tiles)
-    per = gl.cdiv(n_tiles - first, num_splits)
-    t0 = first + split * per
-    t1 = gl.minimum(t0 + per, n_tiles)
+    if FIXED:
+        t0 = gl.maximum(split * split_tiles, first)
+        t1 = gl.minimum((split + 1) * split_tiles, n_tiles)
+    else:
+        per = gl.cdiv(n_tiles - first, num_splits)
+        t0 = first + split * per
+        t1 = gl.minimum(t0 + per, n_tiles)
 
     # ---- per-tile offsets (loop invariant; each a per-thread base plus constants)
     kw_off = _offsets(KW6_L, (4, 8, 2, 4, 2, 8), (8, 128, 64, 1024, 32, 1))  # uint16 units
@@ -577,9 +585,12 @@ def launch_fast_decode(
     ml: torch.Tensor,
     split0: int,
     num_splits: int,
+    split_tiles: int = 0,
 ) -> None:
     """Write splits ``[split0, split0 + num_splits)`` of the partials ``acc`` / ``ml`` (the
-    layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence.
+    layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence: each
+    sequence's tiles divided evenly among the splits, or with ``split_tiles > 0`` split ``s``
+    over tiles ``[s * split_tiles, (s + 1) * split_tiles)`` (batch-invariant).
     ``prepared``: the query rows from :func:`kvarn_kernels.attention.prep.prepare_queries`
     (two frames where tiles may hold their keys unrotated)."""
     qs, qa = prepared
@@ -605,9 +616,11 @@ def launch_fast_decode(
         num_splits,
         acc.shape[2],
         split0,
+        split_tiles,
         GROUP=hq // hkv,
         NUM_FRAMES=frames,
         SINK=sink_lens is not None,
+        FIXED=split_tiles > 0,
         **offset_constants(tile_layout(PRESET, HEAD_DIM)),
         num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,

@@ -32,6 +32,7 @@ from kvarn_kernels.cache import staging_view
 __all__ = [
     "choose_num_splits",
     "decode_attention",
+    "decode_rows",
     "fast_decode_applies",
     "fast_decode_supported",
     "multi_query_attention",
@@ -47,6 +48,14 @@ _MAX_SPLITS = 64
 # shape, against the default launch (2026-11-30, docs/kernels.md): 4-tile splits cost 27% at
 # batch 64 x 16K, 1024 positions 12%, 2048 positions 5% (and 4-5% at batch 256).
 _MIN_SPLIT_TOKENS = 2048
+# Batch-invariant splits of the Gluon decode kernel hold this many tiles (1024 positions at
+# G = 128): its query rows come prepared, so a split costs little besides its partial (at
+# batch 64 x 4K, 2% of the bytes the call reads). Not yet timed on a GPU.
+_FAST_SPLIT_TILES = 8
+# Batch-invariant multi-query calls of at most this many query tokens per sequence (verify
+# blocks of speculative decoding) run where the Gluon decode kernel applies as decode rows,
+# one per token, so that a verify row and a decode row share their bits.
+VERIFY_AS_DECODE_MAX_QUERY = 16
 
 
 def autotune_enabled() -> bool:
@@ -146,18 +155,17 @@ def fast_decode_applies(
     layout: TileLayout,
     num_kv_heads: int,
     sliding_window: int | None,
-    invariant: bool,
 ) -> bool:
     """Whether :func:`decode_attention` attends the quantized tiles with the Gluon kernel of
     :mod:`kvarn_kernels.attention.fast`: ``kvarn_k4v2_g128`` at head_dim 128, GQA groups up to
     8, fp16/bf16 queries on a GPU with ``mma.sync`` (compute capability 8.0 or newer), no
-    sliding window, not batch-invariant or autotuned, not in Triton's interpreter, and not
-    turned off (:func:`fast_decode_enabled`)."""
+    sliding window, not autotuned, not in Triton's interpreter, and not turned off
+    (:func:`fast_decode_enabled`). Batch-invariant mode is served too: the kernel's splits
+    then sit at fixed positions (:func:`fast_split_plan`)."""
     return (
         fast_decode_enabled()
         and not INTERPRET
         and fast_decode_supported(layout, query.shape[1], num_kv_heads, query.dtype, sliding_window)
-        and not invariant
         and not autotune_enabled()
         and query.device.type == "cuda"
         and torch.cuda.get_device_capability(query.device) >= (8, 0)
@@ -194,6 +202,22 @@ def fast_decode_splits(
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(1, (4 * sms) // max(1, num_seqs * num_kv_heads))
     return max(1, min(want, max_tiles, _MAX_SPLITS - staged_splits))
+
+
+def fast_split_plan(table_width: int, staged_splits: int) -> tuple[int, int]:
+    """``(split_tiles, num_splits)`` of the fast decode kernel in batch-invariant mode: splits
+    of ``_FAST_SPLIT_TILES`` tiles from tile 0 (doubled until the table's ``table_width`` tiles
+    fit beside the ``staged_splits`` of the Triton kernel in the combine's maximum); they
+    depend on nothing but the table's width."""
+    if table_width < 1 or not 1 <= staged_splits < _MAX_SPLITS:
+        raise ValueError(
+            f"fast_split_plan needs table_width >= 1 and 1 <= staged_splits < {_MAX_SPLITS}, "
+            f"got {table_width}, {staged_splits}"
+        )
+    tiles = _FAST_SPLIT_TILES
+    while -(-table_width // tiles) > _MAX_SPLITS - staged_splits:
+        tiles *= 2
+    return tiles, -(-table_width // tiles)
 
 
 STAGED_SPLITS_ENV = "KVARN_KERNELS_STAGED_SPLITS"
@@ -234,6 +258,39 @@ def staged_splits(
             raise ValueError(f"{STAGED_SPLITS_ENV} must be an integer >= 1, got {raw!r}")
         splits = min(splits, int(raw))
     return splits
+
+
+def verify_as_decode(
+    query: torch.Tensor,
+    layout: TileLayout,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    max_query_len: int,
+) -> bool:
+    """Whether a batch-invariant :func:`multi_query_attention` call (without ``fresh_kv``) runs
+    as decode rows, one per query token (:func:`decode_rows`): blocks of at most
+    :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens (verify blocks of speculative decoding), where the
+    Gluon decode kernel applies (:func:`fast_decode_applies`). Elsewhere the multi-query kernel
+    runs each row with decode's launch, which gives a decode row's bits already; a decode row
+    per token reads the context once per token instead of once per block of 16 rows."""
+    return max_query_len <= VERIFY_AS_DECODE_MAX_QUERY and fast_decode_applies(
+        query, layout, num_kv_heads, sliding_window
+    )
+
+
+def decode_rows(
+    query_start_loc: torch.Tensor, num_tokens: int, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, row_lens)`` of multi-query attention taken as decode rows, on the device and
+    without a sync: query token ``i`` belongs to sequence ``rows[i]`` (int64) and is its
+    position ``row_lens[i] - 1`` (int32), so a decode row of length ``row_lens[i]`` attends
+    what the query does (causally). Padding tokens past ``query_start_loc[-1]`` get the last
+    sequence's last position."""
+    num_seqs = query_start_loc.shape[0] - 1
+    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=torch.int32)
+    rows = torch.searchsorted(query_start_loc[1:], tokens, right=True).clamp_(max=num_seqs - 1)
+    after = (query_start_loc[1:].index_select(0, rows) - 1 - tokens).clamp_(min=0)
+    return rows, (seq_lens.index_select(0, rows) - after).to(torch.int32)
 
 
 def _next_pow2(n: int) -> int:
@@ -412,6 +469,51 @@ def _run(
     block_h = _next_pow2(group)
     decode = query_start_loc is None
     invariant = batch_invariant(invariant)
+    if (
+        not decode
+        and invariant
+        and fresh_kv is None
+        and not staged_only
+        and num_splits is None
+        and verify_as_decode(query, layout, num_kv_heads, sliding_window, max_query_len)
+    ):
+        # One decode row per query token: a verify row then gets a decode row's bits, which
+        # the multi-query kernel cannot give where the Gluon kernel decodes.
+        assert query_start_loc is not None
+        rows, row_lens = decode_rows(query_start_loc, num_tokens, seq_lens)
+
+        def per_row(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, rows)
+
+        res = _run(
+            query,
+            None,
+            1,
+            kv_cache,
+            staging,
+            block_table.index_select(0, rows),
+            row_lens,
+            quantized_lens.index_select(0, rows),
+            staging_slots.index_select(0, rows),
+            layout,
+            num_kv_heads,
+            scale,
+            sliding_window,
+            None,
+            None,
+            per_row(sink_lens),
+            per_row(sink_slots),
+            True,
+            None,
+            raw_keys,
+            per_row(key_lens),
+            key_tiles,
+        )
+        # Rows past query_start_loc[-1] (padding) are left untouched.
+        tokens = torch.arange(num_tokens, device=query.device)
+        valid = (tokens < query_start_loc[num_seqs]).view(-1, 1, 1)
+        out.copy_(torch.where(valid, res, out))
+        return out
     if autotune_enabled() and not invariant:
         kernel, launch = attention_partial_kernel_autotuned, {}
     else:
@@ -431,19 +533,23 @@ def _run(
     fast = not staged_only and (
         decode
         and num_splits is None
-        and fast_decode_applies(query, layout, num_kv_heads, sliding_window, invariant)
+        and fast_decode_applies(query, layout, num_kv_heads, sliding_window)
     )
-    fast_splits = 0
+    fast_splits = split_tiles = 0
     if fast or staged_only:
+        # Batch-invariant: a split per staged tile whatever the batch (programs 0).
+        programs = 0 if invariant else num_seqs * num_kv_heads
         num_splits = staged = staged_splits(
-            staging, g, sink_lens is not None, key_tiles, num_seqs * num_kv_heads, query.device
+            staging, g, sink_lens is not None, key_tiles, programs, query.device
         )
         if kernel is attention_partial_kernel:
             # Each staged split walks one tile: software pipelining has nothing to overlap and
             # only costs shared memory (H200, 2026-12-02: the pass took 81 us at batch 64 x 4K
             # with values-only windows at num_stages=2, 56 us at 1).
             launch = {**launch, "num_stages": 1, **launch_override()}
-        if fast:
+        if fast and invariant:
+            split_tiles, fast_splits = fast_split_plan(block_table.shape[1], staged)
+        elif fast:
             fast_splits = fast_decode_splits(
                 num_seqs, num_kv_heads, block_table.shape[1], query.device, staged
             )
@@ -549,6 +655,7 @@ def _run(
             ml,
             num_splits,
             fast_splits,
+            split_tiles,
         )
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
