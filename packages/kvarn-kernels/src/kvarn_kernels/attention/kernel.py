@@ -951,8 +951,9 @@ def attention_partial_kernel(
             c0 = lo + split * per
             c1 = tl.minimum(c0 + per, hi)
         # The steps of the sink rows [cs0, cs1) and of the staged tokens [ct0, ct1) a split walks:
-        # both [c0, c1), or without the quantized tiles (QUANT=False, never batch-invariant) equal
-        # shares of the sink steps [lo, n_sink) followed by the staged ones [n_quant, hi).
+        # both [c0, c1), or without the quantized tiles (QUANT=False) equal shares of the sink
+        # steps [lo, n_sink) followed by the staged ones [n_quant, hi): they depend on the row
+        # and num_splits only, which batch-invariant mode fixes (a split per staged tile).
         cs0 = c0
         cs1 = c1
         ct0 = c0
