@@ -920,6 +920,44 @@ def test_verify_as_decode_keeps_padding_rows_and_sequences_apart(
         assert _bits_equal(got[b : b + 1], out[i : i + 1]), (b, j)
 
 
+def test_non_causal_blocks_attend_their_whole_sequence() -> None:
+    """``causal=False`` (a DFlash-style draft block): every query of a sequence attends all of
+    its positions, block included: the decode row of the whole sequence bit for bit, and
+    kvarn-math's attention of that query over the whole sequence; ``fresh_kv`` is refused."""
+    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
+    lens, n = [200, 150], [4, 3]
+    seqs = _sequences(lens, h, d, 9)
+    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=9, sinks=[True, False])
+    q = torch.from_numpy(make_kv((7, h * group, d), "gaussian", 17)).to(dtype)
+    common = {
+        "kv_cache": batch.kv_cache,
+        "staging": batch.staging,
+        "block_table": batch.block_table,
+        "seq_lens": batch.seq_lens,
+        "quantized_lens": batch.quantized_lens,
+        "staging_slots": batch.staging_slots,
+        "sink_lens": batch.sink_lens,
+        "preset": preset,
+        "scale": 0.125,
+    }
+    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    got = kk.multi_query_attention(q, qsl, max_query_len=4, causal=False, **common)
+    causal = kk.multi_query_attention(q, qsl, max_query_len=4, **common)
+    q_in = q.float().numpy()
+    for i, b in enumerate([0, 0, 0, 0, 1, 1, 1]):
+        pair = torch.stack([q[i], q[0]]) if b == 0 else torch.stack([q[0], q[i]])
+        row = kk.decode_attention(pair, **common)[b : b + 1]
+        assert _bits_equal(row, got[i : i + 1]), i
+        want = reference_attention(q_in[i : i + 1], staged_reference(batch.refs[b], dtype), 0.125)
+        assert_close_rms(want, got[i : i + 1].float().numpy(), TOL[dtype], what=f"row {i}")
+    # Only a block's last query sees the same keys either way.
+    assert torch.allclose(got[3].float(), causal[3].float(), atol=2e-3)
+    assert not torch.allclose(got[0].float(), causal[0].float(), atol=1e-3)
+    fresh = (torch.zeros(7, h, d, dtype=dtype), torch.zeros(7, h, d, dtype=dtype))
+    with pytest.raises(ValueError, match="causal=False"):
+        kk.multi_query_attention(q, qsl, max_query_len=4, causal=False, fresh_kv=fresh, **common)
+
+
 def test_decode_rows_map_tokens_to_positions() -> None:
     """Tokens of blocks [1, 5, 0, 3] tokens (one sequence empty) and two padding tokens: each
     token's sequence and its position + 1; padding takes the last sequence's last position."""
@@ -930,6 +968,8 @@ def test_decode_rows_map_tokens_to_positions() -> None:
     assert rows.tolist() == [0, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3]
     assert lens.tolist() == [10, 16, 17, 18, 19, 20, 28, 29, 30, 30, 30]
     assert lens.dtype == torch.int32
+    rows, lens = decode_rows(qsl, 11, torch.tensor([10, 20, 7, 30], dtype=torch.int32), False)
+    assert lens.tolist() == [10, 20, 20, 20, 20, 20, 30, 30, 30, 30, 30]
 
 
 def test_fast_split_plan_fixed_positions() -> None:

@@ -277,10 +277,11 @@ def _make_impl_class() -> type:
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
+            runs = None if md.context is None else self._verify_runs(md.context)
             if md.context is not None and _use_dense_context(md.context, self.workspace):
                 self._context_dense(md.context, query, key, value, kv_cache, staging, output, n)
-            elif md.context is not None and self._verify_runs(md.context) is not None:
-                self._context_runs(md.context, query, kv_cache, staging, output, n)
+            elif md.context is not None and runs is not None:
+                self._context_runs(md.context, runs, query, kv_cache, staging, output, n)
             elif md.context is not None:
                 g = md.context
                 q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
@@ -338,13 +339,13 @@ def _make_impl_class() -> type:
             runs = query_runs(g.query_start_loc_host, limit)
             return runs if len(runs) > 1 else None
 
-        def _context_runs(self, g, query, kv_cache, staging, output, n):
-            """A batch-invariant context group in runs of verify blocks and of longer chunks
-            (:meth:`_verify_runs`), each through :meth:`_context_mqa`."""
+        def _context_runs(self, g, runs, query, kv_cache, staging, output, n):
+            """A batch-invariant context group in ``runs`` of verify blocks and of longer
+            chunks (:meth:`_verify_runs`), each through :meth:`_context_mqa`."""
             q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
             res = torch.empty_like(q)
             qs = [int(x) for x in g.query_start_loc_host]
-            for lo, hi in self._verify_runs(g):
+            for lo, hi in runs:
                 self._context_mqa(g, q[qs[lo] : qs[hi]], kv_cache, staging, lo, hi,
                                   res[qs[lo] : qs[hi]], None)  # fmt: skip
             if g.token_index is None:

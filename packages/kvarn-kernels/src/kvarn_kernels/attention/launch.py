@@ -50,7 +50,8 @@ _MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 2048
 # Batch-invariant splits of the Gluon decode kernel hold this many tiles (1024 positions at
 # G = 128): its query rows come prepared, so a split costs little besides its partial (at
-# batch 64 x 4K, 2% of the bytes the call reads). Not yet timed on a GPU.
+# batch 64 x 4K, by arithmetic, the extra partials move about 4% more bytes than the default
+# launch's call). Not yet timed on a GPU.
 _FAST_SPLIT_TILES = 8
 # Batch-invariant multi-query calls of at most this many query tokens per sequence (verify
 # blocks of speculative decoding) run where the Gluon decode kernel applies as decode rows,
@@ -279,18 +280,22 @@ def verify_as_decode(
 
 
 def decode_rows(
-    query_start_loc: torch.Tensor, num_tokens: int, seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor, num_tokens: int, seq_lens: torch.Tensor, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, row_lens)`` of multi-query attention taken as decode rows, on the device and
     without a sync: query token ``i`` belongs to sequence ``rows[i]`` (int64) and is its
     position ``row_lens[i] - 1`` (int32), so a decode row of length ``row_lens[i]`` attends
-    what the query does (causally). Padding tokens past ``query_start_loc[-1]`` get the last
-    sequence's last position."""
+    what the query does (causally). ``causal=False``: every row of a sequence attends the whole
+    sequence (``row_lens`` its length). Padding tokens past ``query_start_loc[-1]`` get the
+    last sequence's last position."""
     num_seqs = query_start_loc.shape[0] - 1
     tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=torch.int32)
     rows = torch.searchsorted(query_start_loc[1:], tokens, right=True).clamp_(max=num_seqs - 1)
+    lens = seq_lens.index_select(0, rows)
+    if not causal:
+        return rows, lens.to(torch.int32)
     after = (query_start_loc[1:].index_select(0, rows) - 1 - tokens).clamp_(min=0)
-    return rows, (seq_lens.index_select(0, rows) - after).to(torch.int32)
+    return rows, (lens - after).to(torch.int32)
 
 
 def _next_pow2(n: int) -> int:
@@ -442,10 +447,12 @@ def _run(
     key_lens: torch.Tensor | None = None,
     key_tiles: int | None = None,
     staged_only: bool = False,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Launch the attention kernels (the checks are the callers'). ``staged_only``: for tests,
     only the Triton kernel's part of the fast decode path, its staged splits over the sink
-    rows and staging (``QUANT=False``), the quantized tiles left out; decode only."""
+    rows and staging (``QUANT=False``), the quantized tiles left out; decode only.
+    ``causal=False`` (multi-query only): every query attends its whole sequence."""
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
     p = layout.preset
@@ -469,18 +476,21 @@ def _run(
     block_h = _next_pow2(group)
     decode = query_start_loc is None
     invariant = batch_invariant(invariant)
-    if (
-        not decode
-        and invariant
-        and fresh_kv is None
-        and not staged_only
-        and num_splits is None
-        and verify_as_decode(query, layout, num_kv_heads, sliding_window, max_query_len)
+    if not decode and (
+        not causal
+        or (
+            invariant
+            and fresh_kv is None
+            and not staged_only
+            and num_splits is None
+            and verify_as_decode(query, layout, num_kv_heads, sliding_window, max_query_len)
+        )
     ):
         # One decode row per query token: a verify row then gets a decode row's bits, which
-        # the multi-query kernel cannot give where the Gluon kernel decodes.
+        # the multi-query kernel cannot give where the Gluon kernel decodes; a non-causal
+        # block's rows each attend the whole sequence.
         assert query_start_loc is not None
-        rows, row_lens = decode_rows(query_start_loc, num_tokens, seq_lens)
+        rows, row_lens = decode_rows(query_start_loc, num_tokens, seq_lens, causal)
 
         def per_row(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, rows)
@@ -500,10 +510,10 @@ def _run(
             scale,
             sliding_window,
             None,
-            None,
+            num_splits,
             per_row(sink_lens),
             per_row(sink_slots),
-            True,
+            invariant,
             None,
             raw_keys,
             per_row(key_lens),
@@ -805,6 +815,7 @@ def multi_query_attention(
     raw_keys: bool = True,
     key_lens: torch.Tensor | None = None,
     key_tiles: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -823,8 +834,16 @@ def multi_query_attention(
     tokens from their fresh records); the positions before them are read as stored. This is
     what :func:`kvarn_math.reference_attention` computes with ``exact_kv``.
 
+    ``causal=False``: every query of sequence ``b`` attends all of its ``seq_len`` positions,
+    its block included (a non-causal draft block, as DFlash drafts; the block's K/V must be
+    stored, e.g. in staging, and ``fresh_kv`` is not taken). The rows then run as decode rows of
+    the whole sequence, one per query token (:func:`decode_rows`).
+
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
+
+    Raises:
+        ValueError: bad shapes or arguments, or ``causal=False`` with ``fresh_kv``.
     """
     check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, contiguous=True)
     num_seqs = query_start_loc.shape[0] - 1
@@ -860,6 +879,11 @@ def multi_query_attention(
             check_tensor(name, t, dtype=(query.dtype,), shape=want, last_dim_contiguous=True)
             check_same_device(**{"query": query, name: t})
         fresh_kv = (fresh_kv[0], fresh_kv[1])
+    if not causal and fresh_kv is not None:
+        raise ValueError(
+            "causal=False reads the block's own K/V as stored (decode rows of the whole "
+            "sequence); fresh_kv is not taken with it"
+        )
     return _run(
         query,
         query_start_loc,
@@ -883,4 +907,5 @@ def multi_query_attention(
         raw_keys,
         key_lens,
         key_tiles,
+        causal=bool(causal),
     )
