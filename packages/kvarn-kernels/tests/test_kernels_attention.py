@@ -595,21 +595,25 @@ def test_split_count_does_not_change_the_result() -> None:
         torch.testing.assert_close(outs[0], o, rtol=1e-5, atol=1e-6)
 
 
+def _batch_args(batch, preset: str) -> dict[str, object]:
+    """The cache arguments of a decode or multi-query call over ``batch`` (scale 1/8)."""
+    return {
+        "kv_cache": batch.kv_cache,
+        "staging": batch.staging,
+        "block_table": batch.block_table,
+        "seq_lens": batch.seq_lens,
+        "quantized_lens": batch.quantized_lens,
+        "staging_slots": batch.staging_slots,
+        "preset": preset,
+        "scale": 0.125,
+    }
+
+
 class TestGuards:
     def _args(self) -> dict[str, object]:
         preset, d = "kvarn_k4v2_g64", 64
         batch = build_paged(_sequences([70], 1, d, 0), preset, torch.float32, "cpu")
-        return {
-            "query": torch.zeros(1, 2, d),
-            "kv_cache": batch.kv_cache,
-            "staging": batch.staging,
-            "block_table": batch.block_table,
-            "seq_lens": batch.seq_lens,
-            "quantized_lens": batch.quantized_lens,
-            "staging_slots": batch.staging_slots,
-            "preset": preset,
-            "scale": 0.125,
-        }
+        return {"query": torch.zeros(1, 2, d), **_batch_args(batch, preset)}
 
     @pytest.mark.parametrize(
         ("field", "bad", "message"),
@@ -894,29 +898,17 @@ def test_verify_as_decode_keeps_padding_rows_and_sequences_apart(
     batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
     q = torch.from_numpy(make_kv((7, h * group, d), "gaussian", 13)).to(dtype)
     out = torch.full_like(q, 7.0)
-    common = {
-        "kv_cache": batch.kv_cache,
-        "staging": batch.staging,
-        "block_table": batch.block_table,
-        "quantized_lens": batch.quantized_lens,
-        "staging_slots": batch.staging_slots,
-        "sink_lens": batch.sink_lens,
-        "preset": preset,
-        "scale": 0.125,
-        "batch_invariant": True,
-    }
-    i32 = {"dtype": torch.int32}
-    kk.multi_query_attention(
-        q, torch.tensor([0, 3, 5], **i32), seq_lens=batch.seq_lens, max_query_len=3, out=out,
-        **common,
-    )  # fmt: skip
+    common = _batch_args(batch, preset)
+    common.update(sink_lens=batch.sink_lens, batch_invariant=True)
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    kk.multi_query_attention(q, qsl, max_query_len=3, out=out, **common)
     assert bool((out[5:] == 7.0).all())
     rows = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     for i, (b, j) in enumerate(rows):
         seq_lens = batch.seq_lens.clone()
         seq_lens[b] = lens[b] - n[b] + 1 + j
         pair = torch.stack([q[i], q[0]]) if b == 0 else torch.stack([q[0], q[i]])
-        got = kk.decode_attention(pair, seq_lens=seq_lens, **common)
+        got = kk.decode_attention(pair, **{**common, "seq_lens": seq_lens})
         assert _bits_equal(got[b : b + 1], out[i : i + 1]), (b, j)
 
 
@@ -929,17 +921,7 @@ def test_non_causal_blocks_attend_their_whole_sequence() -> None:
     seqs = _sequences(lens, h, d, 9)
     batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=9, sinks=[True, False])
     q = torch.from_numpy(make_kv((7, h * group, d), "gaussian", 17)).to(dtype)
-    common = {
-        "kv_cache": batch.kv_cache,
-        "staging": batch.staging,
-        "block_table": batch.block_table,
-        "seq_lens": batch.seq_lens,
-        "quantized_lens": batch.quantized_lens,
-        "staging_slots": batch.staging_slots,
-        "sink_lens": batch.sink_lens,
-        "preset": preset,
-        "scale": 0.125,
-    }
+    common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
     qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
     got = kk.multi_query_attention(q, qsl, max_query_len=4, causal=False, **common)
     causal = kk.multi_query_attention(q, qsl, max_query_len=4, **common)
