@@ -666,26 +666,17 @@ def _fast(case: _Case) -> bool:
 def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
     the fast path, the Gluon kernel's splits plus the Triton kernel's, one per staged tile)."""
-    from kvarn_kernels.attention.launch import (
-        batch_invariant,
-        fast_decode_splits,
-        fast_split_plan,
-        launch_splits,
-        staged_splits,
-    )
+    from kvarn_kernels.attention.launch import batch_invariant, fast_path_splits, launch_splits
     from kvarn_kernels.cache import staging_view
 
     g = case.layout.group_size
     invariant = batch_invariant()
     if _fast(case):
-        programs = 0 if invariant else case.b * case.hkv
-        staged = staged_splits(
-            case.staging, g, case.sink_lens is not None, case.key_tiles, programs, case.device
-        )
-        tiles = case.block_table.shape[1]
-        if invariant:
-            return staged + fast_split_plan(tiles, staged)[1]
-        return staged + fast_decode_splits(case.b, case.hkv, tiles, case.device, staged)
+        staged, fast_splits, _ = fast_path_splits(
+            case.staging, g, case.sink_lens is not None, case.key_tiles, case.b, case.hkv,
+            case.block_table.shape[1], case.device, invariant,
+        )  # fmt: skip
+        return staged + fast_splits
     sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
     chunks = case.block_table.shape[1] + (sv.ring + sv.sink) // g  # as the launcher counts
     return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, invariant)[1]

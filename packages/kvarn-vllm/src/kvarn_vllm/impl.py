@@ -284,7 +284,7 @@ def _make_impl_class() -> type:
                 self._context_runs(md.context, runs, query, kv_cache, staging, output, n)
             elif md.context is not None:
                 g = md.context
-                q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+                q = group_rows(g, query, n)
                 own = None if self.config.batch_invariant else self._own_kv(g, key, value, n)
                 res = kernels.multi_query_attention(
                     q,
@@ -320,10 +320,7 @@ def _make_impl_class() -> type:
             a row's own tokens from the cache, step for step as the decode kernel does."""
             if key is None or value is None:
                 return None
-            idx = g.token_index
-            k_sel = key[:n] if idx is None else key.index_select(0, idx)
-            v_sel = value[:n] if idx is None else value.index_select(0, idx)
-            return kernels.rotate(k_sel), kernels.rotate(v_sel)
+            return kernels.rotate(group_rows(g, key, n)), kernels.rotate(group_rows(g, value, n))
 
         def _verify_runs(self, g):
             """Batch-invariant mode, a context group with rows of at most
@@ -342,16 +339,13 @@ def _make_impl_class() -> type:
         def _context_runs(self, g, runs, query, kv_cache, staging, output, n):
             """A batch-invariant context group in ``runs`` of verify blocks and of longer
             chunks (:meth:`_verify_runs`), each through :meth:`_context_mqa`."""
-            q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+            q = group_rows(g, query, n)
             res = torch.empty_like(q)
             qs = [int(x) for x in g.query_start_loc_host]
             for lo, hi in runs:
                 self._context_mqa(g, q[qs[lo] : qs[hi]], kv_cache, staging, lo, hi,
                                   res[qs[lo] : qs[hi]], None)  # fmt: skip
-            if g.token_index is None:
-                output[:n].copy_(res)
-            else:
-                output.index_copy_(0, g.token_index, res)
+            write_group_rows(g, output, res, n)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
             """Chunks after cached tokens through dense attention: rows are taken in runs
@@ -370,7 +364,7 @@ def _make_impl_class() -> type:
             rows on the host."""
             h = g.host
             gsize = self.preset.group_size
-            q = query[:n] if g.token_index is None else query.index_select(0, g.token_index)
+            q = group_rows(g, query, n)
             own = self._own_kv(g, key, value, n)  # a KV-sharing layer has none: staging
             fresh_k, fresh_v = (None, None) if own is None else own
             res = torch.empty_like(q)
@@ -490,10 +484,7 @@ def _make_impl_class() -> type:
                         kv_start_loc=cu_k.tolist(),
                     )
                 res[q_lo:q_hi] = kernels.unrotate(o_rot)
-            if g.token_index is None:
-                output[:n].copy_(res)
-            else:
-                output.index_copy_(0, g.token_index, res)
+            write_group_rows(g, output, res, n)
 
         def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own):
             """Rows ``lo:hi`` of a context group through the multi-query kernel (``own``: their
@@ -614,6 +605,21 @@ def _use_dense_context(group: Any, workspace: Any) -> bool:
     if workspace is None:
         return False
     return group.host is not None and group.max_query_len >= DENSE_CONTEXT_MIN_QUERY
+
+
+def group_rows(group: Any, t: Any, n: int) -> Any:
+    """The rows of ``t`` (queries, keys or values of the step's ``n`` tokens) that belong to a
+    row group: all ``n`` when the group is the whole batch, else its ``token_index``."""
+    return t[:n] if group.token_index is None else t.index_select(0, group.token_index)
+
+
+def write_group_rows(group: Any, output: Any, res: Any, n: int) -> None:
+    """Write a row group's results ``res`` back into the step's ``output`` (inverse of
+    :func:`group_rows`)."""
+    if group.token_index is None:
+        output[:n].copy_(res)
+    else:
+        output.index_copy_(0, group.token_index, res)
 
 
 def query_runs(query_start_loc: Any, limit: int) -> list[tuple[int, int]]:

@@ -221,6 +221,34 @@ def fast_split_plan(table_width: int, staged_splits: int) -> tuple[int, int]:
     return tiles, -(-table_width // tiles)
 
 
+def fast_path_splits(
+    staging: torch.Tensor,
+    group_size: int,
+    sink: bool,
+    key_tiles: int | None,
+    num_seqs: int,
+    num_kv_heads: int,
+    table_width: int,
+    device: torch.device,
+    invariant: bool,
+    fast: bool = True,
+) -> tuple[int, int, int]:
+    """``(staged, fast_splits, split_tiles)`` of the fast decode path: the Triton kernel's
+    staged splits (:func:`staged_splits`; batch-invariant, one per staged tile whatever the
+    batch), and for the Gluon kernel (``fast``) its split count and, batch-invariant, the
+    tiles per split (:func:`fast_split_plan`; else 0: :func:`fast_decode_splits` divides each
+    sequence). ``fast=False`` (the staged pass alone) never asks the GPU for its SMs beyond
+    :func:`staged_splits`."""
+    programs = 0 if invariant else num_seqs * num_kv_heads
+    staged = staged_splits(staging, group_size, sink, key_tiles, programs, device)
+    if not fast:
+        return staged, 0, 0
+    if invariant:
+        split_tiles, splits = fast_split_plan(table_width, staged)
+        return staged, splits, split_tiles
+    return staged, fast_decode_splits(num_seqs, num_kv_heads, table_width, device, staged), 0
+
+
 STAGED_SPLITS_ENV = "KVARN_KERNELS_STAGED_SPLITS"
 """Environment variable: a cap on :func:`staged_splits` (an integer >= 1; ``1`` walks the staged
 tiles one after the other in one split). For measurements; an engine leaves it unset."""
@@ -547,22 +575,15 @@ def _run(
     )
     fast_splits = split_tiles = 0
     if fast or staged_only:
-        # Batch-invariant: a split per staged tile whatever the batch (programs 0).
-        programs = 0 if invariant else num_seqs * num_kv_heads
-        num_splits = staged = staged_splits(
-            staging, g, sink_lens is not None, key_tiles, programs, query.device
-        )
+        num_splits, fast_splits, split_tiles = fast_path_splits(
+            staging, g, sink_lens is not None, key_tiles, num_seqs, num_kv_heads,
+            block_table.shape[1], query.device, invariant, fast,
+        )  # fmt: skip
         if kernel is attention_partial_kernel:
             # Each staged split walks one tile: software pipelining has nothing to overlap and
             # only costs shared memory (H200, 2026-12-02: the pass took 81 us at batch 64 x 4K
             # with values-only windows at num_stages=2, 56 us at 1).
             launch = {**launch, "num_stages": 1, **launch_override()}
-        if fast and invariant:
-            split_tiles, fast_splits = fast_split_plan(block_table.shape[1], staged)
-        elif fast:
-            fast_splits = fast_decode_splits(
-                num_seqs, num_kv_heads, block_table.shape[1], query.device, staged
-            )
     if num_splits is None:
         split_steps, num_splits = launch_splits(
             num_seqs, num_kv_heads, max_chunks, d, g, query.device, invariant
