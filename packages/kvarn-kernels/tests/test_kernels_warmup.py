@@ -114,3 +114,75 @@ def test_nothing_compiles_after_warmup(sink: bool) -> None:
     kk.dequantize(cache, table[0, :3].contiguous(), preset, d, dtype=dtype)
     torch.cuda.synchronize()
     assert kk.compiled_variants() == before
+
+
+def test_per_sequence_metadata_is_not_specialized_on_alignment() -> None:
+    """Every per-sequence metadata pointer of the attention kernel is exempt from Triton's
+    alignment specialization: an engine passes row slices (kvarn-vllm's runs of verify blocks
+    start at any row), and a slice starting off a 16-byte boundary would compile a new variant
+    mid-serving (an H200 engine did, for ``key_lens_ptr``, 2026-12-02)."""
+    import inspect
+
+    from kvarn_kernels.attention import kernel as k
+
+    fn = getattr(k.attention_partial_kernel, "fn", k.attention_partial_kernel)
+    params = list(inspect.signature(fn).parameters)
+    metadata = [
+        p
+        for p in params
+        if p in ("qstart_ptr", "block_table_ptr") or p.endswith(("lens_ptr", "slots_ptr"))
+    ]
+    assert len(metadata) == 8, metadata
+    assert set(metadata) <= set(k._METADATA), sorted(set(metadata) - set(k._METADATA))
+    assert set(k._METADATA) <= set(params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("invariant", [False, True])
+def test_nothing_compiles_after_warmup_on_row_slices(invariant: bool) -> None:
+    """kvarn-vllm's engine settings for SmolLM2 (head_dim 64, 9 query / 3 KV heads: the
+    multi-query kernel, no Gluon), values-only exact windows, a sink, two open tiles (speculative
+    decoding): after warmup, calls on row slices that start at any row (batch-invariant runs of
+    verify blocks) with their ``key_lens`` sliced too compile nothing."""
+    preset, d, hq, hkv, dtype, dev = "kvarn_k4v2_g128", 64, 9, 3, torch.bfloat16, "cuda"
+    s_tiles, recent = 3, 1
+    kk.warmup(
+        preset, d, hq, hkv, dtype, dev, staging_tiles=s_tiles, sink=True,
+        batch_invariant=invariant, own_kv=(False,), key_frame="auto", key_tiles=s_tiles - recent,
+    )  # fmt: skip
+    before = kk.compiled_variants()
+    g, batch, max_blocks = 128, 13, 9
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    cache = kk.allocate_cache(batch * max_blocks + 1, hkv, d, preset, dev)
+    staging = kk.allocate_staging(
+        batch, hkv, d, preset, dtype, dev, s_tiles, True, s_tiles - recent
+    )
+    lens_host = np.array([40 + (i * 331) % (max_blocks * g - 40) for i in range(batch)])
+    table_host = np.arange(1, batch * max_blocks + 1, dtype=np.int32).reshape(batch, max_blocks)
+    k = torch.randn((int(lens_host.sum()), hkv, d), generator=gen).to(dev, dtype)
+    q_all = torch.randn((k.shape[0], hq, d), generator=gen).to(dev, dtype)
+    plan = kk.plan_store(
+        [0] * batch, lens_host, None, np.arange(batch), table_host, preset,
+        staging_tiles=s_tiles, sink=True, recent_tiles=recent, window_keys=False,
+    ).to(dev)  # fmt: skip
+    kk.store_kv(k, k.clone(), cache, staging, plan, preset, key_frame="auto", query=q_all)
+    table = torch.as_tensor(table_host, device=dev)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    sink_lens = torch.where(plan.seq_lens >= g, g, 0).to(torch.int32)
+    common = dict(batch_invariant=invariant, raw_keys=True, key_tiles=s_tiles - recent)
+    for lo, hi in ((0, 13), (1, 4), (3, 5), (5, 12)):
+        rows = slice(lo, hi)
+        args = (
+            cache, staging, table[rows], plan.seq_lens[rows], plan.attention_lens[rows],
+            slots[rows], preset, d**-0.5,
+        )  # fmt: skip
+        meta = dict(sink_lens=sink_lens[rows], sink_slots=slots[rows],
+                    key_lens=plan.key_read_lens[rows], **common)  # fmt: skip
+        q = torch.randn((hi - lo, hq, d), generator=gen).to(dev, dtype)
+        kk.decode_attention(q, *args, **meta)
+        for n in (1, 5, 20):
+            qsl = torch.arange(0, (hi - lo) * n + 1, n, dtype=torch.int32, device=dev)
+            q = torch.randn(((hi - lo) * n, hq, d), generator=gen).to(dev, dtype)
+            kk.multi_query_attention(q, qsl, *args, max_query_len=n, **meta)
+    torch.cuda.synchronize()
+    assert kk.compiled_variants() == before
