@@ -1,7 +1,10 @@
 """GPU end-to-end runs of speculative decoding over a KVarN cache (issue 6, items 2-4).
 
 Each engine starts in its own Python process (a crash, hang or CUDA error is recorded and the
-script carries on); results go to ``--out`` as JSON after every run.
+script carries on); results go to ``--out`` as JSON after every run. In the agreement and
+repeat phases each engine first generates 16 tokens for ``--warmup-prompts`` prompts of its own
+(untimed, their drafts left out of the counts), so that kernels compiled on first use do not
+land in the timed run (a batch-invariant n-gram engine once spent most of it compiling).
 
 Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 
@@ -129,6 +132,25 @@ def make_echo_prompts(n: int) -> list[str]:
     return prompts
 
 
+def warmup_prompts(n: int, words: int) -> list[str]:
+    """``n`` prompts for an engine's warm-up before the timed run: repetitive like the measured
+    ones (n-gram proposes drafts, so the verify path and vLLM's rejection sampler compile),
+    behind notes of 1/n to all of ``words`` (chunks of several sizes) under a header of their
+    own, so that no measured prompt hits their blocks in the prefix cache."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    bases = make_repetitive_prompts(n) if n else []
+    return [
+        f"Warm-up notes {i}: {_notes(i, words * (i + 1) // n)}.\n\n{base}"
+        for i, base in enumerate(bases)
+    ]
+
+
+def _notes(i: int, words: int) -> str:
+    vocab = _OBJECTS + _SUBJECTS + _ECHO_WORDS
+    return " ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(words))
+
+
 def pad_prompts(prompts: list[str], words: int) -> list[str]:
     """Each prompt behind ``words`` words of its own notes (numbered, so no two prompts share
     a prefix-cache block): long enough that generation attends quantized tiles, not only the
@@ -137,22 +159,21 @@ def pad_prompts(prompts: list[str], words: int) -> list[str]:
         raise ValueError(f"words must be >= 0, got {words}")
     if words == 0:
         return list(prompts)
-    vocab = _OBJECTS + _SUBJECTS + _ECHO_WORDS
-    out = []
-    for i, prompt in enumerate(prompts):
-        notes = " ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(words))
-        out.append(f"Notes {i}: {notes}.\n\n{prompt}")
-    return out
+    return [f"Notes {i}: {_notes(i, words)}.\n\n{prompt}" for i, prompt in enumerate(prompts)]
 
 
-def spec_counters(metrics: list[Any]) -> dict[str, float]:
-    """Sum vLLM's ``vllm:spec_decode_*`` counters (``LLM.get_metrics()``) over engines."""
+def spec_counters(metrics: list[Any], since: dict[str, float] | None = None) -> dict[str, float]:
+    """Sum vLLM's ``vllm:spec_decode_*`` counters (``LLM.get_metrics()``) over engines, less
+    the counts ``since`` (an earlier call's result: the warm-up's drafts)."""
     out: dict[str, float] = {}
     for m in metrics:
         name = getattr(m, "name", "")
         if name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
             key = name.removeprefix("vllm:spec_decode_")
             out[key] = out.get(key, 0.0) + float(m.value)
+    for key, value in (since or {}).items():
+        if key.startswith("num_") and key in out:
+            out[key] -= value
     drafts, accepted = out.get("num_draft_tokens"), out.get("num_accepted_tokens")
     if drafts:
         out["acceptance_rate"] = round((accepted or 0.0) / drafts, 4)
@@ -258,6 +279,19 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             seed=0,
             logprobs=1 if spec.get("logprobs") else None,
         )
+        warm = spec.get("warmup_prompts") or []
+        before: dict[str, float] = {}
+        if warm:
+            # Lazily compiled kernels (vLLM's rejection sampler, any kernel variant the engine's
+            # own warm-up missed) compile here rather than inside the timed run.
+            w0 = time.perf_counter()
+            llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)  # fmt: skip
+            result["warmup_seconds"] = round(time.perf_counter() - w0, 3)
+            try:
+                before = spec_counters(llm.get_metrics())
+            except Exception:  # metrics are a bonus (see below)
+                before = {}
         t0 = time.perf_counter()
         outs = llm.generate(spec["prompts"], params, use_tqdm=False)
         result["generate_seconds"] = round(time.perf_counter() - t0, 3)
@@ -274,7 +308,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
                         bad += 1
             result["non_finite_logprobs"] = bad
         try:
-            result["spec_decode"] = spec_counters(llm.get_metrics())
+            result["spec_decode"] = spec_counters(llm.get_metrics(), since=before)
         except Exception as exc:  # metrics are a bonus; never lose the outputs for them
             result["spec_decode"] = {"error": repr(exc)}
         result["ok"] = True
@@ -357,6 +391,7 @@ def _phase(
     max_tokens: int,
     logprobs: bool = False,
     with_baseline: bool = True,
+    warmup: list[str] | None = None,
 ) -> bool:
     runs: dict[str, dict[str, Any]] = {}
     path = out / f"spec_{phase}.json"
@@ -374,6 +409,7 @@ def _phase(
                 "prompts": prompts,
                 "max_tokens": max_tokens,
                 "logprobs": logprobs,
+                "warmup_prompts": warmup or [],
             }
             runs[name] = run_isolated_engine(spec, out / "runs", args.run_timeout)
             _dump(
@@ -415,7 +451,10 @@ def phase_agreement(args: argparse.Namespace, out: Path) -> bool:
     prompts = pad_prompts(make_repetitive_prompts(args.num_prompts), args.pad_words)
     model = smoke_model(args)
     methods = tuple(args.methods)
-    return _phase(args, out, "agreement", model, methods, None, base, prompts, args.max_tokens)
+    warm = warmup_prompts(args.warmup_prompts, args.pad_words)
+    return _phase(
+        args, out, "agreement", model, methods, None, base, prompts, args.max_tokens, warmup=warm
+    )
 
 
 def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
@@ -464,7 +503,10 @@ def phase_repeat(args: argparse.Namespace, out: Path) -> bool:
     draft = repeat_draft_dir(model, out / "repeat-draft")
     base = engine_kwargs(args, enforce_eager=args.eager)
     prompts = pad_prompts(make_echo_prompts(args.num_prompts), args.pad_words)
-    return _phase(args, out, "repeat", model, ("eagle",), draft, base, prompts, args.max_tokens)
+    warm = warmup_prompts(args.warmup_prompts, args.pad_words)
+    return _phase(
+        args, out, "repeat", model, ("eagle",), draft, base, prompts, args.max_tokens, warmup=warm
+    )
 
 
 PHASES = {
@@ -496,6 +538,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="agreement and repeat phases: words of per-prompt notes before each prompt "
         "(240: about 580 SmolLM2 tokens, so generation reads quantized tiles; 0: the bare "
         "prompts, which fit in the exact first tile)",
+    )
+    p.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=8,
+        help="agreement and repeat phases: prompts each engine generates 16 tokens for before "
+        "the timed run, so that kernels compiled on first use compile outside it (their drafts "
+        "are left out of the acceptance counts; 0: none)",
     )
     p.add_argument(
         "--graphs",

@@ -88,6 +88,14 @@ def test_spec_counters(spec_script):
     got = spec_script.spec_counters(metrics)
     assert got["acceptance_rate"] == 0.25 and got["mean_accepted_per_draft"] == 1.0
     assert "requests_running" not in "".join(got)
+    # The warm-up's drafts are left out: counts since an earlier reading, rates from those.
+    warm = {"num_drafts": 2.0, "num_draft_tokens": 8.0, "num_accepted_tokens": 6.0,
+            "acceptance_rate": 0.75}  # fmt: skip
+    since = spec_script.spec_counters(metrics, since=warm)
+    assert (since["num_drafts"], since["num_draft_tokens"], since["num_accepted_tokens"]) == (
+        8.0, 32.0, 4.0,
+    )  # fmt: skip
+    assert since["acceptance_rate"] == 0.125 and since["mean_accepted_per_draft"] == 0.5
 
 
 def test_comparison_rows_and_failures(spec_script):
@@ -119,6 +127,8 @@ def test_eagle_draft_dir(spec_script, tmp_path):
 def test_parse_args(spec_script):
     args = spec_script.parse_args(["--phase", "stress", "--out", "x"])
     assert args.phase == "stress" and args.num_spec == 4 and args.run_timeout == 150.0
+    assert args.warmup_prompts == 8
+    assert spec_script.parse_args(["--warmup-prompts", "0"]).warmup_prompts == 0
     assert tuple(args.dtypes) == spec_script.DTYPES
     only = spec_script.parse_args(["--phase", "stress", "--dtypes", "kvarn_k4v2_g128"])
     assert only.dtypes == ["kvarn_k4v2_g128"]
@@ -134,7 +144,7 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
     monkeypatch.setattr(spec_script, "repeat_draft_dir", lambda model, out: tmp_path / "d")
-    monkeypatch.setattr(spec_script, "_phase", lambda *a: seen.append(a[6]) or True)
+    monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append(a[6]) or True)
     for argv, eager in (([], False), (["--eager"], True)):
         args = spec_script.parse_args(["--phase", "repeat", "--num-prompts", "4", *argv])
         assert spec_script.phase_repeat(args, tmp_path)
@@ -144,12 +154,15 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
 def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
-    monkeypatch.setattr(spec_script, "_phase", lambda *a: seen.append((a[4], a[6], a[7])) or True)
+    monkeypatch.setattr(
+        spec_script, "_phase", lambda *a, **kw: seen.append((a[4], a[6], a[7], kw)) or True
+    )
     for argv, eager in (([], True), (["--graphs"], False)):
         args = spec_script.parse_args(["--phase", "agreement", "--num-prompts", "4", *argv])
         assert spec_script.phase_agreement(args, tmp_path)
-        methods, kwargs, prompts = seen[-1]
+        methods, kwargs, prompts, kw = seen[-1]
         assert methods == ("ngram",)
+        assert kw["warmup"] == spec_script.warmup_prompts(8, 240)
         assert kwargs["enforce_eager"] is eager
         # each prompt behind its own notes: decoding reads quantized tiles, not only tile 0
         assert all(p.startswith(f"Notes {i}: ") for i, p in enumerate(prompts))
@@ -166,6 +179,22 @@ def test_pad_prompts_keep_prompts_distinct_and_long(spec_script):
     assert spec_script.pad_prompts(prompts, 0) == prompts
     with pytest.raises(ValueError):
         spec_script.pad_prompts(prompts, -1)
+
+
+def test_warmup_prompts_share_no_block_with_the_measured_ones(spec_script):
+    measured = spec_script.pad_prompts(spec_script.make_repetitive_prompts(100), 240)
+    warm = spec_script.warmup_prompts(8, 240)
+    assert len(warm) == 8 and len(set(warm)) == 8
+    # notes of 1/8 to all of the measured prompts' notes: prefill chunks of several sizes
+    notes = [w.split("\n\n", 1)[0].split(": ", 1)[1] for w in warm]
+    lengths = [len(n.split()) for n in notes]
+    assert lengths == sorted(set(lengths))
+    assert lengths[-1] == len(measured[7].split("\n\n", 1)[0].split(": ", 1)[1].split())
+    assert all(w.startswith("Warm-up notes ") for w in warm)
+    assert not any(m.startswith("Warm-up") for m in measured)
+    assert spec_script.warmup_prompts(0, 240) == []
+    with pytest.raises(ValueError):
+        spec_script.warmup_prompts(-1, 240)
 
 
 def test_echo_prompts_alternate(spec_script):
