@@ -30,6 +30,7 @@ __all__ = [
     "rint_f32",
     "round_to",
     "staging_rows",
+    "unit_rows",
     "unpack_crumbs",
     "unpack_loaded",
     "unpack_nibbles",
@@ -82,6 +83,16 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr):
     if D > 256:
         x = _butterfly(x, R, D, 256)
     return x
+
+
+@triton.jit
+def unit_rows(x):
+    """``(x / amax, amax)`` for rows ``x`` ``[R, D]`` (fp32), ``amax`` each row's largest
+    magnitude (1 for an all-zero row): query rows with ``|x| <= 1``, so that products with fp16
+    scales fit fp16, their scale applied after."""
+    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.where(amax > 0, amax, 1.0)
+    return x / amax[:, None], amax
 
 
 @triton.jit

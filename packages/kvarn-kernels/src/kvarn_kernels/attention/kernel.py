@@ -33,6 +33,7 @@ from kvarn_kernels._triton import (
     log8_factor,
     round_to,
     staging_rows,
+    unit_rows,
     unpack_crumbs,
     unpack_loaded,
     unpack_nibbles,
@@ -370,6 +371,39 @@ def _window_step(
 
 
 @triton.jit
+def _phased_scores(q, q_amax, k_raw, k_scale, k_zero, k_tok0, k_tok1, FP32: tl.constexpr):
+    """Scores (log2 units) of the even and odd tokens of a step of 4-bit keys, from the low and
+    high nibbles of the key bytes ``k_raw`` ``[D, SUB // 2]`` without reordering them: the
+    scaled query rows ``q`` dotted with the codes, plus the zero points, times each row's
+    ``q_amax`` and each token's log8 scale (``k_tok0``, ``k_tok1``)."""
+    qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
+    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
+    kc0, kc1 = unpack_nibbles(k_raw)  # [D, NBK] fp16 codes: tokens 2m, 2m + 1
+    if FP32:
+        s0 = tl.dot(qn, kc0.to(tl.float32), input_precision="ieee")
+        s1 = tl.dot(qn, kc1.to(tl.float32), input_precision="ieee")
+    else:
+        s0 = tl.dot(qn.to(tl.float16), kc0)
+        s1 = tl.dot(qn.to(tl.float16), kc1)
+    s0 = (s0 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok0)[None, :])
+    s1 = (s1 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok1)[None, :])
+    return s0, s1
+
+
+@triton.jit
+def _phased_softmax(s0, s1, m_i, l_i):
+    """The online-softmax update over both halves of a phased step: ``(m_new, alpha, p0, p1,
+    l_new)``; the caller rescales its accumulators by ``alpha`` and adds ``p0``, ``p1``'s
+    values."""
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(tl.minimum(s0 - m_new[:, None], 0.0))  # p <= 1, as _online_update
+    p1 = tl.exp2(tl.minimum(s1 - m_new[:, None], 0.0))
+    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+    return m_new, alpha, p0, p1, l_i
+
+
+@triton.jit
 def _window_step_phased(
     qs,
     q_amax,
@@ -425,24 +459,10 @@ def _window_step_phased(
     if RAW_KEYS:
         raw = (tl.load(u8 + OFF_FL) & 1) != 0
     q, a = _query_for(raw, qs, q_amax, qos, qo_amax, RAW_KEYS)
-    qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
-    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
-    kc0, kc1 = unpack_nibbles(k_raw)  # [D, NBK] fp16 codes
-    if FP32:
-        s0 = tl.dot(qn, kc0.to(tl.float32), input_precision="ieee")
-        s1 = tl.dot(qn, kc1.to(tl.float32), input_precision="ieee")
-    else:
-        s0 = tl.dot(qn.to(tl.float16), kc0)
-        s1 = tl.dot(qn.to(tl.float16), kc1)
-    s0 = (s0 + bias[:, None]) * (a[:, None] * log8_factor(k_tok0)[None, :])
-    s1 = (s1 + bias[:, None]) * (a[:, None] * log8_factor(k_tok1)[None, :])
+    s0, s1 = _phased_scores(q, a, k_raw, k_scale, k_zero, k_tok0, k_tok1, FP32)
     s0 = tl.where(_visible(pos0, qpos, window, kv_end, CLIP), s0, float("-inf"))
     s1 = tl.where(_visible(pos0 + 1, qpos, window, kv_end, CLIP), s1, float("-inf"))
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
-    alpha = tl.exp2(m_i - m_new)
-    p0 = tl.exp2(tl.minimum(s0 - m_new[:, None], 0.0))  # p <= 1, as _online_update
-    p1 = tl.exp2(tl.minimum(s1 - m_new[:, None], 0.0))
-    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+    m_new, alpha, p0, p1, l_i = _phased_softmax(s0, s1, m_i, l_i)
     acc = acc * alpha[:, None]
     ok = mm >= 0
     acc = _exact_values(p0, acc, _stage_rows(v_stage, pos0, stride_sp, SG, SINK_ROWS, D), ok, FP32)
@@ -638,26 +658,12 @@ def _attend_step_phased(
     ``kv_end`` with ``CLIP``); else the per-element masks are skipped."""
     NBK: tl.constexpr = SUB // 2
     mm = tl.arange(0, NBK)
-    qn = q * k_scale.to(tl.float32)[None, :]  # |q| <= 1: fits fp16 (k_scale is fp16)
-    bias = tl.sum(q * k_zero.to(tl.float32)[None, :], axis=1)
-    kc0, kc1 = unpack_nibbles(k_raw)  # [D, NBK] fp16 codes: tokens 2m, 2m + 1
-    if FP32:
-        s0 = tl.dot(qn, kc0.to(tl.float32), input_precision="ieee")
-        s1 = tl.dot(qn, kc1.to(tl.float32), input_precision="ieee")
-    else:
-        s0 = tl.dot(qn.to(tl.float16), kc0)
-        s1 = tl.dot(qn.to(tl.float16), kc1)
-    s0 = (s0 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok0)[None, :])
-    s1 = (s1 + bias[:, None]) * (q_amax[:, None] * log8_factor(k_tok1)[None, :])
+    s0, s1 = _phased_scores(q, q_amax, k_raw, k_scale, k_zero, k_tok0, k_tok1, FP32)
     if masked:
         pos0 = c * SUB + 2 * mm
         s0 = tl.where(_visible(pos0, qpos, window, kv_end, CLIP), s0, float("-inf"))
         s1 = tl.where(_visible(pos0 + 1, qpos, window, kv_end, CLIP), s1, float("-inf"))
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(s0, axis=1), tl.max(s1, axis=1)))
-    alpha = tl.exp2(m_i - m_new)
-    p0 = tl.exp2(tl.minimum(s0 - m_new[:, None], 0.0))  # p <= 1, as _online_update
-    p1 = tl.exp2(tl.minimum(s1 - m_new[:, None], 0.0))
-    l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+    m_new, alpha, p0, p1, l_i = _phased_softmax(s0, s1, m_i, l_i)
 
     # p <= 1 and v_scale is fp16, so p * v_scale fits fp16 without normalization.
     pn0 = p0 * v_scale0.to(tl.float32)[None, :]
@@ -918,15 +924,11 @@ def attention_partial_kernel(
             # Quantized tiles see the rows divided by their largest entry, |q| <= 1, so
             # q * k_scale (k_scale is fp16) fits fp16 without a per-tile reduction; q_amax is
             # applied after.
-            q_amax = tl.max(tl.abs(q), axis=1)
-            q_amax = tl.where(q_amax > 0, q_amax, 1.0)
-            qs = q / q_amax[:, None]
+            qs, q_amax = unit_rows(q)
             qo_amax = q_amax
             qos = qs
             if RAW_KEYS:
-                qo_amax = tl.max(tl.abs(qo), axis=1)
-                qo_amax = tl.where(qo_amax > 0, qo_amax, 1.0)
-                qos = qo / qo_amax[:, None]
+                qos, qo_amax = unit_rows(qo)
 
         # Step c covers positions [c*SUB, (c+1)*SUB): part c % (G/SUB) of tile c // (G/SUB) for
         # c < qlen / SUB (qlen is a multiple of G), staged tokens after.  Only steps some row of

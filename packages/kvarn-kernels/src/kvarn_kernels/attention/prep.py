@@ -18,7 +18,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._triton import fwht_rows
+from kvarn_kernels._triton import fwht_rows, unit_rows
 
 __all__ = ["prepare_queries", "prepare_queries_kernel"]
 
@@ -30,9 +30,8 @@ _BLOCK_R = 16
 def _write_frame(x, qs_ptr, qa_ptr, row_base, rows_ok, d, D: tl.constexpr):
     """Rows ``x`` ``[R, D]`` (fp32) -> fp16 ``x / max|x|`` at ``qs[row_base]``, ``max|x|`` (1 for
     an all-zero row) at ``qa[row_base]``."""
-    amax = tl.max(tl.abs(x), axis=1)
-    amax = tl.where(amax > 0, amax, 1.0)
-    y = (x / amax[:, None]).to(tl.float16)
+    y, amax = unit_rows(x)
+    y = y.to(tl.float16)
     tl.store(qs_ptr + row_base[:, None] * D + d[None, :], y, mask=rows_ok[:, None])
     tl.store(qa_ptr + row_base, amax, mask=rows_ok)
 
