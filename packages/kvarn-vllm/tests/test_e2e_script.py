@@ -127,6 +127,28 @@ def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
     assert "about 316,178 tokens of this KV cache (1,235 per request slot)" in text
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_speculative_staging_log_says_how_to_agree_with_plain_serving(caplog, invariant):
+    """Under speculative decoding in the default launch, the start-up log says that outputs can
+    differ from a run without speculation and which variable makes them agree."""
+    from kvarn_vllm import impl
+
+    saved = dict(impl._STAGING)
+    impl._STAGING.update(
+        bytes=2**30, layers=2, slots=4, tokens=384, logged=False, staging_tiles=3,
+        group_size=128, batch_invariant=invariant,
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
+            impl.log_staging_once()
+    finally:
+        impl._STAGING.clear()
+        impl._STAGING.update(saved)
+    assert "staging holds S=3 open tiles" in caplog.text
+    said = "Set KVARN_KERNELS_BATCH_INVARIANT=1 for this run and the one to compare" in caplog.text
+    assert said is not invariant
+
+
 def test_llama_shape_config(e2e, tmp_path, registered):
     from transformers import AutoConfig
 
