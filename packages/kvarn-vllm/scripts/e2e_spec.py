@@ -3,7 +3,8 @@
 Each engine starts in its own Python process (a crash, hang or CUDA error is recorded and the
 script carries on); results go to ``--out`` as JSON after every run. In the agreement and
 repeat phases each engine first generates 16 tokens for ``--warmup-prompts`` prompts of its own
-(untimed, their drafts left out of the counts), so that kernels compiled on first use do not
+(untimed, in two waves so that steps mix prefill and decode, their drafts left out of the
+counts; :func:`warm_up`), so that kernels compiled on first use do not
 land in the timed run (a batch-invariant n-gram engine once spent most of it compiling).
 
 Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
@@ -45,6 +46,7 @@ GGUF is converted as ``e2e_smoke.py`` does (``--gguf`` or ``$KVARN_GPU_FILES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -257,6 +259,33 @@ def repeat_draft_dir(model: Path, out: Path) -> Path:
     return out
 
 
+def warm_up(engine: Any, prompts: list[str], params: Any, max_steps: int = 10_000) -> str | None:
+    """Run ``prompts`` through ``engine`` (vLLM's ``LLMEngine``) in two waves: the second half
+    arrives while the first decodes, so that steps mix prefill chunks with decode (or verify)
+    rows, as the timed run's do. Returns None, or the error that stopped it (every warm-up
+    request aborted, so the timed run starts from an idle engine)."""
+    ids = [f"warmup-{i}" for i in range(len(prompts))]
+    half = (len(prompts) + 1) // 2
+    try:
+        for rid, prompt in zip(ids[:half], prompts[:half]):
+            engine.add_request(rid, prompt, params)
+        for _ in range(2):  # the first wave prefills and starts decoding
+            engine.step()
+        for rid, prompt in zip(ids[half:], prompts[half:]):
+            engine.add_request(rid, prompt, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"warm-up unfinished after {max_steps} steps")
+            engine.step()
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # the error that stopped it is what to report
+            engine.abort_request(ids)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine: start, generate greedily, read metrics, shut down (child process)."""
     result: dict[str, Any] = {"name": spec["name"], "ok": False, "settings": spec["llm_kwargs"]}
@@ -285,8 +314,8 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             # Lazily compiled kernels (vLLM's rejection sampler, any kernel variant the engine's
             # own warm-up missed) compile here rather than inside the timed run.
             w0 = time.perf_counter()
-            llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)  # fmt: skip
+            warm_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            result["warmup_error"] = warm_up(llm.llm_engine, warm, warm_params)
             result["warmup_seconds"] = round(time.perf_counter() - w0, 3)
             try:
                 before = spec_counters(llm.get_metrics())
@@ -542,10 +571,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--warmup-prompts",
         type=int,
-        default=8,
+        default=16,
         help="agreement and repeat phases: prompts each engine generates 16 tokens for before "
-        "the timed run, so that kernels compiled on first use compile outside it (their drafts "
-        "are left out of the acceptance counts; 0: none)",
+        "the timed run, in two waves so that steps mix prefill and decode, so that kernels "
+        "compiled on first use compile outside it (their drafts are left out of the "
+        "acceptance counts; 0: none)",
     )
     p.add_argument(
         "--graphs",

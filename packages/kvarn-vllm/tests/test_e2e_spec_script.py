@@ -127,7 +127,7 @@ def test_eagle_draft_dir(spec_script, tmp_path):
 def test_parse_args(spec_script):
     args = spec_script.parse_args(["--phase", "stress", "--out", "x"])
     assert args.phase == "stress" and args.num_spec == 4 and args.run_timeout == 150.0
-    assert args.warmup_prompts == 8
+    assert args.warmup_prompts == 16
     assert spec_script.parse_args(["--warmup-prompts", "0"]).warmup_prompts == 0
     assert tuple(args.dtypes) == spec_script.DTYPES
     only = spec_script.parse_args(["--phase", "stress", "--dtypes", "kvarn_k4v2_g128"])
@@ -162,7 +162,7 @@ def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkey
         assert spec_script.phase_agreement(args, tmp_path)
         methods, kwargs, prompts, kw = seen[-1]
         assert methods == ("ngram",)
-        assert kw["warmup"] == spec_script.warmup_prompts(8, 240)
+        assert kw["warmup"] == spec_script.warmup_prompts(16, 240)
         assert kwargs["enforce_eager"] is eager
         # each prompt behind its own notes: decoding reads quantized tiles, not only tile 0
         assert all(p.startswith(f"Notes {i}: ") for i, p in enumerate(prompts))
@@ -195,6 +195,53 @@ def test_warmup_prompts_share_no_block_with_the_measured_ones(spec_script):
     assert spec_script.warmup_prompts(0, 240) == []
     with pytest.raises(ValueError):
         spec_script.warmup_prompts(-1, 240)
+
+
+class _FakeEngine:
+    """vLLM's LLMEngine as warm_up uses it: requests finish after ``steps`` steps."""
+
+    def __init__(self, steps=3, fail_at=None):
+        self.steps, self.fail_at, self.now = steps, fail_at, 0
+        self.live, self.log, self.aborted = {}, [], []
+
+    def add_request(self, rid, prompt, params):
+        self.live[rid] = self.now + self.steps
+        self.log.append(("add", rid, self.now))
+
+    def step(self):
+        self.now += 1
+        if self.now == self.fail_at:
+            raise RuntimeError("boom")
+        self.log.append(("step", sorted(self.live), self.now))
+        self.live = {r: end for r, end in self.live.items() if end > self.now}
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def abort_request(self, ids):
+        self.aborted = list(ids)
+        self.live = {}
+
+
+def test_warm_up_mixes_arrivals_and_drains(spec_script):
+    engine = _FakeEngine(steps=4)
+    assert spec_script.warm_up(engine, ["a", "b", "c", "d", "e"], None) is None
+    adds = {rid: t for kind, rid, t in engine.log if kind == "add"}
+    assert [adds[f"warmup-{i}"] for i in range(5)] == [0, 0, 0, 2, 2]
+    # steps after the second wave hold requests of both waves (prefill beside decode)
+    mixed = [live for kind, live, t in engine.log if kind == "step" and t == 3]
+    assert mixed and {"warmup-0", "warmup-4"} <= set(mixed[0])
+    assert not engine.has_unfinished_requests()
+
+
+def test_warm_up_reports_an_error_and_aborts(spec_script):
+    engine = _FakeEngine(steps=50, fail_at=4)
+    err = spec_script.warm_up(engine, ["a", "b"], None)
+    assert err == "RuntimeError: boom"
+    assert engine.aborted == ["warmup-0", "warmup-1"] and not engine.live
+    stuck = _FakeEngine(steps=10**9)
+    assert "unfinished after 5 steps" in spec_script.warm_up(stuck, ["a"], None, max_steps=5)
+    assert stuck.aborted == ["warmup-0"]
 
 
 def test_echo_prompts_alternate(spec_script):
