@@ -107,23 +107,29 @@ def test_kvarn_staging_log_line_matches_script(e2e, caplog):
     assert len(cap.lines) == 1
 
 
-def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
-    """The Qwen3-32B shape's staging at 256 slots (eighth H200 run: 16 GiB), in tokens of
-    kvarn_k4v2_g128 cache: 64 layers x 8 KV heads x 106.125 bytes per token."""
+def _staging_log(caplog, **fields) -> str:
+    """What ``log_staging_once`` logs for a process whose staging report has ``fields``
+    (the report restored afterwards)."""
     from kvarn_vllm import impl
 
     saved = dict(impl._STAGING)
-    impl._STAGING.update(
-        bytes=16 * 2**30, layers=64, slots=256, tokens=256, logged=False,
-        cache_bytes_per_token=64 * 8 * 13584 / 128,
-    )  # fmt: skip
+    impl._STAGING.update(logged=False, **fields)
     try:
         with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
             impl.log_staging_once()
     finally:
         impl._STAGING.clear()
         impl._STAGING.update(saved)
-    text = caplog.text
+    return caplog.text
+
+
+def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
+    """The Qwen3-32B shape's staging at 256 slots (eighth H200 run: 16 GiB), in tokens of
+    kvarn_k4v2_g128 cache: 64 layers x 8 KV heads x 106.125 bytes per token."""
+    text = _staging_log(
+        caplog, bytes=16 * 2**30, layers=64, slots=256, tokens=256,
+        cache_bytes_per_token=64 * 8 * 13584 / 128,
+    )  # fmt: skip
     assert "about 316,178 tokens of this KV cache (1,235 per request slot)" in text
 
 
@@ -131,21 +137,12 @@ def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
 def test_speculative_staging_log_says_how_to_agree_with_plain_serving(caplog, invariant):
     """Under speculative decoding in the default launch, the start-up log says that outputs can
     differ from a run without speculation and which variable makes them agree."""
-    from kvarn_vllm import impl
-
-    saved = dict(impl._STAGING)
-    impl._STAGING.update(
-        bytes=2**30, layers=2, slots=4, tokens=384, logged=False, staging_tiles=3,
-        group_size=128, batch_invariant=invariant,
+    text = _staging_log(
+        caplog, bytes=2**30, layers=2, slots=4, tokens=384, staging_tiles=3, group_size=128,
+        batch_invariant=invariant,
     )  # fmt: skip
-    try:
-        with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
-            impl.log_staging_once()
-    finally:
-        impl._STAGING.clear()
-        impl._STAGING.update(saved)
-    assert "staging holds S=3 open tiles" in caplog.text
-    said = "Set KVARN_KERNELS_BATCH_INVARIANT=1 for this run and the one to compare" in caplog.text
+    assert "staging holds S=3 open tiles" in text
+    said = "Set KVARN_KERNELS_BATCH_INVARIANT=1 for this run and the one to compare" in text
     assert said is not invariant
 
 
