@@ -168,6 +168,8 @@ def test_selector_through_get_attn_backend(vllm_config_factory):
         (dict(dtype=torch.float32), "model dtype"),
         (dict(has_sink=True), "sinks"),
         (dict(attn_type="encoder_only"), "attention type"),
+        (dict(use_non_causal=True), "DFlash and DSpark draft layers are"),
+        (dict(use_non_causal=True), "it serves eagle, eagle3, mtp, ngram, ngram_gpu"),
     ],
 )
 def test_selector_errors_say_why(registered, overrides, needle):

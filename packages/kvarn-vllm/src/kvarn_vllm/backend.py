@@ -63,7 +63,13 @@ def unsupported_reasons(cfg: Any, preset: Preset) -> list[str]:
     if cfg.use_mm_prefix:
         reasons.append("it uses bidirectional multimodal-prefix attention")
     if cfg.use_non_causal:
-        reasons.append("it is non-causal")
+        from kvarn_vllm.metadata import SPEC_METHODS
+
+        served = ", ".join(m for methods in SPEC_METHODS.values() for m in methods)
+        reasons.append(
+            "it is non-causal (DFlash and DSpark draft layers are: kvarn-vllm does not serve "
+            f"these speculative methods yet; it serves {served})"
+        )
     if cfg.use_per_head_quant_scales:
         reasons.append("the checkpoint carries per-head KV quantization scales")
     if cfg.use_pcp:
