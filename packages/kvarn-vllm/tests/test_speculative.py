@@ -71,7 +71,7 @@ class SpecHarness:
         self.rand = lambda *s: torch.randn(*s, generator=gen).to(torch.float16)
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> accepted K, V
 
-    def cam(self, slots, cached, num_new, upper_bound):
+    def cam(self, slots, cached, num_new, upper_bound, causal=True):
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         num_new = np.asarray(num_new, dtype=np.int32)
@@ -90,6 +90,7 @@ class SpecHarness:
             seq_lens_cpu_upper_bound=None
             if upper_bound is None
             else torch.from_numpy(seq + np.asarray(upper_bound, dtype=np.int32)),
+            causal=causal,
         )
 
     def run(self, meta, reqs):
@@ -257,6 +258,80 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         # The next verify step rewrites that position with the real token.
     assert {0, 64} <= checked_quantized  # the walk crossed a tile boundary
     assert completing or recent == "0"  # a verify completed a tile and kept its window
+
+
+@pytest.mark.parametrize("sink", ["0", "1"])
+def test_dflash_context_store_and_non_causal_block(vllm_config_factory, monkeypatch, sink):
+    """A DFlash drafter's layer over verify steps with rejections crossing tile boundaries:
+    each target step's context K/V (every scheduled token, rejected drafts included) stored by
+    ``do_kv_cache_update`` with the target step's plan, then the draft block of ``1 + K``
+    tokens after the last accepted one, attending non-causally: every block token reads the
+    accepted context (records below the quantized length) and the whole block."""
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    slot, n = 3, 1 + K
+    name = h.layer.layer_name
+
+    def target_step(cached, new, drafts, upper):
+        md.STEP.report_real(
+            SimpleNamespace(
+                num_reqs=1,
+                idx_mapping_np=np.array([slot]),
+                num_draft_tokens_per_req=np.array([drafts], dtype=np.int32),
+            )
+        )
+        return h.builder.build(0, h.cam([slot], [cached], [new], [upper]))
+
+    def store_context(meta, k, v):
+        with md.STEP.proposing({name: meta}):
+            h.layer.impl.do_kv_cache_update(h.layer, k, v, h.kv_cache, None)
+
+    md.STEP.report_added([slot])
+    k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
+    with pytest.raises(RuntimeError, match="outside a DFlash proposal"):
+        h.layer.impl.do_kv_cache_update(h.layer, k0, v0, h.kv_cache, None)
+    meta = target_step(0, 61, 0, 0)
+    store_context(meta, k0, v0)
+    accepted_k, accepted_v = k0, v0
+    schedule = [0, 4, 1, 4, 4, 2, 4, 4, 0, 3, 4, 4, 4]
+    cached = 61
+    crossed = set()
+    for step, accepted in enumerate([None, *schedule]):
+        if accepted is not None:
+            # A verify step of the target: the sampled token and K drafts; `accepted` of
+            # them survive. The drafter's context store writes all 1 + K of them.
+            ck, cv = h.rand(n, HKV, D), h.rand(n, HKV, D)
+            meta = target_step(cached, n, K, 3 * step)
+            store_context(meta, ck, cv)
+            accepted_k = torch.cat([accepted_k, ck[: 1 + accepted]])
+            accepted_v = torch.cat([accepted_v, cv[: 1 + accepted]])
+            cached += 1 + accepted
+        # The draft block: positions cached .. cached + K (the bonus token and K masks),
+        # over the rejected context positions, non-causal.
+        bk, bv = h.rand(n, HKV, D), h.rand(n, HKV, D)
+        with md.STEP.draft_steps():
+            dmeta = h.builder.build(0, h.cam([slot], [cached], [n], None, causal=False))
+        assert dmeta.decode is None and dmeta.context is not None and not dmeta.causal
+        assert (dmeta.plan.tiles == -1).all()  # drafts commit nothing
+        assert dmeta.plan.writes[:, 0].tolist() == list(range(n))
+        quantized = int(dmeta.context.quantized_lens[0])
+        crossed.add(int(dmeta.plan.quantized_lens[0]))
+        q, out = h.run(dmeta, [(slot, cached, (bk, bv))])
+        all_k, all_v = torch.cat([accepted_k, bk]), torch.cat([accepted_v, bv])
+        key_read = None if dmeta.context.key_lens is None else int(dmeta.context.key_lens[0])
+        for j in range(n):  # every block token attends the whole sequence
+            assert_matches(h, out[j : j + 1], all_k, all_v, quantized, q[j : j + 1],
+                           (step, j), slot, key_read)  # fmt: skip
+    assert {0, 64} <= crossed  # the context crossed a tile boundary
+
+
+def test_draft_steps_refuse_uneven_blocks(vllm_config_factory, monkeypatch):
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    md.STEP.report_real(
+        SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([0, 1]), num_draft_tokens_per_req=None)
+    )
+    with md.STEP.draft_steps(), pytest.raises(ValueError, match=r"different numbers.*\[2, 3\]"):
+        h.builder.build(0, h.cam([0, 1], [10, 20], [2, 3], None, causal=False))
 
 
 def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory, monkeypatch):

@@ -290,14 +290,24 @@ def _make_impl_class() -> type:
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
             runs = None if md.context is None else self._verify_runs(md.context)
-            if md.context is not None and _use_dense_context(md.context, self.workspace):
+            if (
+                md.context is not None
+                and md.causal
+                and _use_dense_context(md.context, self.workspace)
+            ):
                 self._context_dense(md.context, query, key, value, kv_cache, staging, output, n)
             elif md.context is not None and runs is not None:
-                self._context_runs(md.context, runs, query, kv_cache, staging, output, n)
+                self._context_runs(md.context, runs, query, kv_cache, staging, output, n, md.causal)
             elif md.context is not None:
                 g = md.context
                 q = group_rows(g, query, n)
-                own = None if self.config.batch_invariant else self._own_kv(g, key, value, n)
+                # A non-causal block (a drafter's) reads its own tokens from staging, where
+                # the store above put them: the kernel attends each row's whole sequence.
+                own = (
+                    None
+                    if self.config.batch_invariant or not md.causal
+                    else self._own_kv(g, key, value, n)
+                )
                 res = kernels.multi_query_attention(
                     q,
                     g.query_start_loc,
@@ -319,10 +329,48 @@ def _make_impl_class() -> type:
                     raw_keys=self.config.mixed_key_frames,
                     key_lens=g.key_lens,
                     key_tiles=self.config.key_tiles,
+                    causal=md.causal,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
             return output
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            """A DFlash drafter's context store: K/V (original frame, ``[T, H, D]``) of every
+            token the target step scheduled, in its order, written outside any forward
+            (``precompute_and_store_context_kv``). kvarn stores them with the target step's
+            plan for this layer (``slot_mapping`` names the same positions): tokens that can
+            no longer be rejected are committed, the rest staged, as the target's own layers
+            did. The drafter computes no queries for these tokens, so every tile it completes
+            keeps its keys rotated (attention reads each tile's key frame)."""
+            from kvarn_vllm.metadata import STEP
+
+            by_layer = STEP.target_metadata
+            if by_layer is None:
+                raise RuntimeError(
+                    f"kvarn-vllm: do_kv_cache_update on layer {layer.layer_name!r} outside a "
+                    "DFlash proposal: kvarn stores K/V inside forward, and a drafter's context "
+                    "with the target step's plan (kvarn_vllm.metadata.STEP.proposing)"
+                )
+            md = by_layer.get(layer.layer_name)
+            if md is None:
+                raise RuntimeError(
+                    f"kvarn-vllm: the target step built no metadata for layer "
+                    f"{layer.layer_name!r}, so its context K/V cannot be stored"
+                )
+            if md.plan is None:  # a dummy (profiling, warm-up) step: nothing is written
+                return
+            if key.shape[0] > md.num_actual_tokens:
+                raise ValueError(
+                    f"kvarn-vllm: layer {layer.layer_name!r}: {key.shape[0]} context tokens "
+                    f"for a target step of {md.num_actual_tokens}"
+                )
+            staging = self.staging
+            if staging is None:
+                staging = _shared_staging(layer.kv_sharing_target_layer_name)
+            kernels.store_kv(
+                key, value, kv_cache, staging, md.plan, self.preset, key_frame="rotated"
+            )
 
         def _own_kv(self, g, key, value, n):
             """The context rows' own K/V from this step, rotated (what staging would hold):
@@ -348,7 +396,7 @@ def _make_impl_class() -> type:
             runs = query_runs(g.query_start_loc_host, limit)
             return runs if len(runs) > 1 else None
 
-        def _context_runs(self, g, runs, query, kv_cache, staging, output, n):
+        def _context_runs(self, g, runs, query, kv_cache, staging, output, n, causal=True):
             """A batch-invariant context group in ``runs`` of verify blocks and of longer
             chunks (:meth:`_verify_runs`), each through :meth:`_context_mqa`."""
             q = group_rows(g, query, n)
@@ -356,7 +404,7 @@ def _make_impl_class() -> type:
             qs = [int(x) for x in g.query_start_loc_host]
             for lo, hi in runs:
                 self._context_mqa(g, q[qs[lo] : qs[hi]], kv_cache, staging, lo, hi,
-                                  res[qs[lo] : qs[hi]], None)  # fmt: skip
+                                  res[qs[lo] : qs[hi]], None, causal)  # fmt: skip
             write_group_rows(g, output, res, n)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
@@ -498,9 +546,10 @@ def _make_impl_class() -> type:
                 res[q_lo:q_hi] = kernels.unrotate(o_rot)
             write_group_rows(g, output, res, n)
 
-        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own):
+        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own, causal=True):
             """Rows ``lo:hi`` of a context group through the multi-query kernel (``own``: their
-            tokens' K/V from this step, rotated)."""
+            tokens' K/V from this step, rotated; ``causal=False``: each row's tokens attend its
+            whole sequence)."""
             qs = g.query_start_loc_host
             max_query_len = int(max(int(qs[i + 1]) - int(qs[i]) for i in range(lo, hi)))
             kernels.multi_query_attention(
@@ -524,6 +573,7 @@ def _make_impl_class() -> type:
                 raw_keys=self.config.mixed_key_frames,
                 key_lens=None if g.key_lens is None else g.key_lens[lo:hi],
                 key_tiles=self.config.key_tiles,
+                causal=causal,
             )
 
         def _fresh(self, g, query, key, value, output, n):

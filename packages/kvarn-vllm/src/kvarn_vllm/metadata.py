@@ -285,6 +285,26 @@ class _StepChannel:
     def in_draft_step(self) -> int:
         return getattr(self._draft_depth, "value", 0)
 
+    def proposing(self, attn_metadata: Any) -> Any:
+        """Context manager around a DFlash proposal: ``attn_metadata`` (the target step's
+        metadata by layer name, draft layers included) is :attr:`target_metadata` inside it,
+        for the drafter's context store (``KvarnAttentionImpl.do_kv_cache_update``)."""
+        channel = self
+
+        class _Scope:
+            def __enter__(self) -> None:
+                channel._draft_depth.target = attn_metadata
+
+            def __exit__(self, *exc: object) -> None:
+                channel._draft_depth.target = None
+
+        return _Scope()
+
+    @property
+    def target_metadata(self) -> Any:
+        """The target step's metadata by layer name inside :meth:`proposing`, else None."""
+        return getattr(self._draft_depth, "target", None)
+
     def report_dummy(self, input_batch: Any) -> None:
         """A profiling, warm-up or capture batch of the V2 runner: its ``InputBatch``."""
         self.report_dummy_rows(int(input_batch.num_reqs))
@@ -505,6 +525,8 @@ class KvarnMetadata:
         plan: the ``StorePlan`` (device tensors, real block ids), or None for a dummy
             batch (profiling/warm-up: nothing is written, attention runs on fresh K/V).
         decode, fresh, context: the three kinds of rows (:class:`RowGroup` or None).
+        causal: False for a drafter's non-causal block (DFlash): every query token of a
+            context row attends the whole sequence, its block included.
     """
 
     num_reqs: int
@@ -513,6 +535,7 @@ class KvarnMetadata:
     decode: RowGroup | None
     fresh: RowGroup | None
     context: RowGroup | None
+    causal: bool = True
 
 
 def _make_builder_class() -> type:
@@ -933,11 +956,13 @@ def _make_builder_class() -> type:
             )
 
         def _build_draft_step(self, cam, record: StepRecord):
-            """A drafter's decode step (one token per row, e.g. EAGLE/MTP steps 2..k).
+            """A drafter's step: ``n`` draft tokens per row at its last ``n`` positions, one
+            for EAGLE/MTP steps 2..k, a block of ``1 + k`` for DFlash (non-causal when
+            ``cam.causal`` is False). Rows without tokens (padding) come last.
 
-            Its token is a draft: it goes to staging at ``seq_len - 1`` and nothing is
-            committed (the drafter's layers commit with the target's plan of the next
-            step, whose draft prefill rewrites these positions).
+            Its tokens are drafts: they go to staging and nothing is committed (the
+            drafter's layers commit with the target's plan of the next step, which rewrites
+            these positions).
             """
             import torch
 
@@ -945,11 +970,20 @@ def _make_builder_class() -> type:
 
             num_reqs = int(cam.num_reqs)
             qsl = cam.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int32)
-            if np.any(np.diff(qsl) > 1):
+            qlens = np.diff(qsl)
+            n = max(1, int(qlens.max(initial=0)))
+            live = int(np.count_nonzero(qlens))
+            if np.any(qlens[:live] != n) or np.any(qlens[live:] != 0):
                 raise ValueError(
-                    "kvarn-vllm: a drafter decode step with several query tokens per "
-                    "request (parallel drafting) is not supported"
+                    "kvarn-vllm: a drafter step whose requests bring different numbers of "
+                    f"query tokens ({sorted(set(qlens.tolist()))}) is not supported"
                 )
+            causal = getattr(cam, "causal", True)
+            if not isinstance(causal, bool):
+                raise ValueError(
+                    f"kvarn-vllm: a drafter step's causal flag must be one bool, got {causal!r}"
+                )
+            num_tokens = int(qsl[-1])
             rslots = record.slots
             real = min(record.num_reqs, num_reqs) if rslots is not None else 0
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
@@ -980,38 +1014,43 @@ def _make_builder_class() -> type:
             buf = self._device_buf
             g, sg, base = self.preset.group_size, self.config.ring_tokens, self.config.sink_rows
             seq = cam.seq_lens[:num_reqs].to(torch.int32)
-            if not real:  # dummy (profiling) draft step: attend the row's own token only
-                seq = seq.clamp(max=1)
+            if not real:  # dummy (profiling) draft step: attend the row's own tokens only
+                seq = seq.clamp(max=n)
             slots = self._view(buf, "slots", num_reqs)
             dev_seq = self._view(buf, "seq_lens", num_reqs)
             dev_quant = self._view(buf, "quantized_lens", num_reqs)
             dev_seq.copy_(seq)
-            last = (seq - 1).clamp(min=0)
-            quant = torch.minimum(self._spec["quantized"][slots.long()], last // g * g)
+            first = (seq - n).clamp(min=0)  # the step's first position
+            quant = torch.minimum(self._spec["quantized"][slots.long()], first // g * g)
             dev_quant.copy_(quant)
             dev_read = self._view(buf, "read_lens", num_reqs)
             start = self._spec["start"][slots.long()]
             dev_read.copy_(
                 kernels.window_start(
-                    last, seq, quant, start, g, self.config.recent_tiles, self.config.ring_tiles
+                    first, seq, quant, start, g, self.config.recent_tiles, self.config.ring_tiles
                 )
             )
             dev_keys = None
-            value_rows = kernels.staging_rows(last, sg, base)
+            if self.config.key_tiles is not None:
+                dev_keys = self._view(buf, "key_lens", num_reqs)
+                dev_keys.copy_(
+                    kernels.key_window_start(first, seq, quant, start, g, self.config.key_tiles)
+                )
+            # Token t is row t // n's draft at position seq - n + t % n.
+            tokens = torch.arange(num_tokens, dtype=torch.int32, device=buf.device)
+            rows = tokens // n
+            pos = seq.index_select(0, rows.long()) - n + tokens % n
+            value_rows = kernels.staging_rows(pos.clamp(min=0), sg, base)
             key_rows = value_rows
             if self.config.key_tiles is not None:
                 # values-only windows: the draft's key goes to the key ring (open tiles)
-                dev_keys = self._view(buf, "key_lens", num_reqs)
-                dev_keys.copy_(
-                    kernels.key_window_start(last, seq, quant, start, g, self.config.key_tiles)
-                )
-                key_rows = last % (self.config.key_tiles * g)
-            rows = torch.arange(num_reqs, dtype=torch.int32, device=buf.device)
-            ok = (rows < real) & (seq > 0)
-            writes = torch.stack([rows, slots, value_rows, key_rows], dim=1)
+                key_rows = pos.clamp(min=0) % (self.config.key_tiles * g)
+            ok = (rows < real) & (pos >= 0)
+            row_slots = slots.index_select(0, rows.long())
+            writes = torch.stack([tokens, row_slots, value_rows, key_rows], dim=1)
             tiles = self._view(buf, "tiles", num_reqs, 5)
             tiles.fill_(-1)
-            dev_writes = self._view(buf, "writes", num_reqs, 4)
+            dev_writes = self._view(buf, "writes", num_tokens, 4)
             dev_writes.copy_(torch.where(ok[:, None], writes, -1))
             from kvarn_kernels import StorePlan
 
@@ -1021,7 +1060,7 @@ def _make_builder_class() -> type:
                 seq_lens=dev_seq,
                 quantized_lens=dev_quant,
                 num_tiles=num_reqs,
-                num_writes=num_reqs,
+                num_writes=num_tokens,
                 group_size=g,
                 staging_tiles=self.config.ring_tiles,
                 sink=self.config.sink,
@@ -1038,21 +1077,24 @@ def _make_builder_class() -> type:
                 quantized_lens=dev_read,
                 staging_slots=slots,
                 block_table=cam.block_table_tensor[:num_reqs],
-                max_query_len=1,
+                max_query_len=n,
                 max_seq_len=int(cam.max_seq_len),
-                num_tokens=num_reqs,
+                num_tokens=num_tokens,
                 query_start_loc_host=qsl,
                 sink_lens=self._view(buf, "sink_lens", num_reqs) if self.config.sink else None,
                 sink_slots=self._view(buf, "sink_slots", num_reqs) if self.config.sink else None,
                 key_lens=dev_keys,
             )
+            # One token per row attends as decode; a block as context rows (multi-query).
+            block = n > 1 or not causal
             return KvarnMetadata(
                 num_reqs=num_reqs,
                 num_actual_tokens=int(cam.num_actual_tokens),
                 plan=plan if real else None,
-                decode=group,
+                decode=None if block else group,
                 fresh=None,
-                context=None,
+                context=group if block else None,
+                causal=causal,
             )
 
         def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:
