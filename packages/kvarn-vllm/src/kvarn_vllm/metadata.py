@@ -880,7 +880,9 @@ def _make_builder_class() -> type:
                 num_reqs=num_reqs,
                 num_actual_tokens=int(cam.num_actual_tokens),
                 plan=dev_plan,
-                **groups,
+                decode=groups["decode"],
+                fresh=groups["fresh"],
+                context=groups["context"],
             )
 
         def _device_plan(self, cam, record: StepRecord, num_reqs: int, num_tokens: int, buf):
