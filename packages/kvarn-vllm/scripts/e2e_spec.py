@@ -24,6 +24,9 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 * ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode,
   piecewise under speculation), prefix caching on, thousands of engine steps; checks every
   sampled token's logprob is finite and nothing crashed.
+* ``dflash``: dummy target + a dummy DFlash drafter of its shape (:func:`dflash_draft_dir`),
+  CUDA graphs, prefix caching, ``--stress-prompts`` x ``--stress-tokens``: finite logprobs, no
+  crash, and greedy agreement with no speculation (DFlash on vLLM's V2 runner).
 * ``repeat`` (real SmolLM2 weights, CUDA graphs, or eager with ``--eager``): an EAGLE draft
   built from the target's own weights that proposes the last token again
   (:func:`repeat_draft_dir`), over prompts of which half make the model repeat a word (drafts
@@ -37,6 +40,7 @@ Usage (GPU machine)::
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase agreement --model /tmp/smollm2-hf --out $OUT/spec
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase dummy --model /tmp/smollm2-hf --out $OUT/spec
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase stress --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-vllm/scripts/e2e_spec.py --phase dflash --model /tmp/smollm2-hf --out $OUT/spec
     python packages/kvarn-vllm/scripts/e2e_spec.py --phase repeat --model /tmp/smollm2-hf --out $OUT/spec
 
 ``--model`` is a Hugging Face folder (config + weights + tokenizer); without it the SmolLM2
@@ -195,11 +199,11 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any]
             "prompt_lookup_min": 2,
             "prompt_lookup_max": 5,
         }
-    if method == "eagle":
+    if method in ("eagle", "dflash"):
         if draft is None:
-            raise ValueError("eagle needs a draft model folder")
-        return {"method": "eagle", "model": draft, "num_speculative_tokens": k}
-    raise ValueError(f"method must be none, ngram, ngram_gpu or eagle, got {method!r}")
+            raise ValueError(f"{method} needs a draft model folder")
+        return {"method": method, "model": draft, "num_speculative_tokens": k}
+    raise ValueError(f"method must be none, ngram, ngram_gpu, eagle or dflash, got {method!r}")
 
 
 def eagle_draft_dir(model: Path, out: Path) -> Path:
@@ -211,6 +215,41 @@ def eagle_draft_dir(model: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((model / "config.json").read_text())
     cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def dflash_draft_dir(model: Path, out: Path, layers: int = 2) -> Path:
+    """A DFlash drafter config of ``model``'s shape (for dummy weights only): vLLM 0.26 maps
+    the architecture ``DFlashDraftModel`` to its Qwen3 DFlash drafter, whose full-attention
+    layers attend their block of drafts non-causally. Same hidden size, heads, head size and
+    vocabulary as the target (one KV cache group, no token map); it reads the target's hidden
+    states after three of its layers; the mask token is the vocabulary's last."""
+    out.mkdir(parents=True, exist_ok=True)
+    t = json.loads((model / "config.json").read_text())
+    heads = int(t["num_attention_heads"])
+    depth = int(t["num_hidden_layers"])
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": t.get("num_key_value_heads", heads),
+        "head_dim": t.get("head_dim", t["hidden_size"] // heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": t.get("max_position_embeddings", 8192),
+        "rope_theta": t.get("rope_theta", 10000.0),
+        "vocab_size": t["vocab_size"],
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * layers,
+        "dflash_config": {
+            "mask_token_id": int(t["vocab_size"]) - 1,
+            "target_layer_ids": sorted({1, depth // 2, depth - 2}),
+        },
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -538,11 +577,40 @@ def phase_repeat(args: argparse.Namespace, out: Path) -> bool:
     )
 
 
+def phase_dflash(args: argparse.Namespace, out: Path) -> bool:
+    """Dummy target + dummy DFlash drafter (non-causal blocks of ``1 + k`` drafts, the
+    drafter's context stored with the target step's plan), CUDA graphs, prefix caching, many
+    steps: every logprob finite, nothing crashed; beside no speculation for agreement."""
+    model = smoke_model(args)
+    draft = dflash_draft_dir(model, out / "dflash-draft")
+    base = engine_kwargs(
+        args,
+        enforce_eager=False,
+        enable_prefix_caching=True,
+        load_format="dummy",
+        max_num_seqs=16,
+    )
+    prompts = make_repetitive_prompts(args.stress_prompts)
+    return _phase(
+        args,
+        out,
+        "dflash",
+        model,
+        ("dflash",),
+        draft,
+        base,
+        prompts,
+        args.stress_tokens,
+        logprobs=True,
+    )
+
+
 PHASES = {
     "agreement": phase_agreement,
     "dummy": phase_dummy,
     "stress": phase_stress,
     "repeat": phase_repeat,
+    "dflash": phase_dflash,
 }
 
 

@@ -35,7 +35,7 @@ def test_speculative_config_keys_exist_in_vllm(spec_script):
     from vllm.config.speculative import SpeculativeConfig
 
     fields = set(SpeculativeConfig.__dataclass_fields__)
-    for method in ("ngram", "ngram_gpu", "eagle"):
+    for method in ("ngram", "ngram_gpu", "eagle", "dflash"):
         cfg = spec_script.speculative_config(method, 4, "/draft")
         assert set(cfg) <= fields, set(cfg) - fields
         assert cfg["num_speculative_tokens"] == 4
@@ -124,7 +124,39 @@ def test_eagle_draft_dir(spec_script, tmp_path):
     assert json.loads((draft / "config.json").read_text()) == {"num_hidden_layers": 1, "x": 1}
 
 
+def test_dflash_draft_dir_is_a_non_causal_dflash_drafter_for_vllm(spec_script, tmp_path):
+    """vLLM 0.26 reads the drafter config as its Qwen3 DFlash drafter, non-causal, for a
+    SmolLM2-shaped (Llama) target: what the dflash phase runs on the GPU."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model = tmp_path / "target"
+    model.mkdir()
+    target = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(target))
+    draft = spec_script.dflash_draft_dir(model, tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    assert cfg["head_dim"] == 64 and cfg["num_key_value_heads"] == 3
+    assert cfg["dflash_config"] == {"mask_token_id": 49151, "target_layer_ids": [1, 15, 28]}
+    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16")
+    sc = SpeculativeConfig(
+        target_model_config=mc, target_parallel_config=ParallelConfig(), method="dflash",
+        model=str(draft), num_speculative_tokens=4,
+    )  # fmt: skip
+    dm = sc.draft_model_config
+    assert sc.method == "dflash" and dflash_has_any_non_causal(dm.hf_config)
+    cls = ModelRegistry.resolve_model_cls(dm.architectures, dm)[0]
+    assert cls.__name__ == "DFlashQwen3ForCausalLM"
+
+
 def test_parse_args(spec_script):
+    assert spec_script.parse_args(["--phase", "dflash"]).phase == "dflash"
     args = spec_script.parse_args(["--phase", "stress", "--out", "x"])
     assert args.phase == "stress" and args.num_spec == 4 and args.run_timeout == 150.0
     assert args.warmup_prompts == 16
@@ -149,6 +181,20 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
         args = spec_script.parse_args(["--phase", "repeat", "--num-prompts", "4", *argv])
         assert spec_script.phase_repeat(args, tmp_path)
         assert seen[-1]["enforce_eager"] is eager
+
+
+def test_dflash_phase_runs_graphs_prefix_caching_and_a_baseline(spec_script, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
+    monkeypatch.setattr(spec_script, "dflash_draft_dir", lambda model, out: tmp_path / "d")
+    monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append((a, kw)) or True)
+    args = spec_script.parse_args(["--phase", "dflash", "--stress-prompts", "8"])
+    assert spec_script.PHASES["dflash"](args, tmp_path)
+    ((a, kw),) = seen
+    assert a[2:6] == ("dflash", tmp_path, ("dflash",), tmp_path / "d")
+    assert a[6]["enforce_eager"] is False and a[6]["enable_prefix_caching"] is True
+    assert a[6]["load_format"] == "dummy" and len(a[7]) == 8
+    assert kw == {"logprobs": True}  # the no-speculation baseline runs too
 
 
 def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkeypatch, tmp_path):

@@ -168,8 +168,8 @@ def test_selector_through_get_attn_backend(vllm_config_factory):
         (dict(dtype=torch.float32), "model dtype"),
         (dict(has_sink=True), "sinks"),
         (dict(attn_type="encoder_only"), "attention type"),
-        (dict(use_non_causal=True), "DFlash and DSpark draft layers are"),
-        (dict(use_non_causal=True), "it serves eagle, eagle3, mtp, ngram, ngram_gpu"),
+        (dict(use_non_causal=True), "attends non-causal blocks only in a DFlash drafter"),
+        (dict(use_non_causal=True), "methods eagle, eagle3, mtp, dflash, ngram, ngram_gpu"),
     ],
 )
 def test_selector_errors_say_why(registered, overrides, needle):
@@ -179,6 +179,23 @@ def test_selector_errors_say_why(registered, overrides, needle):
         selector._cached_get_attn_backend(None, _selector_cfg(**overrides), 32)
     assert needle in str(err.value)
     assert "kvarn-vllm cannot serve attention layer" in str(err.value)
+
+
+def test_selector_accepts_non_causal_layers_of_a_dflash_drafter(registered, monkeypatch):
+    """While vLLM builds a DFlash drafter (compilation model tag "dflash_head"), its
+    non-causal layers get kvarn's backend; a DSpark drafter's and a target's are refused."""
+    from vllm.compilation import backends
+    from vllm.v1.attention import selector
+
+    cfg = _selector_cfg(use_non_causal=True)
+    for tag, ok in (("dflash_head", True), ("dspark_head", False), ("backbone", False)):
+        monkeypatch.setattr(backends, "model_tag", tag)
+        if ok:
+            cls = selector._cached_get_attn_backend(None, cfg, 32)
+            assert cls is backend_class("kvarn_k4v2_g128")
+        else:
+            with pytest.raises(ValueError, match="non-causal"):
+                selector._cached_get_attn_backend(None, cfg, 32)
 
 
 def test_selector_refuses_other_backend_with_kvarn_dtype(registered):

@@ -268,7 +268,7 @@ def test_dflash_context_store_and_non_causal_block(vllm_config_factory, monkeypa
     tokens after the last accepted one, attending non-causally: every block token reads the
     accepted context (records below the quantized length) and the whole block."""
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
-    h = SpecHarness(vllm_config_factory, monkeypatch)
+    h = SpecHarness(vllm_config_factory, monkeypatch, method="dflash")
     slot, n = 3, 1 + K
     name = h.layer.layer_name
 
@@ -325,6 +325,36 @@ def test_dflash_context_store_and_non_causal_block(vllm_config_factory, monkeypa
     assert {0, 64} <= crossed  # the context crossed a tile boundary
 
 
+def test_dflash_propose_exposes_the_target_metadata(vllm_config_factory, monkeypatch):
+    """The worker patch wraps vLLM's DFlashSpeculator.propose: while vLLM's own propose runs,
+    the target step's metadata (its second argument) is what do_kv_cache_update stores with,
+    and afterwards (an exception included) it is gone."""
+    from kvarn_vllm import compat
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    SpecHarness(vllm_config_factory, monkeypatch, method="dflash")  # applies worker patches
+    assert compat.is_wrapped(DFlashSpeculator.propose)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Batch:  # vLLM's propose reads num_reqs first: look at the scope then, and stop
+        @property
+        def num_reqs(self):
+            seen.append(md.STEP.target_metadata)
+            raise Stop
+
+    by_layer = {"model.layers.0.self_attn.attn": object()}
+    assert md.STEP.target_metadata is None
+    with pytest.raises(Stop):
+        DFlashSpeculator.propose(
+            object.__new__(DFlashSpeculator), Batch(), by_layer, {}, *[None] * 8
+        )
+    assert seen == [by_layer]
+    assert md.STEP.target_metadata is None
+
+
 def test_draft_steps_refuse_uneven_blocks(vllm_config_factory, monkeypatch):
     h = SpecHarness(vllm_config_factory, monkeypatch)
     md.STEP.report_real(
@@ -379,7 +409,12 @@ def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory,
             "1",
             "serves 'ngram_gpu' on vLLM's V1 model runner, and this configuration runs the V2",
         ),
-        ("dflash", "1", "got method 'dflash'"),
+        (
+            "dflash",
+            "0",
+            "serves 'dflash' on vLLM's V2 model runner, and this configuration runs the V1",
+        ),
+        ("dspark", "1", "got method 'dspark'"),
         ("suffix", "0", "got method 'suffix'"),
     ],
 )

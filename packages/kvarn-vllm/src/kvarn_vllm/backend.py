@@ -35,11 +35,12 @@ def backend_class_path(kv_cache_dtype: str) -> str:
     return f"{__name__}.{_class_name(preset)}"
 
 
-def unsupported_reasons(cfg: Any, preset: Preset) -> list[str]:
+def unsupported_reasons(cfg: Any, preset: Preset, non_causal_ok: bool = False) -> list[str]:
     """Why the dense backend cannot serve a layer, from vLLM's ``AttentionSelectorConfig``.
 
     Empty when it can. Each reason says what was found; the caller adds the layer and
-    what to do.
+    what to do. ``non_causal_ok``: the layer is a DFlash drafter's, whose non-causal blocks
+    kvarn attends (``multi_query_attention(causal=False)``).
     """
     import torch
 
@@ -62,13 +63,13 @@ def unsupported_reasons(cfg: Any, preset: Preset) -> list[str]:
         reasons.append("it has attention sinks")
     if cfg.use_mm_prefix:
         reasons.append("it uses bidirectional multimodal-prefix attention")
-    if cfg.use_non_causal:
+    if cfg.use_non_causal and not non_causal_ok:
         from kvarn_vllm.metadata import SPEC_METHODS
 
         served = ", ".join(m for methods in SPEC_METHODS.values() for m in methods)
         reasons.append(
-            "it is non-causal (DFlash and DSpark draft layers are: kvarn-vllm does not serve "
-            f"these speculative methods yet; it serves {served})"
+            "it is non-causal (kvarn-vllm attends non-causal blocks only in a DFlash "
+            f"drafter; it serves the speculative methods {served})"
         )
     if cfg.use_per_head_quant_scales:
         reasons.append("the checkpoint carries per-head KV quantization scales")

@@ -218,6 +218,37 @@ def calling_layer_name() -> str | None:
         del frame
 
 
+def building_dflash_drafter() -> bool:
+    """Whether vLLM is building a DFlash drafter right now: vLLM 0.26's ``load_dflash_model``
+    builds it under the compilation model tag ``"dflash_head"`` (DSpark's is
+    ``"dspark_head"``, the target's ``"backbone"``). Its layers are non-causal."""
+    from vllm.compilation import backends
+
+    return getattr(backends, "model_tag", None) == "dflash_head"
+
+
+def wrap_dflash_propose(scope: Callable[[Any], Any]) -> bool:
+    """Run ``DFlashSpeculator.propose`` inside ``scope(attn_metadata)``.
+
+    vLLM 0.26's DFlash drafter writes its context K/V through ``do_kv_cache_update`` with only
+    a slot mapping; the target step's metadata for the draft layers (which kvarn stores with)
+    is the ``attn_metadata`` argument of ``propose`` (its second, after ``input_batch``).
+    """
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    original = DFlashSpeculator.propose
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def propose(self, input_batch, attn_metadata, *args, **kwargs):
+        with scope(attn_metadata):
+            return original(self, input_batch, attn_metadata, *args, **kwargs)
+
+    DFlashSpeculator.propose = _mark(propose, original)  # type: ignore[method-assign]
+    return True
+
+
 # --- KV cache spec ---------------------------------------------------------------------
 
 

@@ -52,9 +52,11 @@ __all__ = [
 
 logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
-SPEC_METHODS = {"v2": ("eagle", "eagle3", "mtp"), "v1": ("ngram", "ngram_gpu")}
+SPEC_METHODS = {"v2": ("eagle", "eagle3", "mtp", "dflash"), "v1": ("ngram", "ngram_gpu")}
 """Speculative methods served, by vLLM 0.26 model runner: V2 drafts EAGLE, EAGLE-3 and MTP one
-token per step (each draft step marked by :data:`STEP`); V1 runs n-gram (prompt lookup), whose
+token per step (each draft step marked by :data:`STEP`), DFlash a non-causal block of ``1 + k``
+tokens per step (its context K/V stored with the target step's plan, :meth:`STEP.proposing
+<_StepChannel.proposing>`); V1 runs n-gram (prompt lookup), whose
 drafts are only verified on the GPU: ``ngram`` proposes them on the host (vLLM then schedules
 synchronously), ``ngram_gpu`` on the GPU under async scheduling (the host's lengths are upper
 bounds, and the step's plan is made on the device as for EAGLE)."""

@@ -67,7 +67,7 @@ def _select_backend(selected_backend, cfg, num_heads):
             f"kvarn backend, but --attention-backend {name} was requested. Drop "
             "--attention-backend (kvarn selects its backend itself) or pass CUSTOM."
         )
-    reasons = unsupported_reasons(cfg, config.preset)
+    reasons = unsupported_reasons(cfg, config.preset, compat.building_dflash_drafter())
     if reasons:
         raise ValueError(
             f"kvarn-vllm cannot serve attention layer {layer!r} with kv_cache_dtype="
@@ -171,6 +171,12 @@ def _install_draft_hook():
     from kvarn_vllm.metadata import STEP
 
     compat.wrap_draft_decode_metadata(STEP.draft_steps)
+
+
+def _install_dflash_hook():
+    from kvarn_vllm.metadata import STEP
+
+    compat.wrap_dflash_propose(STEP.proposing)
 
 
 LEDGER: tuple[Patch, ...] = (
@@ -282,6 +288,22 @@ LEDGER: tuple[Patch, ...] = (
         "CommonAttentionMetadata (not in 0.33).",
         scope="worker",
         apply=_install_draft_hook,
+    ),
+    Patch(
+        name="dflash-context-store",
+        target="vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator.propose",
+        why="A DFlash drafter writes its context K/V (every token of the target step) through "
+        "attn.impl.do_kv_cache_update with only a slot mapping, outside any forward; kvarn "
+        "stores from a per-request plan, which that call does not carry.",
+        how="Wrap propose so that its attn_metadata argument (the target step's metadata by "
+        "layer name, draft layers included) is STEP.target_metadata while it runs; kvarn's "
+        "do_kv_cache_update stores with the plan for its layer. The backend selector accepts "
+        "non-causal layers while vLLM builds a DFlash drafter (compilation model tag "
+        "'dflash_head').",
+        remove_when="vLLM passes the step's attention metadata (or per-row committed "
+        "lengths) to do_kv_cache_update (not in 0.33).",
+        scope="worker",
+        apply=_install_dflash_hook,
     ),
 )
 
