@@ -534,10 +534,17 @@ def phase_dummy(args: argparse.Namespace, out: Path) -> bool:
     return _phase(args, out, "dummy", model, ("eagle",), draft, base, prompts, args.max_tokens)
 
 
-def phase_stress(args: argparse.Namespace, out: Path) -> bool:
-    """Dummy target + dummy EAGLE draft, CUDA graphs, prefix caching, thousands of steps."""
-    model = smoke_model(args)
-    draft = eagle_draft_dir(model, out / "eagle-draft")
+def _stress(
+    args: argparse.Namespace,
+    out: Path,
+    phase: str,
+    model: Path,
+    method: str,
+    draft: Path,
+    baseline: bool,
+) -> bool:
+    """Dummy target + dummy ``draft``, CUDA graphs, prefix caching, thousands of steps, every
+    sampled token's logprob checked finite."""
     # Few concurrent sequences and long outputs: many steps, requests finishing and starting
     # in reused request rows, prefix hits on the shared prompt starts.
     base = engine_kwargs(
@@ -552,16 +559,23 @@ def phase_stress(args: argparse.Namespace, out: Path) -> bool:
     return _phase(
         args,
         out,
-        "stress",
+        phase,
         model,
-        ("eagle",),
+        (method,),
         draft,
         base,
         prompts,
         args.stress_tokens,
         logprobs=True,
-        with_baseline=False,
+        with_baseline=baseline,
     )
+
+
+def phase_stress(args: argparse.Namespace, out: Path) -> bool:
+    """Dummy target + dummy EAGLE draft, CUDA graphs, prefix caching, thousands of steps."""
+    model = smoke_model(args)
+    draft = eagle_draft_dir(model, out / "eagle-draft")
+    return _stress(args, out, "stress", model, "eagle", draft, baseline=False)
 
 
 def phase_repeat(args: argparse.Namespace, out: Path) -> bool:
@@ -583,26 +597,7 @@ def phase_dflash(args: argparse.Namespace, out: Path) -> bool:
     steps: every logprob finite, nothing crashed; beside no speculation for agreement."""
     model = smoke_model(args)
     draft = dflash_draft_dir(model, out / "dflash-draft")
-    base = engine_kwargs(
-        args,
-        enforce_eager=False,
-        enable_prefix_caching=True,
-        load_format="dummy",
-        max_num_seqs=16,
-    )
-    prompts = make_repetitive_prompts(args.stress_prompts)
-    return _phase(
-        args,
-        out,
-        "dflash",
-        model,
-        ("dflash",),
-        draft,
-        base,
-        prompts,
-        args.stress_tokens,
-        logprobs=True,
-    )
+    return _stress(args, out, "dflash", model, "dflash", draft, baseline=True)
 
 
 PHASES = {

@@ -194,7 +194,7 @@ def test_dflash_phase_runs_graphs_prefix_caching_and_a_baseline(spec_script, mon
     assert a[2:6] == ("dflash", tmp_path, ("dflash",), tmp_path / "d")
     assert a[6]["enforce_eager"] is False and a[6]["enable_prefix_caching"] is True
     assert a[6]["load_format"] == "dummy" and len(a[7]) == 8
-    assert kw == {"logprobs": True}  # the no-speculation baseline runs too
+    assert kw == {"logprobs": True, "with_baseline": True}  # no speculation runs too
 
 
 def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkeypatch, tmp_path):
