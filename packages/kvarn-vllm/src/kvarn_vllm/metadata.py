@@ -170,7 +170,7 @@ class _StepChannel:
         self._lock = threading.Lock()
         self._record = StepRecord(serial=0, num_reqs=0, slots=None)
         self._added: dict[int, tuple[int, ...] | None] = {}
-        self._draft_depth = threading.local()
+        self._local = threading.local()  # per thread: draft-step depth, DFlash target metadata
         # V1 model runner: staging slots by request id (see report_v1_schedule).
         self._v1_runner: Any = None
         self._v1_slots: dict[str, int] = {}
@@ -276,16 +276,16 @@ class _StepChannel:
 
         class _Scope:
             def __enter__(self) -> None:
-                channel._draft_depth.value = channel.in_draft_step + 1
+                channel._local.value = channel.in_draft_step + 1
 
             def __exit__(self, *exc: object) -> None:
-                channel._draft_depth.value = channel.in_draft_step - 1
+                channel._local.value = channel.in_draft_step - 1
 
         return _Scope()
 
     @property
     def in_draft_step(self) -> int:
-        return getattr(self._draft_depth, "value", 0)
+        return getattr(self._local, "value", 0)
 
     def proposing(self, attn_metadata: Any) -> Any:
         """Context manager around a DFlash proposal: ``attn_metadata`` (the target step's
@@ -295,17 +295,17 @@ class _StepChannel:
 
         class _Scope:
             def __enter__(self) -> None:
-                channel._draft_depth.target = attn_metadata
+                channel._local.target = attn_metadata
 
             def __exit__(self, *exc: object) -> None:
-                channel._draft_depth.target = None
+                channel._local.target = None
 
         return _Scope()
 
     @property
     def target_metadata(self) -> Any:
         """The target step's metadata by layer name inside :meth:`proposing`, else None."""
-        return getattr(self._draft_depth, "target", None)
+        return getattr(self._local, "target", None)
 
     def report_dummy(self, input_batch: Any) -> None:
         """A profiling, warm-up or capture batch of the V2 runner: its ``InputBatch``."""
