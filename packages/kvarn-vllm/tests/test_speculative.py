@@ -260,15 +260,19 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
     assert completing or recent == "0"  # a verify completed a tile and kept its window
 
 
-@pytest.mark.parametrize("sink", ["0", "1"])
-def test_dflash_context_store_and_non_causal_block(vllm_config_factory, monkeypatch, sink):
+@pytest.mark.parametrize(("sink", "invariant"), [("0", "0"), ("1", "0"), ("1", "1")])
+def test_dflash_context_store_and_non_causal_block(
+    vllm_config_factory, monkeypatch, sink, invariant
+):
     """A DFlash drafter's layer over verify steps with rejections crossing tile boundaries:
     each target step's context K/V (every scheduled token, rejected drafts included) stored by
     ``do_kv_cache_update`` with the target step's plan, then the draft block of ``1 + K``
     tokens after the last accepted one, attending non-causally: every block token reads the
     accepted context (records below the quantized length) and the whole block."""
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
     h = SpecHarness(vllm_config_factory, monkeypatch, method="dflash")
+    assert h.layer.impl.config.batch_invariant == (invariant == "1")
     slot, n = 3, 1 + K
     name = h.layer.layer_name
 
