@@ -245,10 +245,7 @@ def _make_impl_class() -> type:
                 return output.fill_(0)  # profiling run without metadata
             md = attn_metadata
             n = md.num_actual_tokens
-            staging = self.staging
-            if staging is None:  # shares the KV cache (and staging) of an earlier layer
-                target = layer.kv_sharing_target_layer_name
-                staging = _shared_staging(target)
+            staging = self._staging(layer)
             if md.plan is not None and key is not None and value is not None:
                 auto = self.config.mixed_key_frames
                 kernels.store_kv(
@@ -365,12 +362,17 @@ def _make_impl_class() -> type:
                     f"kvarn-vllm: layer {layer.layer_name!r}: {key.shape[0]} context tokens "
                     f"for a target step of {md.num_actual_tokens}"
                 )
-            staging = self.staging
-            if staging is None:
-                staging = _shared_staging(layer.kv_sharing_target_layer_name)
             kernels.store_kv(
-                key, value, kv_cache, staging, md.plan, self.preset, key_frame="rotated"
-            )
+                key, value, kv_cache, self._staging(layer), md.plan, self.preset,
+                key_frame="rotated",
+            )  # fmt: skip
+
+        def _staging(self, layer):
+            """This layer's staging, or for a layer that shares an earlier layer's KV cache,
+            that layer's."""
+            if self.staging is not None:
+                return self.staging
+            return _shared_staging(layer.kv_sharing_target_layer_name)
 
         def _own_kv(self, g, key, value, n):
             """The context rows' own K/V from this step, rotated (what staging would hold):

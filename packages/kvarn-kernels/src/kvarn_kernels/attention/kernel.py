@@ -756,8 +756,8 @@ def _prune(
 # variant for 1 and for multiples of 16 mid-serving), nor is the alignment of the per-sequence
 # metadata (read one scalar per program; an engine passes row slices of its tables, whose
 # starts move with the batch: kvarn-vllm's batch-invariant runs of verify blocks start at any
-# row; with key_lens_ptr specialized, an H200 engine compiled this kernel mid-serving in such a
-# run, 2026-12-02). Strides of the cache and staging are fixed per engine and keep their
+# row; with key_lens_ptr specialized, a batch-invariant H200 engine compiled this kernel
+# mid-serving, most likely on such a run, 2026-12-02). Strides of the cache and staging are fixed per engine and keep their
 # specialization (vectorized loads).
 _STEP_VARYING = ("num_splits", "split_steps", "window", "stride_bt")
 _METADATA = (
