@@ -104,6 +104,7 @@ def compile_kernel(
         )
         row["shared"] = int(k.metadata.shared)
         row.update(_ptxas_usage(k.asm["ptx"]))
+        row["l2_prefetches"] = k.asm["ptx"].count("prefetch.global.L2")
     except Exception as exc:  # a kernel that does not compile is a result too
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     row["seconds"] = round(time.time() - start, 1)
@@ -276,12 +277,23 @@ def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     ptrs |= {"acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     tile = offset_constants(tile_layout(fast.PRESET, fast.HEAD_DIM))
     rows = []
-    # (the batch-invariant launch, FIXED splits, once: it changes only the split bounds)
-    for group, frames, fixed in ((4, 2, False), (8, 2, False), (4, 1, False), (4, 2, True)):
-        consts = dict(tile, GROUP=group, NUM_FRAMES=frames, SINK=True, FIXED=fixed)
+    # (the batch-invariant launch, FIXED splits, once: it changes only the split bounds; L2
+    # prefetch, KVARN_KERNELS_FAST_PREFETCH, 1 and 2 tiles ahead)
+    for group, frames, fixed, prefetch in (
+        (4, 2, False, 0),
+        (8, 2, False, 0),
+        (4, 1, False, 0),
+        (4, 2, True, 0),
+        (4, 2, False, 1),
+        (8, 2, True, 2),
+    ):
+        consts = dict(
+            tile, GROUP=group, NUM_FRAMES=frames, SINK=True, FIXED=fixed, PREFETCH=prefetch
+        )
         opts = {"num_warps": fast.NUM_WARPS, "maxnreg": fast.MAX_REGISTERS}
         label = f"fast decode {fast.PRESET} D{fast.HEAD_DIM} group {group} frames {frames}"
         label += " fixed splits" if fixed else ""
+        label += f" prefetch {prefetch}" if prefetch else ""
         rows.append(
             compile_kernel(
                 fast.fast_decode_partial_kernel, ptrs, consts, opts, label, GluonASTSource

@@ -75,3 +75,23 @@ def test_fast_decode_never_applies_off_the_gpu(monkeypatch: pytest.MonkeyPatch) 
     assert not fast_decode_applies(q, lay, 8, None)
     monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", "0")
     assert not fast_decode_applies(q, lay, 8, None)
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, 0), ("0", 0), ("2", 2), (" 4 ", 4)])
+def test_fast_prefetch_reads_the_environment(raw, want, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_kernels.attention.launch import fast_prefetch
+
+    if raw is None:
+        monkeypatch.delenv("KVARN_KERNELS_FAST_PREFETCH", raising=False)
+    else:
+        monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", raw)
+    assert fast_prefetch() == want
+
+
+@pytest.mark.parametrize("raw", ["5", "-1", "yes", "1.5"])
+def test_fast_prefetch_rejects_what_it_cannot_use(raw, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_kernels.attention.launch import fast_prefetch
+
+    monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", raw)
+    with pytest.raises(ValueError, match=f"KVARN_KERNELS_FAST_PREFETCH.*{raw!r}"):
+        fast_prefetch()

@@ -388,6 +388,48 @@ def test_fast_decode_matches_the_triton_kernel(
         )
 
 
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_fast_decode_prefetch_changes_no_bit(
+    invariant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KVARN_KERNELS_FAST_PREFETCH`` (L2 prefetch of the record 1-4 tiles ahead) only moves
+    bytes into L2 earlier: the Gluon kernel's output is bit-for-bit the same as without it,
+    for splits that end before, at and after the prefetch distance (one tile to 70)."""
+    from kvarn_kernels.attention.launch import fast_decode_applies
+
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
+    preset, d, g, hq, hkv = "kvarn_k4v2_g128", 128, 128, 32, 8
+    lens = [g + 3, 2 * g, 3 * g + 1, 1000, 9000]
+    seqs = [
+        (
+            make_kv((t, hkv, d), "outlier_channels", 60 + i),
+            make_kv((t, hkv, d), "gaussian", 80 + i),
+        )
+        for i, t in enumerate(lens)
+    ]
+    batch = build_paged(seqs, preset, torch.bfloat16, DEV, sinks=[True, False] * 2 + [True])
+    q = torch.from_numpy(make_kv((len(lens), hq, d), "gaussian", 7)).to(DEV, torch.bfloat16)
+    assert fast_decode_applies(q, tile_layout(preset, d), hkv, None)
+    outs = {}
+    for prefetch in ("0", "1", "2", "4"):
+        monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", prefetch)
+        outs[prefetch] = kk.decode_attention(
+            q,
+            batch.kv_cache,
+            batch.staging,
+            batch.block_table,
+            batch.seq_lens,
+            batch.quantized_lens,
+            batch.staging_slots,
+            preset,
+            d**-0.5,
+            sink_lens=batch.sink_lens,
+        )
+    assert torch.isfinite(outs["0"].float()).all()
+    for prefetch in ("1", "2", "4"):
+        assert torch.equal(outs[prefetch], outs["0"]), f"prefetch {prefetch}"
+
+
 @pytest.mark.parametrize("sink", [False, True])
 def test_values_only_windows_decode(sink: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Values-only exact windows at a real shape (kvarn_k4v2_g128, head_dim 128, bf16, GQA 4,

@@ -51,12 +51,19 @@ def test_kernels_fit_an_sm90(family: str) -> None:
 def test_fast_decode_kernel_compiles_for_sm90_at_128_registers() -> None:
     """The Gluon decode kernel (no interpreter exists for Gluon: this is its CPU test besides
     the GPU ones) compiles for every GQA group and frame count the launcher uses, at the
-    register cap that gives 4 CTAs per SM, and with the batch-invariant launch's fixed splits."""
+    register cap that gives 4 CTAs per SM, with the batch-invariant launch's fixed splits, and
+    with the L2 prefetch of records ahead (``KVARN_KERNELS_FAST_PREFETCH``), whose asm must
+    reach the PTX."""
     from kvarn_kernels.attention import fast
 
     rows = _compile("fast")
     bad = [r for r in rows if "error" in r or r["shared"] > SM90_MAX_SHARED]
     assert not bad, "\n".join(json.dumps(r) for r in bad)
     gluon = [r for r in rows if r["kernel"].startswith("fast decode")]
-    assert len(gluon) == 4 and len(rows) == 5  # and the query preparation
+    assert len(gluon) == 6 and len(rows) == 7  # and the query preparation
     assert all(r["registers"] <= fast.MAX_REGISTERS for r in gluon), gluon
+    # The prefetch asm is not pure, so it survives: one per tile ahead (the prologue's and the
+    # loop's), none without it.
+    for r in gluon:
+        ahead = int(r["kernel"].split(" prefetch ")[1]) if " prefetch " in r["kernel"] else 0
+        assert r["l2_prefetches"] == ahead, r

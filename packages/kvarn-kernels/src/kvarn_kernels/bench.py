@@ -150,6 +150,7 @@ def _template_records(
 
 _LAUNCH_ENV = (
     "KVARN_KERNELS_FAST_DECODE",
+    "KVARN_KERNELS_FAST_PREFETCH",
     "KVARN_KERNELS_ATTN_LAUNCH",
     "KVARN_KERNELS_STAGED_SPLITS",
     "KVARN_KERNELS_AUTOTUNE",
@@ -514,6 +515,16 @@ def _fits(bytes_needed: float, device: torch.device) -> bool:
     return bytes_needed < 0.8 * free
 
 
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
+    return value
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     quick = args.quick
@@ -529,8 +540,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         device = torch.device("cuda")
         shapes = [("llama3-8b", 32, 8, 128)] + ([] if quick else [("hd64", 32, 8, 64)])
-        batches = [16, 64] if quick else [1, 16, 64, 256]
-        contexts = [4096, 16384] if quick else [4096, 16384, 65536]
+        batches = args.batches or ([16, 64] if quick else [1, 16, 64, 256])
+        contexts = args.contexts or ([4096, 16384] if quick else [4096, 16384, 65536])
         store_batch = 256
     presets = args.presets
     if args.autotune:
@@ -766,6 +777,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few sizes (< 2 minutes)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--presets", nargs="+", default=["kvarn_k4v2_g128"])
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        type=_positive_int,
+        help="decode batch sizes of the grid (default 16 64 with --quick, else 1 16 64 256)",
+    )
+    parser.add_argument(
+        "--contexts",
+        nargs="+",
+        type=_positive_int,
+        help="context lengths of the grid (default 4096 16384 with --quick, else also 65536)",
+    )
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
     parser.add_argument(
         "--key-frame",

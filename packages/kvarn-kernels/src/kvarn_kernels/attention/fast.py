@@ -51,6 +51,9 @@ MAX_GROUP = 8
 NUM_WARPS = 4
 # 4 CTAs of 4 warps per SM; uncapped (168 registers, 3 CTAs) ran 20-30% slower on the H200.
 MAX_REGISTERS = 128
+# Bytes per line of an L2 prefetch (``prefetch.global.L2``): one per thread, 128 threads cover a
+# record of up to 16 KiB (``kvarn_k4v2_g128`` at head_dim 128: 13,568 bytes).
+PREFETCH_LINE: gl.constexpr = gl.constexpr(128)
 LOG2E = 1.4426950408889634
 NEG_BIG: gl.constexpr = gl.constexpr(-1.0e30)
 
@@ -227,6 +230,13 @@ def _v_asm() -> str:
 _V_ASM = gl.constexpr(_v_asm())
 
 
+# One lane per line of an L2 prefetch: [128] over the CTA's 4 warps.
+PF_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+# Ask L2 for the line at a global address; no register is written and nothing waits on it.
+_PREFETCH_ASM = gl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
 # ---------------------------------------------------------------------------------------------
 # Index helpers
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +333,21 @@ def _bcast_rows8_pair(x0, x1):
     y = gl.join(y, y)  # [4, 16, 8, i0, i1, i2]
     y = gl.permute(y, (0, 5, 4, 3, 1, 2))  # m = ((i2 * 2 + i1) * 2 + i0) * 16 + row
     return gl.convert_layout(gl.reshape(y, [4, 128, 8]), MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _prefetch_record(cache_u8_ptr, bt_row, t, head_base, stride_cb, lines):
+    """L2 prefetch of the record of tile ``t`` (``lines``: byte offsets of its lines, PF_L)."""
+    blk = gl.load(bt_row + t).to(gl.int64)
+    addr = (cache_u8_ptr + blk * stride_cb + head_base + lines).to(gl.int64, bitcast=True)
+    gl.inline_asm_elementwise(
+        asm=_PREFETCH_ASM,
+        constraints="=r,l",
+        args=[addr],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
@@ -427,6 +452,7 @@ def fast_decode_partial_kernel(
     OFF_VS: gl.constexpr,
     OFF_VZ: gl.constexpr,
     OFF_FL: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     """Partial decode attention of one (sequence, KV head, split) over its complete quantized
     tiles ``[first, qlen / G)`` (``first`` = 1 where the sink rows replace tile 0), in the
@@ -434,7 +460,9 @@ def fast_decode_partial_kernel(
     ``NUM_FRAMES = 2``: each tile's ``KEYS_UNROTATED`` flag picks frame 1 (the query in its
     own channels) for it. The splits divide each sequence's tiles evenly, or with ``FIXED``
     sit at fixed positions (``split_tiles`` tiles each, from tile 0), so that a row's bits do
-    not depend on the batch (batch-invariant mode)."""
+    not depend on the batch (batch-invariant mode). ``PREFETCH`` > 0: while tile ``t`` is
+    read, the record of tile ``t + PREFETCH`` (the split's last, near its end) is prefetched
+    into L2, so that more of the cache is in flight than one tile per CTA."""
     D: gl.constexpr = 128
     G: gl.constexpr = 128
     seq = gl.program_id(0)
@@ -479,7 +507,18 @@ def fast_decode_partial_kernel(
 
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
     head_base = hkv.to(gl.int64) * stride_ch
+    if PREFETCH > 0:
+        # Lines past the record's end read its last line again (a prefetch is only a hint).
+        lines = gl.minimum(gl.arange(0, 128, layout=PF_L) * PREFETCH_LINE, stride_ch - 1)
+        last = gl.maximum(t1 - 1, t0)
+        for j in gl.static_range(1, PREFETCH):
+            if t0 + j < t1:
+                _prefetch_record(cache_u8_ptr, bt_row, t0 + j, head_base, stride_cb, lines)
     for t in range(t0, t1):
+        if PREFETCH > 0:
+            _prefetch_record(
+                cache_u8_ptr, bt_row, gl.minimum(t + PREFETCH, last), head_base, stride_cb, lines
+            )
         blk = gl.load(bt_row + t).to(gl.int64)
         rec = blk * stride_cb + head_base  # bytes, a multiple of 16
         u8 = cache_u8_ptr + rec
@@ -586,13 +625,17 @@ def launch_fast_decode(
     split0: int,
     num_splits: int,
     split_tiles: int = 0,
+    prefetch: int = 0,
 ) -> None:
     """Write splits ``[split0, split0 + num_splits)`` of the partials ``acc`` / ``ml`` (the
     layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence: each
     sequence's tiles divided evenly among the splits, or with ``split_tiles > 0`` split ``s``
     over tiles ``[s * split_tiles, (s + 1) * split_tiles)`` (batch-invariant).
     ``prepared``: the query rows from :func:`kvarn_kernels.attention.prep.prepare_queries`
-    (two frames where tiles may hold their keys unrotated)."""
+    (two frames where tiles may hold their keys unrotated). ``prefetch``: tiles ahead of the
+    one being read whose record is prefetched into L2 (0: none)."""
+    if not 0 <= prefetch <= 4:
+        raise ValueError(f"prefetch must be 0..4 tiles ahead, got {prefetch}")
     qs, qa = prepared
     b, frames, hq, _ = qs.shape
     hkv = kv_cache.shape[1]
@@ -621,6 +664,7 @@ def launch_fast_decode(
         NUM_FRAMES=frames,
         SINK=sink_lens is not None,
         FIXED=split_tiles > 0,
+        PREFETCH=prefetch,
         **offset_constants(tile_layout(PRESET, HEAD_DIM)),
         num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,

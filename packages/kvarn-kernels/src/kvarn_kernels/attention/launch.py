@@ -151,6 +151,15 @@ def fast_decode_enabled() -> bool:
     return os.environ.get("KVARN_KERNELS_FAST_DECODE", "1") != "0"
 
 
+def fast_prefetch() -> int:
+    """``KVARN_KERNELS_FAST_PREFETCH=N`` (0-4): the Gluon decode kernel prefetches into L2 the
+    record ``N`` tiles ahead of the one it reads (0, the default: no prefetch)."""
+    raw = os.environ.get("KVARN_KERNELS_FAST_PREFETCH", "0").strip()
+    if raw not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"KVARN_KERNELS_FAST_PREFETCH must be an integer 0..4, got {raw!r}")
+    return int(raw)
+
+
 def fast_decode_applies(
     query: torch.Tensor,
     layout: TileLayout,
@@ -687,6 +696,7 @@ def _run(
             num_splits,
             fast_splits,
             split_tiles,
+            fast_prefetch(),
         )
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
