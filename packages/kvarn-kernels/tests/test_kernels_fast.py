@@ -77,7 +77,7 @@ def test_fast_decode_never_applies_off_the_gpu(monkeypatch: pytest.MonkeyPatch) 
     assert not fast_decode_applies(q, lay, 8, None)
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, 0), ("0", 0), ("2", 2), (" 4 ", 4)])
+@pytest.mark.parametrize(("raw", "want"), [(None, 1), ("0", 0), ("2", 2), (" 4 ", 4)])
 def test_fast_prefetch_reads_the_environment(raw, want, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_kernels.attention.launch import fast_prefetch
 

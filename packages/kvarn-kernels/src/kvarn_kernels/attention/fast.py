@@ -633,7 +633,8 @@ def launch_fast_decode(
     over tiles ``[s * split_tiles, (s + 1) * split_tiles)`` (batch-invariant).
     ``prepared``: the query rows from :func:`kvarn_kernels.attention.prep.prepare_queries`
     (two frames where tiles may hold their keys unrotated). ``prefetch``: tiles ahead of the
-    one being read whose record is prefetched into L2 (0: none)."""
+    one being read whose record is prefetched into L2 (0: none; the launcher passes
+    :func:`kvarn_kernels.attention.launch.fast_prefetch`, 1 by default)."""
     if not 0 <= prefetch <= 4:
         raise ValueError(f"prefetch must be 0..4 tiles ahead, got {prefetch}")
     qs, qa = prepared
