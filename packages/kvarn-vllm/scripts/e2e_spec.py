@@ -389,6 +389,21 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+_CAPTURE = re.compile(r"Capturing CUDA graphs \((\w+)\):\s+100%\|[^|]*\|\s*(\d+)/(\d+)")
+
+
+def captured_graphs(log: str) -> dict[str, int]:
+    """CUDA graphs the engine captured, by kind (``{"FULL": 11, "PIECEWISE": 23}``), from the
+    progress bars in its output. ``cudagraph_mode`` in a result is the mode the engine was
+    asked for; vLLM lowers it in the worker where a backend cannot take full graphs (a
+    speculative engine whose attention supports less than uniform batches runs piecewise)."""
+    out: dict[str, int] = {}
+    for kind, done, total in _CAPTURE.findall(log):
+        if done == total:
+            out[kind] = max(out.get(kind, 0), int(total))
+    return out
+
+
 def run_isolated_engine(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     """:func:`run_engine` in a fresh process; a crash or timeout becomes a recorded failure."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -409,6 +424,7 @@ def run_isolated_engine(spec: dict[str, Any], workdir: Path, timeout: float) -> 
             "ok": False,
             "error": f"child process gave no result (exit {code}):\n{tail}",
         }
+    result["captured_graphs"] = captured_graphs(full)
     status = "ok" if result.get("ok") else "FAILED"
     print(f"[{status}] {spec['name']} {result.get('seconds', '?')}s", flush=True)
     if result.get("error"):

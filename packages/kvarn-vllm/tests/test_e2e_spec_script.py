@@ -340,3 +340,20 @@ def test_repeat_draft_dir_returns_the_target_hidden_state(spec_script, tmp_path)
     (tmp_path / "target" / "config.json").write_text(json.dumps(biased))
     with pytest.raises(ValueError, match="biased projections"):
         spec_script.repeat_draft_dir(tmp_path / "target", tmp_path / "draft2")
+
+
+def test_captured_graphs_are_read_from_the_progress_bars(spec_script):
+    """vLLM's capture progress bars (carriage returns between updates, as a terminal-less run
+    writes them) give the graphs an engine really captured: a half-done bar is not counted."""
+    log = (
+        "INFO start\n"
+        "Capturing CUDA graphs (PIECEWISE):   0%|          | 0/23 [00:00<?, ?it/s]\r"
+        "Capturing CUDA graphs (PIECEWISE): 100%|##########| 23/23 [00:00<00:00, 30.84it/s]\n"
+        "Capturing CUDA graphs (FULL):  60%|######    | 3/5 [00:00<00:00, 11.27it/s]\r"
+        "Capturing CUDA graphs (FULL): 100%|##########| 5/5 [00:00<00:00, 12.09it/s]\n"
+        "Capturing CUDA graphs (FULL): 100%|##########| 5/5 [00:00<00:00, 11.67it/s]\n"
+    )
+    assert spec_script.captured_graphs(log) == {"PIECEWISE": 23, "FULL": 5}
+    cut = "Capturing CUDA graphs (FULL):  20%|##        | 1/5 [00:00<00:00,  8.63it/s]\n"
+    assert spec_script.captured_graphs(cut) == {}
+    assert spec_script.captured_graphs("no graphs, eager\n") == {}
