@@ -441,3 +441,163 @@ def test_spec_methods_follow_the_model_runner(vllm_config_factory, monkeypatch, 
     )
     with pytest.raises(ValueError, match=match):
         md.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
+
+
+# --- full CUDA graphs for uniform speculative batches (KVARN_VLLM_SPEC_FULL_GRAPHS=1) ---
+
+# What a captured graph fixes of a step's metadata: every tensor the forward reads (its
+# storage and shape) and the host values that shape its launches. Host copies and upper
+# bounds that only build() reads (max_seq_len, query_start_loc_host, host) may differ.
+_HOST_ONLY = {"max_seq_len", "query_start_loc_host", "host", "num_tokens"}
+
+
+def graph_signature(obj, name="md"):
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return (name, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+    if dataclasses.is_dataclass(obj):
+        return tuple(
+            graph_signature(getattr(obj, f.name), f"{name}.{f.name}")
+            for f in dataclasses.fields(obj)
+            if f.name not in _HOST_ONLY
+        )
+    return (name, obj)
+
+
+def _graph_cam(block_table, num_new, seq, padded_reqs, padded_tokens, causal=True):
+    """vLLM's metadata for a uniform step padded to a captured size: padding rows bring no
+    token and have seq_len 0; ``num_actual_tokens`` is the padded count."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    num_new = list(num_new) + [0] * (padded_reqs - len(num_new))
+    seq = np.asarray(list(seq) + [0] * (padded_reqs - len(seq)), dtype=np.int32)
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32))
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.from_numpy(seq),
+        num_reqs=padded_reqs,
+        num_actual_tokens=padded_tokens,
+        max_query_len=max(num_new),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.full((padded_tokens,), -1, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq),
+        causal=causal,
+    )
+
+
+@pytest.mark.parametrize(("spec", "flag", "want"), [(True, "1", "UNIFORM_BATCH"),
+                         (True, "0", "UNIFORM_SINGLE_TOKEN_DECODE"),
+                         (False, "1", "UNIFORM_SINGLE_TOKEN_DECODE")])  # fmt: skip
+def test_full_graph_support_under_speculation(vllm_config_factory, monkeypatch, spec, flag, want):
+    monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", flag)
+    vc = vllm_config_factory(PRESET)
+    if spec:
+        object.__setattr__(
+            vc, "speculative_config", SimpleNamespace(method="eagle", num_speculative_tokens=K)
+        )
+    assert md.KvarnMetadataBuilder.get_cudagraph_support(vc, None).name == want
+
+
+@pytest.mark.parametrize("sink", ["0", "1"])
+def test_verify_step_graph_replays_capture_buffers(vllm_config_factory, monkeypatch, sink):
+    """With full graphs for speculative batches, the capture of a uniform verify batch (2 rows
+    of 1 + K tokens) lays out the buffers a real verify step of that size uses: a real step of
+    one request plus a padding row (no tokens, seq_len 0, as vLLM pads a graph's batch) has
+    the same tensors and launch shapes, and the forward run on the *capture's* metadata after
+    build() (a replay) stores and attends exactly as the real metadata does, correctly."""
+    monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", "1")
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    n, slot = 1 + K, 2
+    bt = torch.zeros((2, MAX_BLOCKS), dtype=torch.int32)  # the runner's persistent table
+    captured = h.builder.build_for_cudagraph_capture(_graph_cam(bt, [n, n], [n, n], 2, 2 * n))
+    assert captured.decode is None and captured.fresh is None
+    assert captured.context is not None and captured.context.rows is None
+    assert (captured.plan.tiles == -1).all() and (captured.plan.writes == -1).all()
+    # A prompt of 61 tokens (a mixed step, piecewise), then verify steps crossing tile 0's end.
+    k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
+    md.STEP.report_added([slot])
+    md.STEP.report_real(
+        SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
+    )
+    h.run(h.builder.build(0, h.cam([slot], [0], [61], [0])), [(slot, 0, (k0, v0))])
+    acc_k, acc_v, cached = k0, v0, 61
+    bt[0] = h.block_table[slot]
+    for step, accepted in enumerate([1, 4, 0, 2]):
+        md.STEP.report_real(
+            SimpleNamespace(
+                num_reqs=1,
+                idx_mapping_np=np.array([slot]),
+                num_draft_tokens_per_req=np.array([K], dtype=np.int32),
+            )
+        )
+        real = h.builder.build(0, _graph_cam(bt, [n], [cached + n], 2, 2 * n))
+        assert graph_signature(real) == graph_signature(captured)
+        sk, sv = h.rand(2 * n, HKV, D), h.rand(2 * n, HKV, D)  # rows n.. are padding
+        q = h.rand(2 * n, HQ, D)
+        state = (h.kv_cache.clone(), h.layer.impl.staging.clone())
+        results = []
+        for meta in (real, captured):
+            h.kv_cache.copy_(state[0])
+            h.layer.impl.staging.copy_(state[1])
+            out = torch.full((2 * n, HQ, D), float("nan"), dtype=torch.float16)
+            h.layer.impl.forward(h.layer, q, sk, sv, h.kv_cache, meta, output=out)
+            results.append((out[:n].clone(), h.kv_cache.clone(), h.layer.impl.staging.clone()))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), step
+        out = results[0][0]
+        quantized = int(real.context.quantized_lens[0])
+        key_read = None if real.context.key_lens is None else int(real.context.key_lens[0])
+        step_k, step_v = torch.cat([acc_k, sk[:n]]), torch.cat([acc_v, sv[:n]])
+        for j in range(n):
+            pos = cached + j
+            assert_matches(h, out[j : j + 1], step_k[: pos + 1], step_v[: pos + 1], quantized,
+                           q[j : j + 1], (step, j), slot, key_read)  # fmt: skip
+        acc_k, acc_v = step_k[: cached + 1 + accepted], step_v[: cached + 1 + accepted]
+        cached += 1 + accepted
+
+
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_draft_step_graph_replays_capture_buffers(vllm_config_factory, monkeypatch, method):
+    """A drafter's step captured (EAGLE: one token per request; DFlash: a non-causal block of
+    1 + K) keeps its store plan (empty), so the graph holds the store, and a real draft step
+    of one request plus a padding row uses the same tensors and shapes; replayed on the
+    capture's metadata it writes the same staging and attends the same."""
+    monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", "1")
+    h = SpecHarness(vllm_config_factory, monkeypatch, method=method)
+    n, slot = (1 + K, 1) if method == "dflash" else (1, 1)
+    causal = method != "dflash"
+    bt = torch.zeros((2, MAX_BLOCKS), dtype=torch.int32)
+    captured = h.builder.build_for_cudagraph_capture(
+        _graph_cam(bt, [n, n], [n, n], 2, 2 * n, causal=causal)
+    )
+    assert captured.plan is not None and (captured.plan.writes == -1).all()
+    assert captured.causal == causal
+    k0, v0 = h.rand(70, HKV, D), h.rand(70, HKV, D)
+    md.STEP.report_added([slot])
+    md.STEP.report_real(
+        SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
+    )
+    h.run(h.builder.build(0, h.cam([slot], [0], [70], [0])), [(slot, 0, (k0, v0))])
+    bt[0] = h.block_table[slot]
+    with md.STEP.draft_steps():
+        real = h.builder.build(0, _graph_cam(bt, [n], [70 + n], 2, 2 * n, causal=causal))
+    assert graph_signature(real) == graph_signature(captured)
+    assert real.plan.writes[:n, 0].tolist() == list(range(n))
+    assert (real.plan.writes[n:] == -1).all()  # the padding row's tokens write nothing
+    dk, dv, q = h.rand(2 * n, HKV, D), h.rand(2 * n, HKV, D), h.rand(2 * n, HQ, D)
+    state = (h.kv_cache.clone(), h.layer.impl.staging.clone())
+    results = []
+    for meta in (real, captured):
+        h.kv_cache.copy_(state[0])
+        h.layer.impl.staging.copy_(state[1])
+        out = torch.full((2 * n, HQ, D), float("nan"), dtype=torch.float16)
+        h.layer.impl.forward(h.layer, q, dk, dv, h.kv_cache, meta, output=out)
+        results.append((out[:n].clone(), h.kv_cache.clone(), h.layer.impl.staging.clone()))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert torch.isfinite(results[0][0].float()).all()
+    assert not torch.equal(results[0][2], state[1])  # the drafts reached staging

@@ -197,6 +197,17 @@ def env_flag(name: str, default: bool) -> bool:
     return raw == "1"
 
 
+SPEC_GRAPHS_ENV = "KVARN_VLLM_SPEC_FULL_GRAPHS"
+
+
+def spec_full_graphs() -> bool:
+    """``KVARN_VLLM_SPEC_FULL_GRAPHS=1``: declare full CUDA graphs for uniform batches of any
+    query length (vLLM's ``UNIFORM_BATCH``), so that a speculative engine keeps full graphs
+    for its verify steps (``1 + k`` tokens per request) and its drafter's steps instead of
+    falling back to piecewise graphs. Off by default: CPU-tested, not yet run on a GPU."""
+    return env_flag(SPEC_GRAPHS_ENV, False)
+
+
 def sink_from_env() -> bool:
     """The :data:`SINK_ENV` setting: ``0`` turns the exact first tile off, ``1`` (default) on."""
     return env_flag(SINK_ENV, True)

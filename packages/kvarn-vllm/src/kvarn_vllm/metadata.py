@@ -550,6 +550,18 @@ def _make_builder_class() -> type:
         # read lives in a persistent buffer at a fixed offset, refreshed by build().
         _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
+        @classmethod
+        def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+            """Single-token decodes; with speculative decoding and
+            ``KVARN_VLLM_SPEC_FULL_GRAPHS=1``, uniform batches of any length (verify steps,
+            drafter steps), whose capture metadata :meth:`build_for_cudagraph_capture` lays
+            out on the buffers a real step of that shape uses."""
+            from kvarn_vllm.config import spec_full_graphs
+
+            if getattr(vllm_config, "speculative_config", None) is not None and spec_full_graphs():
+                return AttentionCGSupport.UNIFORM_BATCH
+            return cls._cudagraph_support
+
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
             import torch
@@ -632,6 +644,12 @@ def _make_builder_class() -> type:
             self._pin = torch.cuda.is_available() and device.type == "cuda"
             self._last_serial = -1
             self._spec = _spec_state(device, self.max_num_reqs) if self.speculative else None
+            from kvarn_vllm.config import spec_full_graphs
+
+            # Full CUDA graphs for uniform speculative batches (get_cudagraph_support): vLLM
+            # captures the target's verify steps of 1 + k tokens per request.
+            self._spec_graphs = self.speculative and spec_full_graphs()
+            self._verify_len = 1 + num_spec
             # Per request-state row: the first position its request wrote itself (its
             # prefix-cache hit length), where the exact copy of its tokens in staging begins.
             self._exact_start = np.zeros(self.max_num_reqs, dtype=np.int64)
@@ -655,9 +673,19 @@ def _make_builder_class() -> type:
             return self._build(common_attn_metadata, record if fresh_step else None)
 
         def build_for_cudagraph_capture(self, common_attn_metadata):
-            # The same buffers, shapes and kernels as a real step of single-token decodes
-            # of this batch size; the plan is all padding, so nothing is written.
-            return self._build(common_attn_metadata, None, capture=True)
+            """The same buffers, shapes and kernels as a real step of this uniform batch;
+            the plan is all padding, so nothing is written. Without speculation: single-token
+            decodes. With it (``KVARN_VLLM_SPEC_FULL_GRAPHS=1``), vLLM captures only uniform
+            speculative batches: ``1 + k`` causal tokens per request are the target's verify
+            step (or EAGLE's first draft step, which reuses its metadata); one token per
+            request or a non-causal block is a drafter's step (:meth:`_build_draft_step`)."""
+            cam = common_attn_metadata
+            if self._spec_graphs:
+                qlens = np.diff(cam.query_start_loc_cpu[: int(cam.num_reqs) + 1].numpy())
+                if int(qlens.max(initial=0)) == 1 or not getattr(cam, "causal", True):
+                    dummy = StepRecord(serial=-1, num_reqs=0, slots=None)
+                    return self._build_draft_step(cam, dummy, capture=True)
+            return self._build(cam, None, capture=True)
 
         def _build(self, cam, record: StepRecord | None, capture: bool = False):
             import torch
@@ -681,6 +709,8 @@ def _make_builder_class() -> type:
                         f"staging slot {slots.max()} out of range: kvarn has "
                         f"{self.max_num_reqs} (max_num_seqs)"
                     )
+            elif capture and self._spec_graphs:
+                seq_lens = num_new.copy()  # as vLLM's dummy batch: the rows' own tokens
             elif capture:
                 seq_lens = np.minimum(num_new, 1).astype(np.int32)
             else:
@@ -691,19 +721,30 @@ def _make_builder_class() -> type:
             max_blocks = int(block_table.shape[1])
             # Single-token decodes, possibly with padding rows (no tokens) of a CUDA graph.
             uniform_decode = bool((num_new <= 1).all()) and bool((num_new == 1).any())
+            # With full graphs for speculative batches: a verify step whose rows bring
+            # 1 + k tokens each, or none (padding rows of a graph), runs as one uniform
+            # context group on the persistent buffers, as the capture laid them out.
+            q_uniform = int(num_new.max(initial=0))
+            uniform_verify = (
+                self._spec_graphs
+                and q_uniform == self._verify_len > 1
+                and bool(((num_new == 0) | (num_new == q_uniform)).all())
+            )
 
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
             plan = None
             quantized = np.zeros(num_reqs, dtype=np.int32)
             read = quantized
             key_read = read  # values-only windows: where exact keys start
-            on_device = record is not None and self.speculative
+            on_device = self.speculative and (record is not None or (capture and uniform_verify))
             if record is not None and record.new_rows is not None:
                 real = min(record.num_reqs, num_reqs)
                 added = np.flatnonzero(np.asarray(record.new_rows[:real], dtype=bool))
                 g = self.preset.group_size
                 self._exact_start[slots[added]] = num_cached[added] // g * g
-            if on_device and record is not None:
+            if on_device and record is None:
+                pass  # capture: no drafts, no new rows; the device plan is all padding
+            elif on_device and record is not None:
                 # Lengths on the host are upper bounds (accepted drafts are known on the
                 # GPU only): the plan is made on the device after the copy below.
                 real = min(record.num_reqs, num_reqs)
@@ -766,7 +807,11 @@ def _make_builder_class() -> type:
                 s, _ = self._layout[name]
                 host[s : s + values.size] = values
 
-            if capture or (record is not None and uniform_decode):
+            if uniform_verify and (capture or record is not None):
+                rows = np.arange(num_reqs, dtype=np.int32)
+                empty = np.zeros(0, dtype=np.int32)
+                split = BatchSplit(decode=empty, fresh=empty, context=rows, uniform="context")
+            elif capture or (record is not None and uniform_decode):
                 rows = np.arange(num_reqs, dtype=np.int32)
                 empty = np.zeros(0, dtype=np.int32)
                 split = BatchSplit(decode=rows, fresh=empty, context=empty, uniform="decode")
@@ -816,8 +861,11 @@ def _make_builder_class() -> type:
             dev_sink = self._view(buf, "sink_lens", num_reqs) if self.config.sink else None
             dev_sink_slots = self._view(buf, "sink_slots", num_reqs) if self.config.sink else None
             dev_plan = None
-            if on_device and record is not None:
-                dev_plan = self._device_plan(cam, record, num_reqs, int(qsl[-1]), buf)
+            if on_device:
+                # Write rows for every token of the (padded) step: a graph replays the
+                # capture's shapes, and tokens past the real ones plan nothing.
+                width = max(int(qsl[-1]), int(cam.num_actual_tokens))
+                dev_plan = self._device_plan(cam, record, num_reqs, width, buf)
             elif plan is not None:
                 tiles = self._view(buf, "tiles", plan.tiles.shape[0], 5)
                 writes = self._view(buf, "writes", plan.writes.shape[0], 4)
@@ -887,12 +935,13 @@ def _make_builder_class() -> type:
                 context=groups["context"],
             )
 
-        def _device_plan(self, cam, record: StepRecord, num_reqs: int, num_tokens: int, buf):
+        def _device_plan(self, cam, record: StepRecord | None, num_reqs: int, num_tokens: int, buf):
             """This step's store plan from the device lengths (speculative decoding).
 
             ``cam.seq_lens`` is exact on the device; the committed length of a row is
             ``seq_len - num_drafts``. Tiles already quantized come from the shared
-            per-row state, reset for requests (re)added this step.
+            per-row state, reset for requests (re)added this step. ``record`` None: a CUDA
+            graph capture, whose plan has the real step's shapes and writes nothing.
             """
             import torch
 
@@ -905,13 +954,13 @@ def _make_builder_class() -> type:
             drafts = self._view(buf, "drafts", num_reqs)
             new_rows = self._view(buf, "new_rows", num_reqs)
             spec = self._spec
-            if spec["serial"] != record.serial:
+            if record is not None and spec["serial"] != record.serial:
                 spec["before"].copy_(spec["quantized"])
                 spec["serial"] = record.serial
             floor = (seq - (qsl[1:] - qsl[:-1])) // g * g
             before = spec["before"][slots.long()]
             before = torch.where(new_rows > 0, floor, torch.minimum(before, floor))
-            real = min(record.num_reqs, num_reqs)
+            real = 0 if record is None else min(record.num_reqs, num_reqs)
             start = torch.where(new_rows > 0, floor, spec["start"][slots.long()])
             if self.config.recent_tiles or not self.config.window_keys:
                 spec["start"].index_copy_(0, slots[:real].long(), start[:real])
@@ -935,6 +984,9 @@ def _make_builder_class() -> type:
             writes = self._view(buf, "writes", num_tokens, 4)
             tiles.copy_(plan.tiles)
             writes.copy_(plan.writes)
+            if record is None:
+                tiles.fill_(-1)
+                writes.fill_(-1)
             self._view(buf, "seq_lens", num_reqs).copy_(seq)
             self._view(buf, "quantized_lens", num_reqs).copy_(plan.quantized_lens)
             self._view(buf, "read_lens", num_reqs).copy_(plan.attention_lens)
@@ -959,14 +1011,16 @@ def _make_builder_class() -> type:
                 else self._view(buf, "key_lens", num_reqs),
             )
 
-        def _build_draft_step(self, cam, record: StepRecord):
+        def _build_draft_step(self, cam, record: StepRecord, capture: bool = False):
             """A drafter's step: ``n`` draft tokens per row at its last ``n`` positions, one
             for EAGLE/MTP steps 2..k, a block of ``1 + k`` for DFlash (non-causal when
             ``cam.causal`` is False). Rows without tokens (padding) come last.
 
             Its tokens are drafts: they go to staging and nothing is committed (the
             drafter's layers commit with the target's plan of the next step, which rewrites
-            these positions).
+            these positions). ``capture``: a CUDA graph capture, which keeps the (empty)
+            store plan so that the graph holds the store; write rows cover every token of
+            the padded step.
             """
             import torch
 
@@ -987,7 +1041,7 @@ def _make_builder_class() -> type:
                 raise ValueError(
                     f"kvarn-vllm: a drafter step's causal flag must be one bool, got {causal!r}"
                 )
-            num_tokens = int(qsl[-1])
+            num_tokens = max(int(qsl[-1]), int(cam.num_actual_tokens))
             rslots = record.slots
             real = min(record.num_reqs, num_reqs) if rslots is not None else 0
             host = np.zeros(self._device_buf.numel(), dtype=np.int32)
@@ -1042,14 +1096,15 @@ def _make_builder_class() -> type:
                 )
             # Token t is row t // n's draft at position seq - n + t % n.
             tokens = torch.arange(num_tokens, dtype=torch.int32, device=buf.device)
-            rows = tokens // n
+            owner = tokens // n  # past the real rows for a graph's padding tokens
+            rows = owner.clamp(max=max(num_reqs - 1, 0))
             pos = seq.index_select(0, rows.long()) - n + tokens % n
             value_rows = kernels.staging_rows(pos.clamp(min=0), sg, base)
             key_rows = value_rows
             if self.config.key_tiles is not None:
                 # values-only windows: the draft's key goes to the key ring (open tiles)
                 key_rows = pos.clamp(min=0) % (self.config.key_tiles * g)
-            ok = (rows < real) & (pos >= 0)
+            ok = (owner < real) & (pos >= 0)
             row_slots = slots.index_select(0, rows.long())
             writes = torch.stack([tokens, row_slots, value_rows, key_rows], dim=1)
             tiles = self._view(buf, "tiles", num_reqs, 5)
@@ -1094,7 +1149,7 @@ def _make_builder_class() -> type:
             return KvarnMetadata(
                 num_reqs=num_reqs,
                 num_actual_tokens=int(cam.num_actual_tokens),
-                plan=plan if real else None,
+                plan=plan if real or capture else None,
                 decode=None if block else group,
                 fresh=None,
                 context=group if block else None,
