@@ -601,3 +601,43 @@ def test_draft_step_graph_replays_capture_buffers(vllm_config_factory, monkeypat
         assert torch.equal(a, b)
     assert torch.isfinite(results[0][0].float()).all()
     assert not torch.equal(results[0][2], state[1])  # the drafts reached staging
+
+
+def test_uniform_verify_batch_with_a_new_prompt_of_the_same_length(
+    vllm_config_factory, monkeypatch
+):
+    """With full graphs for speculative batches, a step whose rows all bring 1 + K tokens runs
+    as one context group even where a row is a new prompt of exactly 1 + K tokens (nothing
+    cached): that row attends its own tokens, stored this step, exactly; the verify row beside
+    it reads its records."""
+    monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", "1")
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    n, old, new = 1 + K, 2, 3
+    k0, v0 = h.rand(200, HKV, D), h.rand(200, HKV, D)
+    md.STEP.report_added([old])
+    md.STEP.report_real(
+        SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([old]), num_draft_tokens_per_req=None)
+    )
+    h.run(h.builder.build(0, h.cam([old], [0], [200], [0])), [(old, 0, (k0, v0))])
+    md.STEP.report_added([new])
+    md.STEP.report_real(
+        SimpleNamespace(
+            num_reqs=2,
+            idx_mapping_np=np.array([old, new]),
+            num_draft_tokens_per_req=np.array([K, 0], dtype=np.int32),
+        )
+    )
+    meta = h.builder.build(0, h.cam([old, new], [200, 0], [n, n], [0, 0]))
+    assert meta.context is not None and meta.context.rows is None and meta.fresh is None
+    ka, va = h.rand(n, HKV, D), h.rand(n, HKV, D)
+    kb, vb = h.rand(n, HKV, D), h.rand(n, HKV, D)
+    q, out = h.run(meta, [(old, 200, (ka, va)), (new, 0, (kb, vb))])
+    quantized = int(meta.context.quantized_lens[0])
+    assert quantized >= G  # the verify row reads records (tile 1 at least)
+    key_read = None if meta.context.key_lens is None else int(meta.context.key_lens[0])
+    all_k, all_v = torch.cat([k0, ka]), torch.cat([v0, va])
+    for j in range(n):
+        assert_matches(h, out[j : j + 1], all_k[: 201 + j], all_v[: 201 + j], quantized,
+                       q[j : j + 1], ("verify", j), old, key_read)  # fmt: skip
+        assert_matches(h, out[n + j : n + j + 1], kb[: j + 1], vb[: j + 1], 0,
+                       q[n + j : n + j + 1], ("prompt", j))  # fmt: skip
