@@ -108,11 +108,16 @@ def test_write_json_turns_nan_into_null(tmp_path: Path) -> None:
     assert loaded["results"][0]["rows"][1]["kl"] == 0.01
 
 
-def test_environment_info() -> None:
+def test_environment_info(monkeypatch) -> None:
+    monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", "2")
+    monkeypatch.setenv("UNRELATED_VARIABLE", "x")
     info = report.environment_info()
     assert info["versions"]["kvarn-eval"] == "0.1.0"
     assert info["cpu_count"] and info["date_utc"].endswith("+00:00")
     assert "git_sha" in info
+    # the kvarn settings a result was made under, and only those
+    assert info["kvarn_env"]["KVARN_KERNELS_FAST_PREFETCH"] == "2"
+    assert all(k.startswith("KVARN_") for k in info["kvarn_env"])
 
 
 def test_git_sha_names_an_exported_tree(tmp_path: Path, monkeypatch) -> None:

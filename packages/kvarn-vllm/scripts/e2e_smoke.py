@@ -476,6 +476,8 @@ def environment() -> dict[str, Any]:
     except Exception:
         pass
     info["git_sha"] = git_sha(Path(__file__).resolve().parent)
+    # kvarn's settings (KVARN_VLLM_*, KVARN_KERNELS_*): a result is read against them.
+    info["kvarn_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVARN_")}
     return info
 
 

@@ -458,3 +458,15 @@ def test_modes_batch1_runs_a_prefix_of_the_prompts(e2e, monkeypatch, tmp_path):
     pairs = json.loads((tmp_path / "modes.json").read_text())["mode_pairs"]
     assert pairs["auto: eager vs batch1"]["num_prompts"] == 25
     assert pairs["auto: eager vs batch1"]["exact_match"] == 1.0
+
+
+def test_environment_records_kvarn_settings(e2e, monkeypatch):
+    """Results carry the KVARN_* variables they ran under (batch-invariant mode, full
+    speculative graphs, ...), and nothing else of the environment."""
+    monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", "1")
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("NOT_KVARN_X", "secret")
+    env = e2e.environment()["kvarn_env"]
+    assert env["KVARN_VLLM_SPEC_FULL_GRAPHS"] == "1"
+    assert env["KVARN_KERNELS_BATCH_INVARIANT"] == "1"
+    assert all(k.startswith("KVARN_") for k in env)

@@ -100,6 +100,8 @@ def environment_info() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "versions": versions,
+        # kvarn's settings (KVARN_VLLM_*, KVARN_KERNELS_*) the run was made under
+        "kvarn_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVARN_")},
         "gpu": None,
     }
     if "torch" in sys.modules:

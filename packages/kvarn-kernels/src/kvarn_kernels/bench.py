@@ -547,7 +547,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.autotune:
         # Read at every launch (kvarn_kernels.attention.launch.autotune_enabled).
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "1"
-    from kvarn_kernels.attention.launch import batch_invariant
+    from kvarn_kernels.attention.launch import batch_invariant, fast_prefetch
 
     t0 = time.time()
     hbm = measure_hbm_bandwidth(device, quick)
@@ -564,6 +564,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "key_frame": args.key_frame,
         "windows": args.windows,
         "batch_invariant": batch_invariant(),
+        "fast_prefetch": fast_prefetch(),  # tiles ahead the Gluon decode kernel prefetches
         # the measurement settings of the environment, as read by the launcher
         "launch_env": {k: os.environ.get(k) for k in _LAUNCH_ENV if os.environ.get(k)},
         "hbm_copy_gbps": hbm,
