@@ -488,6 +488,23 @@ def _graph_cam(block_table, num_new, seq, padded_reqs, padded_tokens, causal=Tru
     )
 
 
+def replay_on_capture(h, real, captured, q, k, v, n):
+    """The forward on ``real`` and, from the same cache and staging, on ``captured`` (what a
+    replayed graph does once build() has refreshed the buffers): outputs of the first ``n``
+    tokens, the cache and staging must be equal. Returns the output and staging after."""
+    state = (h.kv_cache.clone(), h.layer.impl.staging.clone())
+    results = []
+    for meta in (real, captured):
+        h.kv_cache.copy_(state[0])
+        h.layer.impl.staging.copy_(state[1])
+        out = torch.full((q.shape[0], HQ, D), float("nan"), dtype=torch.float16)
+        h.layer.impl.forward(h.layer, q, k, v, h.kv_cache, meta, output=out)
+        results.append((out[:n].clone(), h.kv_cache.clone(), h.layer.impl.staging.clone()))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    return results[0][0], results[0][2]
+
+
 @pytest.mark.parametrize(("spec", "flag", "want"), [(True, "1", "UNIFORM_BATCH"),
                          (True, "0", "UNIFORM_SINGLE_TOKEN_DECODE"),
                          (False, "1", "UNIFORM_SINGLE_TOKEN_DECODE")])  # fmt: skip
@@ -538,17 +555,7 @@ def test_verify_step_graph_replays_capture_buffers(vllm_config_factory, monkeypa
         assert graph_signature(real) == graph_signature(captured)
         sk, sv = h.rand(2 * n, HKV, D), h.rand(2 * n, HKV, D)  # rows n.. are padding
         q = h.rand(2 * n, HQ, D)
-        state = (h.kv_cache.clone(), h.layer.impl.staging.clone())
-        results = []
-        for meta in (real, captured):
-            h.kv_cache.copy_(state[0])
-            h.layer.impl.staging.copy_(state[1])
-            out = torch.full((2 * n, HQ, D), float("nan"), dtype=torch.float16)
-            h.layer.impl.forward(h.layer, q, sk, sv, h.kv_cache, meta, output=out)
-            results.append((out[:n].clone(), h.kv_cache.clone(), h.layer.impl.staging.clone()))
-        for a, b in zip(*results, strict=True):
-            assert torch.equal(a, b), step
-        out = results[0][0]
+        out, _ = replay_on_capture(h, real, captured, q, sk, sv, n)
         quantized = int(real.context.quantized_lens[0])
         key_read = None if real.context.key_lens is None else int(real.context.key_lens[0])
         step_k, step_v = torch.cat([acc_k, sk[:n]]), torch.cat([acc_v, sv[:n]])
@@ -589,18 +596,10 @@ def test_draft_step_graph_replays_capture_buffers(vllm_config_factory, monkeypat
     assert real.plan.writes[:n, 0].tolist() == list(range(n))
     assert (real.plan.writes[n:] == -1).all()  # the padding row's tokens write nothing
     dk, dv, q = h.rand(2 * n, HKV, D), h.rand(2 * n, HKV, D), h.rand(2 * n, HQ, D)
-    state = (h.kv_cache.clone(), h.layer.impl.staging.clone())
-    results = []
-    for meta in (real, captured):
-        h.kv_cache.copy_(state[0])
-        h.layer.impl.staging.copy_(state[1])
-        out = torch.full((2 * n, HQ, D), float("nan"), dtype=torch.float16)
-        h.layer.impl.forward(h.layer, q, dk, dv, h.kv_cache, meta, output=out)
-        results.append((out[:n].clone(), h.kv_cache.clone(), h.layer.impl.staging.clone()))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
-    assert torch.isfinite(results[0][0].float()).all()
-    assert not torch.equal(results[0][2], state[1])  # the drafts reached staging
+    before = h.layer.impl.staging.clone()
+    out, staging = replay_on_capture(h, real, captured, q, dk, dv, n)
+    assert torch.isfinite(out.float()).all()
+    assert not torch.equal(staging, before)  # the drafts reached staging
 
 
 def test_uniform_verify_batch_with_a_new_prompt_of_the_same_length(
