@@ -644,11 +644,12 @@ def _make_builder_class() -> type:
             self._pin = torch.cuda.is_available() and device.type == "cuda"
             self._last_serial = -1
             self._spec = _spec_state(device, self.max_num_reqs) if self.speculative else None
-            from kvarn_vllm.config import spec_full_graphs
-
-            # Full CUDA graphs for uniform speculative batches (get_cudagraph_support): vLLM
-            # captures the target's verify steps of 1 + k tokens per request.
-            self._spec_graphs = self.speculative and spec_full_graphs()
+            # Full CUDA graphs for uniform speculative batches: vLLM captures the target's
+            # verify steps of 1 + k tokens per request.
+            self._spec_graphs = (
+                self.get_cudagraph_support(vllm_config, kv_cache_spec)
+                == AttentionCGSupport.UNIFORM_BATCH
+            )
             self._verify_len = 1 + num_spec
             # Per request-state row: the first position its request wrote itself (its
             # prefix-cache hit length), where the exact copy of its tokens in staging begins.
@@ -742,19 +743,19 @@ def _make_builder_class() -> type:
                 added = np.flatnonzero(np.asarray(record.new_rows[:real], dtype=bool))
                 g = self.preset.group_size
                 self._exact_start[slots[added]] = num_cached[added] // g * g
-            if on_device and record is None:
-                pass  # capture: no drafts, no new rows; the device plan is all padding
-            elif on_device and record is not None:
+            if on_device:
                 # Lengths on the host are upper bounds (accepted drafts are known on the
-                # GPU only): the plan is made on the device after the copy below.
-                real = min(record.num_reqs, num_reqs)
-                for name, values in (
-                    ("drafts", record.num_drafts),
-                    ("new_rows", record.new_rows),
-                ):
-                    if values is not None:
-                        s, _ = self._layout[name]
-                        host[s : s + real] = np.asarray(values[:real], dtype=np.int32)
+                # GPU only): the plan is made on the device after the copy below. A capture
+                # (no record) has no drafts and no new rows; its device plan is all padding.
+                if record is not None:
+                    real = min(record.num_reqs, num_reqs)
+                    for name, values in (
+                        ("drafts", record.num_drafts),
+                        ("new_rows", record.new_rows),
+                    ):
+                        if values is not None:
+                            s, _ = self._layout[name]
+                            host[s : s + real] = np.asarray(values[:real], dtype=np.int32)
             elif record is not None or capture:
                 plan = kernels.plan_store(
                     num_cached if record is not None else np.zeros(num_reqs, np.int32),
