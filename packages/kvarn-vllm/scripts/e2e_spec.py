@@ -389,7 +389,11 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-_CAPTURE = re.compile(r"Capturing CUDA graphs \((\w+)\):\s+100%\|[^|]*\|\s*(\d+)/(\d+)")
+# The V2 runner's bars say "(FULL)", the V1 runner's "(decode, FULL)" and
+# "(mixed prefill-decode, PIECEWISE)".
+_CAPTURE = re.compile(
+    r"Capturing CUDA graphs \((?:[^,()]*,\s*)?(\w+)\):\s+100%\|[^|]*\|\s*(\d+)/(\d+)"
+)
 
 
 def captured_graphs(log: str) -> dict[str, int]:

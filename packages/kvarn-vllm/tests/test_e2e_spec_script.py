@@ -357,3 +357,10 @@ def test_captured_graphs_are_read_from_the_progress_bars(spec_script):
     cut = "Capturing CUDA graphs (FULL):  20%|##        | 1/5 [00:00<00:00,  8.63it/s]\n"
     assert spec_script.captured_graphs(cut) == {}
     assert spec_script.captured_graphs("no graphs, eager\n") == {}
+    # vLLM's V1 runner (n-gram) names the batch kind before the mode.
+    v1 = (
+        "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|###| 35/35 [00:01]\n"
+        "Capturing CUDA graphs (decode, FULL):  50%|#  | 24/48 [00:01<00:01, 14.0it/s]\r"
+        "Capturing CUDA graphs (decode, FULL): 100%|###| 48/48 [00:03<00:00, 13.9it/s]\n"
+    )
+    assert spec_script.captured_graphs(v1) == {"PIECEWISE": 35, "FULL": 48}

@@ -443,7 +443,7 @@ def test_spec_methods_follow_the_model_runner(vllm_config_factory, monkeypatch, 
         md.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
 
 
-# --- full CUDA graphs for uniform speculative batches (KVARN_VLLM_SPEC_FULL_GRAPHS=1) ---
+# --- full CUDA graphs for uniform speculative batches (KVARN_VLLM_SPEC_FULL_GRAPHS, default 1) ---
 
 # What a captured graph fixes of a step's metadata: every tensor the forward reads (its
 # storage and shape) and the host values that shape its launches. Host copies and upper
@@ -506,10 +506,16 @@ def replay_on_capture(h, real, captured, q, k, v, n):
 
 
 @pytest.mark.parametrize(("spec", "flag", "want"), [(True, "1", "UNIFORM_BATCH"),
+                         (True, None, "UNIFORM_BATCH"),
                          (True, "0", "UNIFORM_SINGLE_TOKEN_DECODE"),
-                         (False, "1", "UNIFORM_SINGLE_TOKEN_DECODE")])  # fmt: skip
+                         (False, "1", "UNIFORM_SINGLE_TOKEN_DECODE"),
+                         (False, None, "UNIFORM_SINGLE_TOKEN_DECODE")])  # fmt: skip
 def test_full_graph_support_under_speculation(vllm_config_factory, monkeypatch, spec, flag, want):
-    monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", flag)
+    """Full graphs for uniform speculative batches by default; ``0`` turns them off."""
+    if flag is None:
+        monkeypatch.delenv("KVARN_VLLM_SPEC_FULL_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("KVARN_VLLM_SPEC_FULL_GRAPHS", flag)
     vc = vllm_config_factory(PRESET)
     if spec:
         object.__setattr__(

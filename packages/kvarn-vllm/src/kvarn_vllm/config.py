@@ -201,11 +201,14 @@ SPEC_GRAPHS_ENV = "KVARN_VLLM_SPEC_FULL_GRAPHS"
 
 
 def spec_full_graphs() -> bool:
-    """``KVARN_VLLM_SPEC_FULL_GRAPHS=1``: declare full CUDA graphs for uniform batches of any
-    query length (vLLM's ``UNIFORM_BATCH``), so that a speculative engine keeps full graphs
-    for its verify steps (``1 + k`` tokens per request) and its drafter's steps instead of
-    falling back to piecewise graphs. Off by default: CPU-tested, not yet run on a GPU."""
-    return env_flag(SPEC_GRAPHS_ENV, False)
+    """The :data:`SPEC_GRAPHS_ENV` setting (default ``1``): with speculative decoding, declare
+    full CUDA graphs for uniform batches of any query length (vLLM's ``UNIFORM_BATCH``), so
+    that a speculative engine keeps full graphs for its verify steps (``1 + k`` tokens per
+    request) and its drafter's steps instead of falling back to piecewise graphs with kvarn's
+    attention eager between them. ``0`` declares single-token decodes only, as before
+    2026-12-03 (H200, SmolLM2-shaped DFlash, 32 x 256 tokens: 1,456.4 tokens/s with it,
+    349.3 without, the same greedy output)."""
+    return env_flag(SPEC_GRAPHS_ENV, True)
 
 
 def sink_from_env() -> bool:

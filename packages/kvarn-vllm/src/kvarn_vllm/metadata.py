@@ -552,8 +552,8 @@ def _make_builder_class() -> type:
 
         @classmethod
         def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-            """Single-token decodes; with speculative decoding and
-            ``KVARN_VLLM_SPEC_FULL_GRAPHS=1``, uniform batches of any length (verify steps,
+            """Single-token decodes; with speculative decoding (unless
+            ``KVARN_VLLM_SPEC_FULL_GRAPHS=0``), uniform batches of any length (verify steps,
             drafter steps), whose capture metadata :meth:`build_for_cudagraph_capture` lays
             out on the buffers a real step of that shape uses."""
             from kvarn_vllm.config import spec_full_graphs
@@ -676,7 +676,7 @@ def _make_builder_class() -> type:
         def build_for_cudagraph_capture(self, common_attn_metadata):
             """The same buffers, shapes and kernels as a real step of this uniform batch;
             the plan is all padding, so nothing is written. Without speculation: single-token
-            decodes. With it (``KVARN_VLLM_SPEC_FULL_GRAPHS=1``), vLLM captures only uniform
+            decodes. With it (unless ``KVARN_VLLM_SPEC_FULL_GRAPHS=0``), vLLM captures only uniform
             speculative batches: ``1 + k`` causal tokens per request are the target's verify
             step (or EAGLE's first draft step, which reuses its metadata); one token per
             request or a non-causal block is a drafter's step (:meth:`_build_draft_step`)."""
