@@ -21,8 +21,8 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
   one-layer EAGLE draft of the same shape, dummy weights too), which kvarn serves: almost every
   draft is rejected. Greedy agreement spec vs no spec for bf16 and both kvarn presets, and
   acceptance / throughput beside bf16.
-* ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode,
-  piecewise under speculation), prefix caching on, thousands of engine steps; checks every
+* ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode;
+  full graphs for uniform speculative steps unless ``KVARN_VLLM_SPEC_FULL_GRAPHS=0``), prefix caching on, thousands of engine steps; checks every
   sampled token's logprob is finite and nothing crashed.
 * ``dflash``: dummy target + a dummy DFlash drafter of its shape (:func:`dflash_draft_dir`),
   CUDA graphs, prefix caching, ``--stress-prompts`` x ``--stress-tokens``: finite logprobs, no
@@ -34,6 +34,12 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
   (``--pad-words``) so that decoding reads quantized tiles: greedy
   agreement spec vs no spec, acceptance and tokens/s, bf16 beside both kvarn presets. This
   gives real acceptances and rejections in the same batches on the V2 runner's draft path.
+
+``--profile N``: every engine's timed run goes through vLLM's torch profiler, which records
+``N`` engine steps after skipping the first ``--profile-skip``; the profiler's table of
+operations by GPU and CPU time (vLLM's ``profiler_out_0.txt``) lands in the run's result
+(``profile_table``) and the traces are deleted. Its tokens/s then include the profiler's
+overhead: compare the tables, not the speeds.
 
 Usage (GPU machine)::
 
@@ -360,8 +366,14 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
                 before = spec_counters(llm.get_metrics())
             except Exception:  # metrics are a bonus (see below)
                 before = {}
+        profile_dir = spec.get("profile_dir")
         t0 = time.perf_counter()
+        if profile_dir:
+            llm.start_profile()
         outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+        if profile_dir:
+            llm.stop_profile()
+            result["profile_table"] = read_profile(Path(profile_dir))
         result["generate_seconds"] = round(time.perf_counter() - t0, 3)
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
         result["output_tokens"] = sum(len(t) for t in result["outputs"])
@@ -387,6 +399,29 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         if llm is not None:
             _free(llm)
     return result
+
+
+def profiler_config(profile_dir: Path, steps: int, skip: int) -> dict[str, Any]:
+    """vLLM's torch profiler over ``steps`` engine steps after ``skip``, into ``profile_dir``:
+    no stack traces (smaller, faster), the front end left out, a table by GPU time."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(profile_dir),
+        "torch_profiler_with_stack": False,
+        "ignore_frontend": True,
+        "delay_iterations": skip,
+        "max_iterations": steps,
+    }
+
+
+def read_profile(profile_dir: Path) -> str:
+    """The profiler's table (vLLM writes ``profiler_out_<rank>.txt`` when profiling stops),
+    then the traces deleted: only the table is kept."""
+    table = profile_dir / "profiler_out_0.txt"
+    text = table.read_text() if table.exists() else f"no {table.name} in {profile_dir}"
+    for trace in profile_dir.rglob("*.json*"):
+        trace.unlink()
+    return text
 
 
 # The V2 runner's bars say "(FULL)", the V1 runner's "(decode, FULL)" and
@@ -491,8 +526,13 @@ def _phase(
             sc = speculative_config(method, args.num_spec, None if draft is None else str(draft))
             if sc is not None:
                 kwargs["speculative_config"] = sc
-            spec = {
-                "name": f"{phase}:{name}",
+            spec = {"name": f"{phase}:{name}"}
+            if args.profile:
+                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec["name"])
+                pdir = (out / "profiles" / slug).resolve()
+                kwargs["profiler_config"] = profiler_config(pdir, args.profile, args.profile_skip)
+                spec["profile_dir"] = str(pdir)
+            spec |= {
                 "llm_kwargs": kwargs,
                 "prompts": prompts,
                 "max_tokens": max_tokens,
@@ -688,6 +728,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="agreement phase: the n-gram proposers to compare with no speculation (ngram: "
         "drafts on the host, synchronous scheduling; ngram_gpu: drafts on the GPU, async "
         "scheduling)",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="profile this many engine steps of each timed run with vLLM's torch profiler "
+        "(0: off); the table of operations by time goes into each run's result",
+    )
+    p.add_argument(
+        "--profile-skip",
+        type=int,
+        default=50,
+        metavar="STEPS",
+        help="engine steps of the timed run before profiling starts (past the first prefills)",
     )
     p.add_argument("--internal-run", default=None, help=argparse.SUPPRESS)
     p.add_argument("--internal-result", default=None, help=argparse.SUPPRESS)

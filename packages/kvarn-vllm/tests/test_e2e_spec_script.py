@@ -364,3 +364,37 @@ def test_captured_graphs_are_read_from_the_progress_bars(spec_script):
         "Capturing CUDA graphs (decode, FULL): 100%|###| 48/48 [00:03<00:00, 13.9it/s]\n"
     )
     assert spec_script.captured_graphs(v1) == {"PIECEWISE": 35, "FULL": 48}
+
+
+def test_profile_option_configures_vllms_profiler(spec_script, monkeypatch, tmp_path):
+    """``--profile N``: each engine gets a ProfilerConfig vLLM accepts (N steps after
+    ``--profile-skip``, into a folder of its own) and the run is told where the table lands;
+    without it, no profiler."""
+    from vllm.config import ProfilerConfig
+
+    seen = []
+    monkeypatch.setattr(
+        spec_script, "run_isolated_engine", lambda spec, workdir, timeout: seen.append(spec) or {}
+    )
+    argv = ["--phase", "dummy", "--dtypes", "kvarn_k4v2_g128", "--num-prompts", "2"]
+    args = spec_script.parse_args([*argv, "--profile", "20", "--profile-skip", "7"])
+    spec_script._phase(args, tmp_path, "dummy", tmp_path, ("eagle",), tmp_path, {}, ["a"], 4)
+    assert [s["name"] for s in seen] == ["dummy:kvarn_k4v2_g128/none", "dummy:kvarn_k4v2_g128/eagle"]
+    dirs = {s["profile_dir"] for s in seen}
+    assert len(dirs) == 2 and all(d.startswith(str(tmp_path.resolve())) for d in dirs)
+    for s in seen:
+        cfg = ProfilerConfig(**s["llm_kwargs"]["profiler_config"])
+        assert (cfg.profiler, cfg.max_iterations, cfg.delay_iterations) == ("torch", 20, 7)
+        assert cfg.torch_profiler_dir == s["profile_dir"]
+    seen.clear()
+    spec_script._phase(spec_script.parse_args(argv), tmp_path, "dummy", tmp_path, ("eagle",),
+                       tmp_path, {}, ["a"], 4)  # fmt: skip
+    assert all("profile_dir" not in s and "profiler_config" not in s["llm_kwargs"] for s in seen)
+
+
+def test_read_profile_keeps_the_table_and_drops_the_traces(spec_script, tmp_path):
+    (tmp_path / "profiler_out_0.txt").write_text("Name  Self CUDA\nfoo   1.0ms\n")
+    (tmp_path / "rank0.pt.trace.json.gz").write_bytes(b"x" * 100)
+    assert spec_script.read_profile(tmp_path).startswith("Name  Self CUDA")
+    assert [p.name for p in tmp_path.iterdir()] == ["profiler_out_0.txt"]
+    assert "no profiler_out_0.txt" in spec_script.read_profile(tmp_path / "missing")
