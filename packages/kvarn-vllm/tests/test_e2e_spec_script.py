@@ -379,7 +379,10 @@ def test_profile_option_configures_vllms_profiler(spec_script, monkeypatch, tmp_
     argv = ["--phase", "dummy", "--dtypes", "kvarn_k4v2_g128", "--num-prompts", "2"]
     args = spec_script.parse_args([*argv, "--profile", "20", "--profile-skip", "7"])
     spec_script._phase(args, tmp_path, "dummy", tmp_path, ("eagle",), tmp_path, {}, ["a"], 4)
-    assert [s["name"] for s in seen] == ["dummy:kvarn_k4v2_g128/none", "dummy:kvarn_k4v2_g128/eagle"]
+    assert [s["name"] for s in seen] == [
+        "dummy:kvarn_k4v2_g128/none",
+        "dummy:kvarn_k4v2_g128/eagle",
+    ]
     dirs = {s["profile_dir"] for s in seen}
     assert len(dirs) == 2 and all(d.startswith(str(tmp_path.resolve())) for d in dirs)
     for s in seen:
