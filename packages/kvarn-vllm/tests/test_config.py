@@ -116,6 +116,16 @@ def test_recent_env(monkeypatch):
             parse_kv_cache_dtype("kvarn_k4v2_g128")
 
 
+def test_verify_as_decode_env(monkeypatch):
+    monkeypatch.delenv("KVARN_VLLM_VERIFY_AS_DECODE", raising=False)
+    assert not parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).verify_as_decode
+    monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "1")
+    assert parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).verify_as_decode
+    monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "yes")
+    with pytest.raises(ValueError, match="KVARN_VLLM_VERIFY_AS_DECODE must be 0 or 1"):
+        parse_kv_cache_dtype("kvarn_k4v2_g128")
+
+
 def test_batch_invariant_env(monkeypatch):
     monkeypatch.delenv("KVARN_KERNELS_BATCH_INVARIANT", raising=False)
     assert not parse_kv_cache_dtype("kvarn_k4v2_g128").batch_invariant

@@ -167,11 +167,29 @@ def assert_matches(h, got, k, v, quantized, q, where, slot=None, key_quantized=N
     assert _rel(got, want) < 0.5 * _rel(got, exact), where
 
 
-@pytest.mark.parametrize(("sink", "recent"), [("0", "1"), ("1", "1"), ("1", "0")])
-def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch, sink, recent):
+@pytest.mark.parametrize(
+    ("sink", "recent", "as_decode"),
+    [("0", "1", False), ("1", "1", False), ("1", "0", False), ("1", "1", True), ("0", "0", True)],
+)
+def test_verify_and_draft_steps_with_rejections(
+    vllm_config_factory, monkeypatch, sink, recent, as_decode
+):
+    """Verify steps with random rejections and drafter steps against kvarn-math over the
+    accepted tokens. ``as_decode``: ``KVARN_VLLM_VERIFY_AS_DECODE=1`` with the kernels' decode
+    rows forced to apply (the Gluon kernel does not run on the CPU): the verify blocks go to
+    the kernels as decode rows, reading their own tokens from staging."""
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", recent)
+    monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "1" if as_decode else "0")
+    as_rows = []
+    if as_decode:
+        from kvarn_kernels.attention import launch
+
+        decode_rows = launch.decode_rows
+        monkeypatch.setattr(launch, "verify_as_decode", lambda *a: True)
+        monkeypatch.setattr(launch, "decode_rows", lambda *a: as_rows.append(1) or decode_rows(*a))
     h = SpecHarness(vllm_config_factory, monkeypatch)
+    assert h.builder.config.verify_as_decode is as_decode
     assert h.builder.config.sink == (sink == "1")
     assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
     assert h.builder.config.ring_tiles == 2 + int(recent)
@@ -258,6 +276,7 @@ def test_verify_and_draft_steps_with_rejections(vllm_config_factory, monkeypatch
         # The next verify step rewrites that position with the real token.
     assert {0, 64} <= checked_quantized  # the walk crossed a tile boundary
     assert completing or recent == "0"  # a verify completed a tile and kept its window
+    assert len(as_rows) == (len(schedule) if as_decode else 0)  # every verify, as decode rows
 
 
 @pytest.mark.parametrize(("sink", "invariant"), [("0", "0"), ("1", "0"), ("1", "1")])

@@ -43,6 +43,12 @@ INVARIANT_ENV = "KVARN_KERNELS_BATCH_INVARIANT"
 do not depend on the batch, CUDA-graph padding or speculative verify); default ``0``. It makes
 two runs agree only when both use it (EAGLE in this mode against a plain run in the default
 launch agreed on 93.0% of greedy tokens, H200; both in it: 99.9%)."""
+VERIFY_AS_DECODE_ENV = "KVARN_VLLM_VERIFY_AS_DECODE"
+"""Environment variable: ``1`` runs the verify blocks of speculative decoding (at most 16 query
+tokens per request) as decode rows, one per token, in the default launch too, where the Gluon
+decode kernel applies (``kvarn_k4v2_g128`` at head_dim 128): a verify token is then computed by
+the kernel that decodes it without speculation, instead of the multi-query kernel. Default
+``0`` (not yet measured on a GPU); batch-invariant mode does this always."""
 KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
 """Environment variable: ``auto`` (default) stores each tile's keys Hadamard-rotated or in their
 own channels, whichever loses less of the attention scores of the step's queries (the record
@@ -90,6 +96,8 @@ class KvarnConfig:
         key_frame: ``"auto"`` or ``"rotated"``, from :data:`KEY_FRAME_ENV` (the dataclass
             default is the plain format, ``"rotated"``; the environment's default is
             ``"auto"``).
+        verify_as_decode: verify blocks as decode rows in the default launch too, from
+            :data:`VERIFY_AS_DECODE_ENV`.
         window_keys: the exact windows (sink, recent tiles) keep their keys exact too;
             ``False``: only their values, and the keys get a ring of the ``staging_tiles``
             open tiles, from :data:`WINDOW_KEYS_ENV` (the dataclass default keeps them; the
@@ -103,6 +111,7 @@ class KvarnConfig:
     recent_tiles: int = 0
     key_frame: str = "rotated"
     window_keys: bool = True
+    verify_as_decode: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -265,6 +274,11 @@ def invariant_from_env() -> bool:
     return env_flag(INVARIANT_ENV, False)
 
 
+def verify_as_decode_from_env() -> bool:
+    """The :data:`VERIFY_AS_DECODE_ENV` setting: ``1`` on, ``0`` (default) off."""
+    return env_flag(VERIFY_AS_DECODE_ENV, False)
+
+
 def parse_kv_cache_dtype(
     kv_cache_dtype: str, *, num_speculative_tokens: int | None = None
 ) -> KvarnConfig:
@@ -274,7 +288,8 @@ def parse_kv_cache_dtype(
     tiles :data:`RECENT_ENV` (1 unless set); batch-invariant attention follows
     :data:`INVARIANT_ENV` (off unless it is ``1``); the key frame :data:`KEY_FRAME_ENV`
     (``auto`` unless set); the windows' keys :data:`WINDOW_KEYS_ENV` (unless set: kept for
-    2- and 3-bit keys, values only for 4-bit keys, :func:`default_window_keys`).
+    2- and 3-bit keys, values only for 4-bit keys, :func:`default_window_keys`); verify blocks
+    as decode rows :data:`VERIFY_AS_DECODE_ENV` (off unless it is ``1``).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -299,4 +314,5 @@ def parse_kv_cache_dtype(
         recent_tiles=recent_from_env(),
         key_frame=key_frame_from_env(),
         window_keys=window_keys_from_env(preset),
+        verify_as_decode=verify_as_decode_from_env(),
     )

@@ -300,9 +300,10 @@ def _make_impl_class() -> type:
                 q = group_rows(g, query, n)
                 # A non-causal block (a drafter's) reads its own tokens from staging, where
                 # the store above put them: the kernel attends each row's whole sequence.
+                as_decode = self._verify_as_decode(g)
                 own = (
                     None
-                    if self.config.batch_invariant or not md.causal
+                    if self.config.batch_invariant or not md.causal or as_decode
                     else self._own_kv(g, key, value, n)
                 )
                 res = kernels.multi_query_attention(
@@ -327,6 +328,7 @@ def _make_impl_class() -> type:
                     key_lens=g.key_lens,
                     key_tiles=self.config.key_tiles,
                     causal=md.causal,
+                    verify_as_decode=True if as_decode else None,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
@@ -383,6 +385,17 @@ def _make_impl_class() -> type:
             if key is None or value is None:
                 return None
             return kernels.rotate(group_rows(g, key, n)), kernels.rotate(group_rows(g, value, n))
+
+        def _verify_as_decode(self, g):
+            """``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the default launch: a context group of
+            verify blocks only (at most ``VERIFY_AS_DECODE_MAX_QUERY`` tokens per row) goes to
+            the kernels as decode rows where the Gluon kernel decodes, reading its own tokens
+            from staging as the decode kernel does (no ``fresh_kv``)."""
+            return (
+                self.config.verify_as_decode
+                and not self.config.batch_invariant
+                and g.max_query_len <= kernels.verify_as_decode_max_query()
+            )
 
         def _verify_runs(self, g):
             """Batch-invariant mode, a context group with rows of at most

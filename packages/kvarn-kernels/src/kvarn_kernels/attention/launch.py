@@ -312,12 +312,14 @@ def verify_as_decode(
     sliding_window: int | None,
     max_query_len: int,
 ) -> bool:
-    """Whether a batch-invariant :func:`multi_query_attention` call (without ``fresh_kv``) runs
-    as decode rows, one per query token (:func:`decode_rows`): blocks of at most
+    """Whether a :func:`multi_query_attention` call that allows it (batch-invariant mode, or
+    its ``verify_as_decode`` argument; without ``fresh_kv``) runs as decode rows, one per
+    query token (:func:`decode_rows`): blocks of at most
     :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens (verify blocks of speculative decoding), where the
-    Gluon decode kernel applies (:func:`fast_decode_applies`). Elsewhere the multi-query kernel
-    runs each row with decode's launch, which gives a decode row's bits already; a decode row
-    per token reads the context once per token instead of once per block of 16 rows."""
+    Gluon decode kernel applies (:func:`fast_decode_applies`). Elsewhere, in batch-invariant
+    mode, the multi-query kernel runs each row with decode's launch, which gives a decode row's
+    bits already; a decode row per token reads the context once per token instead of once per
+    block of 16 rows."""
     return max_query_len <= VERIFY_AS_DECODE_MAX_QUERY and fast_decode_applies(
         query, layout, num_kv_heads, sliding_window
     )
@@ -492,11 +494,14 @@ def _run(
     key_tiles: int | None = None,
     staged_only: bool = False,
     causal: bool = True,
+    as_decode: bool | None = None,
 ) -> torch.Tensor:
     """Launch the attention kernels (the checks are the callers'). ``staged_only``: for tests,
     only the Triton kernel's part of the fast decode path, its staged splits over the sink
     rows and staging (``QUANT=False``), the quantized tiles left out; decode only.
-    ``causal=False`` (multi-query only): every query attends its whole sequence."""
+    ``causal=False`` (multi-query only): every query attends its whole sequence.
+    ``as_decode`` (multi-query only): verify blocks as decode rows (:func:`verify_as_decode`);
+    ``None``: in batch-invariant mode only."""
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
     p = layout.preset
@@ -523,16 +528,17 @@ def _run(
     if not decode and (
         not causal
         or (
-            invariant
+            (invariant if as_decode is None else as_decode)
             and fresh_kv is None
             and not staged_only
             and num_splits is None
             and verify_as_decode(query, layout, num_kv_heads, sliding_window, max_query_len)
         )
     ):
-        # One decode row per query token: a verify row then gets a decode row's bits, which
-        # the multi-query kernel cannot give where the Gluon kernel decodes; a non-causal
-        # block's rows each attend the whole sequence.
+        # One decode row per query token: a verify row then gets a decode row's bits (in
+        # the default launch, those of a decode batch of these rows), which the multi-query
+        # kernel cannot give where the Gluon kernel decodes; a non-causal block's rows each
+        # attend the whole sequence.
         assert query_start_loc is not None
         rows, row_lens = decode_rows(query_start_loc, num_tokens, seq_lens, causal)
 
@@ -854,6 +860,7 @@ def multi_query_attention(
     key_lens: torch.Tensor | None = None,
     key_tiles: int | None = None,
     causal: bool = True,
+    verify_as_decode: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -876,6 +883,12 @@ def multi_query_attention(
     its block included (a non-causal draft block, as DFlash drafts; the block's K/V must be
     stored, e.g. in staging, and ``fresh_kv`` is not taken). The rows then run as decode rows of
     the whole sequence, one per query token (:func:`decode_rows`).
+
+    ``verify_as_decode``: blocks of at most :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens (verify
+    blocks) without ``fresh_kv`` run as decode rows, one per token, where the Gluon decode
+    kernel applies (:func:`verify_as_decode`), so that a verify token is computed by the kernel
+    that decodes it without speculation; ``None``: in batch-invariant mode only (where it gives
+    a decode row's bits exactly).
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
@@ -946,4 +959,5 @@ def multi_query_attention(
         key_lens,
         key_tiles,
         causal=bool(causal),
+        as_decode=verify_as_decode,
     )
