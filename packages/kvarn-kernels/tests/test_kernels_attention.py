@@ -912,18 +912,20 @@ def test_verify_as_decode_keeps_padding_rows_and_sequences_apart(
         assert _bits_equal(got[b : b + 1], out[i : i + 1]), (b, j)
 
 
-@pytest.mark.parametrize("flag", [True, None])
+@pytest.mark.parametrize(("flag", "gluon"), [(True, False), (None, True), (False, True)])
 def test_verify_as_decode_in_the_default_launch(
-    monkeypatch: pytest.MonkeyPatch, flag: bool | None
+    monkeypatch: pytest.MonkeyPatch, flag: bool | None, gluon: bool
 ) -> None:
-    """``verify_as_decode=True`` outside batch-invariant mode (forced to apply here: the Gluon
-    kernel does not run on the CPU): two sequences' verify blocks give the bits of one decode
-    call over the same query tokens, each a row of its own sequence and position, and agree
-    with kvarn-math; ``None`` keeps the multi-query kernel there (no decode rows)."""
+    """``verify_as_decode=True`` outside batch-invariant mode, whatever kernel decodes: two
+    sequences' verify blocks give the bits of one decode call over the same query tokens,
+    each a row of its own sequence and position, and agree with kvarn-math. ``None`` and
+    ``False`` keep the multi-query kernel (no decode rows), ``None`` even where the Gluon
+    kernel would decode (forced here)."""
     from kvarn_kernels.attention import launch
 
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
-    monkeypatch.setattr(launch, "verify_as_decode", lambda *args: True)
+    if gluon:
+        monkeypatch.setattr(launch, "verify_as_decode", lambda *args: True)
     as_rows = []
     decode_rows = launch.decode_rows
     monkeypatch.setattr(launch, "decode_rows", lambda *a: as_rows.append(1) or decode_rows(*a))
@@ -935,20 +937,26 @@ def test_verify_as_decode_in_the_default_launch(
     common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
     qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
     got = kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=flag, **common)
-    rows = torch.tensor([0, 0, 0, 1, 1])
-    pos = torch.tensor([lens[0] - 2, lens[0] - 1, lens[0], lens[1] - 1, lens[1]], dtype=torch.int32)
-    per_row = {
-        k: common[k].index_select(0, rows)
-        for k in ("block_table", "quantized_lens", "staging_slots", "sink_lens")
-    }
     assert len(as_rows) == (1 if flag else 0)
     if flag:
-        dec = kk.decode_attention(q, **{**common, **per_row, "seq_lens": pos})
+        rows = torch.tensor([0, 0, 0, 1, 1])
+        pos = [lens[0] - 2, lens[0] - 1, lens[0], lens[1] - 1, lens[1]]
+        per_row = {
+            k: common[k].index_select(0, rows)
+            for k in ("block_table", "quantized_lens", "staging_slots", "sink_lens")
+        }
+        seq_lens = torch.tensor(pos, dtype=torch.int32)
+        dec = kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})
         assert _bits_equal(dec, got)
     q_in = q.float().numpy()
     for b, rs in enumerate((slice(0, 3), slice(3, 5))):  # a sequence's rows: its last positions
         want = reference_attention(q_in[rs], staged_reference(batch.refs[b], dtype), 0.125)
         assert_close_rms(want, got[rs].float().numpy(), TOL[dtype], what=f"sequence {b}")
+    # Blocks longer than VERIFY_AS_DECODE_MAX_QUERY keep the multi-query kernel.
+    as_rows.clear()
+    monkeypatch.setattr(launch, "VERIFY_AS_DECODE_MAX_QUERY", 2)
+    kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=True, **common)
+    assert not as_rows
 
 
 def test_non_causal_blocks_attend_their_whole_sequence() -> None:

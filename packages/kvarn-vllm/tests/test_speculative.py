@@ -175,9 +175,8 @@ def test_verify_and_draft_steps_with_rejections(
     vllm_config_factory, monkeypatch, sink, recent, as_decode
 ):
     """Verify steps with random rejections and drafter steps against kvarn-math over the
-    accepted tokens. ``as_decode``: ``KVARN_VLLM_VERIFY_AS_DECODE=1`` with the kernels' decode
-    rows forced to apply (the Gluon kernel does not run on the CPU): the verify blocks go to
-    the kernels as decode rows, reading their own tokens from staging."""
+    accepted tokens. ``as_decode``: ``KVARN_VLLM_VERIFY_AS_DECODE=1``: the verify blocks go
+    to the kernels as decode rows, reading their own tokens from staging."""
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", recent)
     monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "1" if as_decode else "0")
@@ -186,7 +185,6 @@ def test_verify_and_draft_steps_with_rejections(
         from kvarn_kernels.attention import launch
 
         decode_rows = launch.decode_rows
-        monkeypatch.setattr(launch, "verify_as_decode", lambda *a: True)
         monkeypatch.setattr(launch, "decode_rows", lambda *a: as_rows.append(1) or decode_rows(*a))
     h = SpecHarness(vllm_config_factory, monkeypatch)
     assert h.builder.config.verify_as_decode is as_decode

@@ -389,8 +389,8 @@ def _make_impl_class() -> type:
         def _verify_as_decode(self, g):
             """``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the default launch: a context group of
             verify blocks only (at most ``VERIFY_AS_DECODE_MAX_QUERY`` tokens per row) goes to
-            the kernels as decode rows where the Gluon kernel decodes, reading its own tokens
-            from staging as the decode kernel does (no ``fresh_kv``)."""
+            the kernels as decode rows, reading its own tokens from staging as the decode
+            kernel does (no ``fresh_kv``)."""
             return (
                 self.config.verify_as_decode
                 and not self.config.batch_invariant

@@ -312,9 +312,9 @@ def verify_as_decode(
     sliding_window: int | None,
     max_query_len: int,
 ) -> bool:
-    """Whether a :func:`multi_query_attention` call that allows it (batch-invariant mode, or
-    its ``verify_as_decode`` argument; without ``fresh_kv``) runs as decode rows, one per
-    query token (:func:`decode_rows`): blocks of at most
+    """Whether a batch-invariant :func:`multi_query_attention` call (without ``fresh_kv``, and
+    without its ``verify_as_decode`` argument, which decides alone) runs as decode rows, one
+    per query token (:func:`decode_rows`): blocks of at most
     :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens (verify blocks of speculative decoding), where the
     Gluon decode kernel applies (:func:`fast_decode_applies`). Elsewhere, in batch-invariant
     mode, the multi-query kernel runs each row with decode's launch, which gives a decode row's
@@ -500,8 +500,9 @@ def _run(
     only the Triton kernel's part of the fast decode path, its staged splits over the sink
     rows and staging (``QUANT=False``), the quantized tiles left out; decode only.
     ``causal=False`` (multi-query only): every query attends its whole sequence.
-    ``as_decode`` (multi-query only): verify blocks as decode rows (:func:`verify_as_decode`);
-    ``None``: in batch-invariant mode only."""
+    ``as_decode`` (multi-query only): blocks of at most :data:`VERIFY_AS_DECODE_MAX_QUERY`
+    tokens as decode rows, whatever kernel decodes; ``None``: in batch-invariant mode where
+    :func:`verify_as_decode` says so."""
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
     p = layout.preset
@@ -525,15 +526,14 @@ def _run(
     block_h = _next_pow2(group)
     decode = query_start_loc is None
     invariant = batch_invariant(invariant)
-    if not decode and (
-        not causal
-        or (
-            (invariant if as_decode is None else as_decode)
-            and fresh_kv is None
-            and not staged_only
-            and num_splits is None
-            and verify_as_decode(query, layout, num_kv_heads, sliding_window, max_query_len)
+    if as_decode is None:  # batch-invariant: where decode rows give other bits (Gluon)
+        as_rows = invariant and verify_as_decode(
+            query, layout, num_kv_heads, sliding_window, max_query_len
         )
+    else:
+        as_rows = bool(as_decode) and max_query_len <= VERIFY_AS_DECODE_MAX_QUERY
+    if not decode and (
+        not causal or (as_rows and fresh_kv is None and not staged_only and num_splits is None)
     ):
         # One decode row per query token: a verify row then gets a decode row's bits (in
         # the default launch, those of a decode batch of these rows), which the multi-query
@@ -884,11 +884,12 @@ def multi_query_attention(
     stored, e.g. in staging, and ``fresh_kv`` is not taken). The rows then run as decode rows of
     the whole sequence, one per query token (:func:`decode_rows`).
 
-    ``verify_as_decode``: blocks of at most :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens (verify
-    blocks) without ``fresh_kv`` run as decode rows, one per token, where the Gluon decode
-    kernel applies (:func:`verify_as_decode`), so that a verify token is computed by the kernel
-    that decodes it without speculation; ``None``: in batch-invariant mode only (where it gives
-    a decode row's bits exactly).
+    ``verify_as_decode=True``: blocks of at most :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens
+    (verify blocks) without ``fresh_kv`` run as decode rows, one per token, so that a verify
+    token is computed by the kernel and launch that decode it without speculation (the split
+    layout still follows the batch); ``None``: in batch-invariant mode where the Gluon kernel
+    decodes (:func:`verify_as_decode`), which then gives a decode row's bits exactly; ``False``:
+    never.
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
