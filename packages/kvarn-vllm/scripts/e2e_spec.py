@@ -22,8 +22,9 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
   draft is rejected. Greedy agreement spec vs no spec for bf16 and both kvarn presets, and
   acceptance / throughput beside bf16.
 * ``stress`` (item 3): dummy target + dummy EAGLE draft, CUDA graphs (vLLM's default mode;
-  full graphs for uniform speculative steps unless ``KVARN_VLLM_SPEC_FULL_GRAPHS=0``), prefix caching on, thousands of engine steps; checks every
-  sampled token's logprob is finite and nothing crashed.
+  full graphs for uniform speculative steps unless ``KVARN_VLLM_SPEC_FULL_GRAPHS=0``), prefix
+  caching on, thousands of engine steps; checks every sampled token's logprob is finite and
+  nothing crashed.
 * ``dflash``: dummy target + a dummy DFlash drafter of its shape (:func:`dflash_draft_dir`),
   CUDA graphs, prefix caching, ``--stress-prompts`` x ``--stress-tokens``: finite logprobs, no
   crash, and greedy agreement with no speculation (DFlash on vLLM's V2 runner).
@@ -371,10 +372,10 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         if profile_dir:
             llm.start_profile()
         outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+        result["generate_seconds"] = round(time.perf_counter() - t0, 3)
         if profile_dir:
             llm.stop_profile()
             result["profile_table"] = read_profile(Path(profile_dir))
-        result["generate_seconds"] = round(time.perf_counter() - t0, 3)
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
         result["output_tokens"] = sum(len(t) for t in result["outputs"])
         result["tokens_per_second"] = round(
