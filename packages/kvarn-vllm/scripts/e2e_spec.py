@@ -28,6 +28,8 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 * ``dflash``: dummy target + a dummy DFlash drafter of its shape (:func:`dflash_draft_dir`),
   CUDA graphs, prefix caching, ``--stress-prompts`` x ``--stress-tokens``: finite logprobs, no
   crash, and greedy agreement with no speculation (DFlash on vLLM's V2 runner).
+* ``mtp``: a dummy MiMo target of SmolLM2's shape (:func:`mtp_model_dir`) drafting with its
+  own multi-token-prediction layer (method ``mtp``), otherwise as ``dflash``.
 * ``repeat`` (real SmolLM2 weights, CUDA graphs, or eager with ``--eager``): an EAGLE draft
   built from the target's own weights that proposes the last token again
   (:func:`repeat_draft_dir`), over prompts of which half make the model repeat a word (drafts
@@ -61,6 +63,7 @@ import contextlib
 import json
 import math
 import re
+import shutil
 import sys
 import time
 import traceback
@@ -210,7 +213,9 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any]
         if draft is None:
             raise ValueError(f"{method} needs a draft model folder")
         return {"method": method, "model": draft, "num_speculative_tokens": k}
-    raise ValueError(f"method must be none, ngram, ngram_gpu, eagle or dflash, got {method!r}")
+    if method == "mtp":  # the target's own multi-token-prediction layers draft
+        return {"method": "mtp", "num_speculative_tokens": k}
+    raise ValueError(f"method must be none, ngram, ngram_gpu, eagle, dflash or mtp, got {method!r}")
 
 
 def eagle_draft_dir(model: Path, out: Path) -> Path:
@@ -258,6 +263,49 @@ def dflash_draft_dir(model: Path, out: Path, layers: int = 2) -> Path:
         },
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def mtp_model_dir(model: Path, out: Path) -> Path:
+    """``model``'s shape as a MiMo model with one multi-token-prediction layer (for dummy
+    weights only): vLLM 0.26 serves ``MiMoForCausalLM`` (Qwen2 layers, so dense attention, on
+    the kvarn cache) and drafts with its ``num_nextn_predict_layers`` MTP layers (method
+    ``mtp``, architecture ``MiMoMTPModel``), whose attention layers are kvarn layers too. The
+    config says ``model_type: qwen2`` so that transformers reads it without remote code; the
+    tokenizer files are ``model``'s."""
+    out.mkdir(parents=True, exist_ok=True)
+    t = json.loads((model / "config.json").read_text())
+    heads = int(t["num_attention_heads"])
+    cfg = {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": t["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": t.get("num_key_value_heads", heads),
+        "hidden_act": "silu",
+        "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": t.get("max_position_embeddings", 8192),
+        "rope_theta": t.get("rope_theta", 10000.0),
+        "vocab_size": t["vocab_size"],
+        "tie_word_embeddings": bool(t.get("tie_word_embeddings", False)),
+        "use_sliding_window": False,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": t.get("torch_dtype", "bfloat16"),
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        if key in t:
+            cfg[key] = t[key]
+    if int(t.get("head_dim", t["hidden_size"] // heads)) != t["hidden_size"] // heads:
+        raise ValueError(
+            f"MiMo (Qwen2) layers take head_dim = hidden_size / heads; {model} has "
+            f"head_dim {t['head_dim']} with hidden_size {t['hidden_size']} and {heads} heads"
+        )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in model.iterdir():
+        if f.is_file() and f.name != "config.json" and f.suffix not in (".safetensors", ".bin"):
+            shutil.copy(f, out / f.name)
     return out
 
 
@@ -601,11 +649,11 @@ def _stress(
     phase: str,
     model: Path,
     method: str,
-    draft: Path,
+    draft: Path | None,
     baseline: bool,
 ) -> bool:
-    """Dummy target + dummy ``draft``, CUDA graphs, prefix caching, thousands of steps, every
-    sampled token's logprob checked finite."""
+    """Dummy target + dummy ``draft`` (None: the target drafts, MTP), CUDA graphs, prefix
+    caching, thousands of steps, every sampled token's logprob checked finite."""
     # Few concurrent sequences and long outputs: many steps, requests finishing and starting
     # in reused request rows, prefix hits on the shared prompt starts.
     base = engine_kwargs(
@@ -661,12 +709,21 @@ def phase_dflash(args: argparse.Namespace, out: Path) -> bool:
     return _stress(args, out, "dflash", model, "dflash", draft, baseline=True)
 
 
+def phase_mtp(args: argparse.Namespace, out: Path) -> bool:
+    """Dummy MiMo target of SmolLM2's shape drafting with its own MTP layer (method ``mtp``,
+    vLLM's V2 runner), CUDA graphs, prefix caching, ``--stress-prompts`` x
+    ``--stress-tokens``: finite logprobs, no crash, greedy agreement with no speculation."""
+    model = mtp_model_dir(smoke_model(args), out / "mtp-target")
+    return _stress(args, out, "mtp", model, "mtp", None, baseline=True)
+
+
 PHASES = {
     "agreement": phase_agreement,
     "dummy": phase_dummy,
     "stress": phase_stress,
     "repeat": phase_repeat,
     "dflash": phase_dflash,
+    "mtp": phase_mtp,
 }
 
 

@@ -155,6 +155,57 @@ def test_dflash_draft_dir_is_a_non_causal_dflash_drafter_for_vllm(spec_script, t
     assert cls.__name__ == "DFlashQwen3ForCausalLM"
 
 
+def test_mtp_model_dir_is_a_mimo_target_whose_mtp_layer_vllm_drafts_with(spec_script, tmp_path):
+    """vLLM 0.26 reads the MiMo config (Qwen2 layers, one MTP layer) of SmolLM2's shape as a
+    MiMo target and, for method ``mtp``, drafts with its ``MiMoMTPModel``: what the mtp phase
+    runs on the GPU; the tokenizer files come along, the weights do not."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model = tmp_path / "target"
+    model.mkdir()
+    target = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16",
+        "head_dim": 64, "eos_token_id": 2,
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(target))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x")
+    mtp = spec_script.mtp_model_dir(model, tmp_path / "mtp")
+    assert sorted(p.name for p in mtp.iterdir()) == ["config.json", "tokenizer.json"]
+    mc = ModelConfig(model=str(mtp), skip_tokenizer_init=True, dtype="bfloat16")
+    assert ModelRegistry.resolve_model_cls(mc.architectures, mc)[0].__name__ == "MiMoForCausalLM"
+    assert mc.get_num_kv_heads(ParallelConfig()) == 3 and mc.get_head_size() == 64
+    sc = SpeculativeConfig(
+        target_model_config=mc, target_parallel_config=ParallelConfig(),
+        **spec_script.speculative_config("mtp", 4, None),
+    )  # fmt: skip
+    dm = sc.draft_model_config
+    assert sc.method == "mtp" and sc.num_speculative_tokens == 4
+    assert dm.hf_config.n_predict == 1
+    assert ModelRegistry.resolve_model_cls(dm.architectures, dm)[0].__name__ == "MiMoMTP"
+    wide = {**target, "head_dim": 128}
+    (model / "config.json").write_text(json.dumps(wide))
+    with pytest.raises(ValueError, match="head_dim"):
+        spec_script.mtp_model_dir(model, tmp_path / "mtp2")
+
+
+def test_mtp_phase_drafts_with_the_target(spec_script, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
+    monkeypatch.setattr(spec_script, "mtp_model_dir", lambda model, out: tmp_path / "mtp")
+    monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append((a, kw)) or True)
+    args = spec_script.parse_args(["--phase", "mtp", "--stress-prompts", "4"])
+    assert spec_script.PHASES["mtp"](args, tmp_path)
+    ((a, kw),) = seen
+    assert a[2:6] == ("mtp", tmp_path / "mtp", ("mtp",), None)
+    assert a[6]["enforce_eager"] is False and a[6]["load_format"] == "dummy"
+    assert kw == {"logprobs": True, "with_baseline": True}
+
+
 def test_parse_args(spec_script):
     assert spec_script.parse_args(["--phase", "dflash"]).phase == "dflash"
     args = spec_script.parse_args(["--phase", "stress", "--out", "x"])
