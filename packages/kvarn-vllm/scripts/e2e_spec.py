@@ -28,6 +28,8 @@ Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 * ``dflash``: dummy target + a dummy DFlash drafter of its shape (:func:`dflash_draft_dir`),
   CUDA graphs, prefix caching, ``--stress-prompts`` x ``--stress-tokens``: finite logprobs, no
   crash, and greedy agreement with no speculation (DFlash on vLLM's V2 runner).
+* ``eagle3``: the dummy target with a dummy one-layer EAGLE-3 draft
+  (:func:`eagle3_draft_dir`), otherwise as ``dflash``.
 * ``mtp``: a dummy MiMo target of SmolLM2's shape (:func:`mtp_model_dir`) drafting with its
   own multi-token-prediction layer (method ``mtp``), otherwise as ``dflash``.
 * ``repeat`` (real SmolLM2 weights, CUDA graphs, or eager with ``--eager``): an EAGLE draft
@@ -209,7 +211,7 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any]
             "prompt_lookup_min": 2,
             "prompt_lookup_max": 5,
         }
-    if method in ("eagle", "dflash"):
+    if method in ("eagle", "eagle3", "dflash"):
         if draft is None:
             raise ValueError(f"{method} needs a draft model folder")
         return {"method": method, "model": draft, "num_speculative_tokens": k}
@@ -227,6 +229,19 @@ def eagle_draft_dir(model: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((model / "config.json").read_text())
     cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def eagle3_draft_dir(model: Path, out: Path) -> Path:
+    """A one-layer EAGLE-3 draft config of ``model``'s shape (for dummy weights only): vLLM
+    0.26 maps ``LlamaForCausalLMEagle3`` to its Llama EAGLE-3 drafter, which reads the target's
+    hidden states after three of its layers (vLLM's default choice) and drafts over the
+    target's vocabulary."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -709,6 +724,14 @@ def phase_dflash(args: argparse.Namespace, out: Path) -> bool:
     return _stress(args, out, "dflash", model, "dflash", draft, baseline=True)
 
 
+def phase_eagle3(args: argparse.Namespace, out: Path) -> bool:
+    """Dummy target + dummy one-layer EAGLE-3 draft (:func:`eagle3_draft_dir`), otherwise as
+    ``dflash``: finite logprobs, no crash, greedy agreement with no speculation."""
+    model = smoke_model(args)
+    draft = eagle3_draft_dir(model, out / "eagle3-draft")
+    return _stress(args, out, "eagle3", model, "eagle3", draft, baseline=True)
+
+
 def phase_mtp(args: argparse.Namespace, out: Path) -> bool:
     """Dummy MiMo target of SmolLM2's shape drafting with its own MTP layer (method ``mtp``,
     vLLM's V2 runner), CUDA graphs, prefix caching, ``--stress-prompts`` x
@@ -723,6 +746,7 @@ PHASES = {
     "stress": phase_stress,
     "repeat": phase_repeat,
     "dflash": phase_dflash,
+    "eagle3": phase_eagle3,
     "mtp": phase_mtp,
 }
 

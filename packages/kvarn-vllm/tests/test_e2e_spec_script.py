@@ -155,6 +155,37 @@ def test_dflash_draft_dir_is_a_non_causal_dflash_drafter_for_vllm(spec_script, t
     assert cls.__name__ == "DFlashQwen3ForCausalLM"
 
 
+def test_eagle3_draft_dir_is_an_eagle3_drafter_for_vllm(spec_script, tmp_path):
+    """vLLM 0.26 reads the one-layer draft as its Llama EAGLE-3 drafter over a SmolLM2-shaped
+    target that can hand it auxiliary hidden states: what the eagle3 phase runs."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model = tmp_path / "target"
+    model.mkdir()
+    target = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(target))
+    draft = spec_script.eagle3_draft_dir(model, tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16")
+    assert supports_eagle3(ModelRegistry.resolve_model_cls(mc.architectures, mc)[0])
+    sc = SpeculativeConfig(
+        target_model_config=mc, target_parallel_config=ParallelConfig(),
+        **spec_script.speculative_config("eagle3", 4, str(draft)),
+    )  # fmt: skip
+    dm = sc.draft_model_config
+    assert sc.method == "eagle3"
+    cls = ModelRegistry.resolve_model_cls(dm.architectures, dm)[0]
+    assert cls.__name__ == "Eagle3LlamaForCausalLM"
+
+
 def test_mtp_model_dir_is_a_mimo_target_whose_mtp_layer_vllm_drafts_with(spec_script, tmp_path):
     """vLLM 0.26 reads the MiMo config (Qwen2 layers, one MTP layer) of SmolLM2's shape as a
     MiMo target and, for method ``mtp``, drafts with its ``MiMoMTPModel``: what the mtp phase
@@ -191,6 +222,18 @@ def test_mtp_model_dir_is_a_mimo_target_whose_mtp_layer_vllm_drafts_with(spec_sc
     (model / "config.json").write_text(json.dumps(wide))
     with pytest.raises(ValueError, match="head_dim"):
         spec_script.mtp_model_dir(model, tmp_path / "mtp2")
+
+
+def test_eagle3_phase_runs_a_baseline(spec_script, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
+    monkeypatch.setattr(spec_script, "eagle3_draft_dir", lambda model, out: tmp_path / "d")
+    monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append((a, kw)) or True)
+    args = spec_script.parse_args(["--phase", "eagle3", "--stress-prompts", "4"])
+    assert spec_script.PHASES["eagle3"](args, tmp_path)
+    ((a, kw),) = seen
+    assert a[2:6] == ("eagle3", tmp_path, ("eagle3",), tmp_path / "d")
+    assert kw == {"logprobs": True, "with_baseline": True}
 
 
 def test_mtp_phase_drafts_with_the_target(spec_script, monkeypatch, tmp_path):
