@@ -39,6 +39,18 @@ def registered():
     return True
 
 
+@pytest.fixture(autouse=True)
+def fresh_step_state():
+    """Each test starts with a new worker's step state. The step channel (the last step's
+    record, staging slots by request id) and the sink table are process-global, as a vLLM
+    worker serves one engine; tests build many engines' layers in one process, and one
+    test's requests must not leave sink rows or slots for the next one to read."""
+    from kvarn_vllm import metadata
+
+    metadata.STEP.__init__()  # in place: the runner hooks hold its bound methods
+    metadata._SINK_STATE.clear()
+
+
 @pytest.fixture
 def vllm_config_factory(registered):
     """Build a real VllmConfig with a kvarn (or any) cache dtype, on the CPU device."""
