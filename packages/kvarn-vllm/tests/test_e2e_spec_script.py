@@ -116,6 +116,19 @@ def test_comparison_rows_and_failures(spec_script):
     assert rows["kvarn_k4v2_g128/ngram"] == {"ok": False, "error": ["ValueError: refused"]}
 
 
+def smollm2_target(folder, **extra):
+    """A folder with SmolLM2-135M's config (a Llama model), plus ``extra`` keys."""
+    folder.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16", **extra,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def test_eagle_draft_dir(spec_script, tmp_path):
     model = tmp_path / "m"
     model.mkdir()
@@ -131,15 +144,7 @@ def test_dflash_draft_dir_is_a_non_causal_dflash_drafter_for_vllm(spec_script, t
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
     from vllm.model_executor.models.registry import ModelRegistry
 
-    model = tmp_path / "target"
-    model.mkdir()
-    target = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16",
-    }  # fmt: skip
-    (model / "config.json").write_text(json.dumps(target))
+    model = smollm2_target(tmp_path / "target")
     draft = spec_script.dflash_draft_dir(model, tmp_path / "draft")
     cfg = json.loads((draft / "config.json").read_text())
     assert cfg["head_dim"] == 64 and cfg["num_key_value_heads"] == 3
@@ -162,15 +167,7 @@ def test_eagle3_draft_dir_is_an_eagle3_drafter_for_vllm(spec_script, tmp_path):
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.registry import ModelRegistry
 
-    model = tmp_path / "target"
-    model.mkdir()
-    target = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16",
-    }  # fmt: skip
-    (model / "config.json").write_text(json.dumps(target))
+    model = smollm2_target(tmp_path / "target")
     draft = spec_script.eagle3_draft_dir(model, tmp_path / "draft")
     cfg = json.loads((draft / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -193,16 +190,7 @@ def test_mtp_model_dir_is_a_mimo_target_whose_mtp_layer_vllm_drafts_with(spec_sc
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
     from vllm.model_executor.models.registry import ModelRegistry
 
-    model = tmp_path / "target"
-    model.mkdir()
-    target = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "torch_dtype": "bfloat16",
-        "head_dim": 64, "eos_token_id": 2,
-    }  # fmt: skip
-    (model / "config.json").write_text(json.dumps(target))
+    model = smollm2_target(tmp_path / "target", head_dim=64, eos_token_id=2)
     (model / "tokenizer.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"x")
     mtp = spec_script.mtp_model_dir(model, tmp_path / "mtp")
@@ -218,8 +206,7 @@ def test_mtp_model_dir_is_a_mimo_target_whose_mtp_layer_vllm_drafts_with(spec_sc
     assert sc.method == "mtp" and sc.num_speculative_tokens == 4
     assert dm.hf_config.n_predict == 1
     assert ModelRegistry.resolve_model_cls(dm.architectures, dm)[0].__name__ == "MiMoMTP"
-    wide = {**target, "head_dim": 128}
-    (model / "config.json").write_text(json.dumps(wide))
+    smollm2_target(model, head_dim=128)
     with pytest.raises(ValueError, match="head_dim"):
         spec_script.mtp_model_dir(model, tmp_path / "mtp2")
 
