@@ -217,7 +217,9 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict[str, Any]
         return {"method": method, "model": draft, "num_speculative_tokens": k}
     if method == "mtp":  # the target's own multi-token-prediction layers draft
         return {"method": "mtp", "num_speculative_tokens": k}
-    raise ValueError(f"method must be none, ngram, ngram_gpu, eagle, dflash or mtp, got {method!r}")
+    raise ValueError(
+        f"method must be none, ngram, ngram_gpu, eagle, eagle3, dflash or mtp, got {method!r}"
+    )
 
 
 def eagle_draft_dir(model: Path, out: Path) -> Path:
@@ -507,10 +509,15 @@ def captured_graphs(log: str) -> dict[str, int]:
     return out
 
 
+def _slug(name: str) -> str:
+    """A run's name as a file name (its logs, specs, results and profiles)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
 def run_isolated_engine(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     """:func:`run_engine` in a fresh process; a crash or timeout becomes a recorded failure."""
     workdir.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec["name"])
+    slug = _slug(spec["name"])
     spec_path, result_path = workdir / f"{slug}.spec.json", workdir / f"{slug}.result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -592,7 +599,7 @@ def _phase(
                 kwargs["speculative_config"] = sc
             spec = {"name": f"{phase}:{name}"}
             if args.profile:
-                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec["name"])
+                slug = _slug(spec["name"])
                 pdir = (out / "profiles" / slug).resolve()
                 kwargs["profiler_config"] = profiler_config(pdir, args.profile, args.profile_skip)
                 spec["profile_dir"] = str(pdir)

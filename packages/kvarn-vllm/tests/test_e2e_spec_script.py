@@ -211,26 +211,31 @@ def test_mtp_model_dir_is_a_mimo_target_whose_mtp_layer_vllm_drafts_with(spec_sc
         spec_script.mtp_model_dir(model, tmp_path / "mtp2")
 
 
-def test_eagle3_phase_runs_a_baseline(spec_script, monkeypatch, tmp_path):
+def stress_phase_call(spec_script, monkeypatch, tmp_path, phase, folder_fn, folder, prompts):
+    """Run ``phase`` with the model and ``folder_fn`` (the draft's or target's folder
+    builder, returning ``folder``) stubbed and ``_phase`` recorded: its ``(args, kwargs)``."""
     seen = []
     monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
-    monkeypatch.setattr(spec_script, "eagle3_draft_dir", lambda model, out: tmp_path / "d")
+    monkeypatch.setattr(spec_script, folder_fn, lambda model, out: folder)
     monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append((a, kw)) or True)
-    args = spec_script.parse_args(["--phase", "eagle3", "--stress-prompts", "4"])
-    assert spec_script.PHASES["eagle3"](args, tmp_path)
+    args = spec_script.parse_args(["--phase", phase, "--stress-prompts", str(prompts)])
+    assert spec_script.PHASES[phase](args, tmp_path)
     ((a, kw),) = seen
+    return a, kw
+
+
+def test_eagle3_phase_runs_a_baseline(spec_script, monkeypatch, tmp_path):
+    a, kw = stress_phase_call(
+        spec_script, monkeypatch, tmp_path, "eagle3", "eagle3_draft_dir", tmp_path / "d", 4
+    )
     assert a[2:6] == ("eagle3", tmp_path, ("eagle3",), tmp_path / "d")
     assert kw == {"logprobs": True, "with_baseline": True}
 
 
 def test_mtp_phase_drafts_with_the_target(spec_script, monkeypatch, tmp_path):
-    seen = []
-    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
-    monkeypatch.setattr(spec_script, "mtp_model_dir", lambda model, out: tmp_path / "mtp")
-    monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append((a, kw)) or True)
-    args = spec_script.parse_args(["--phase", "mtp", "--stress-prompts", "4"])
-    assert spec_script.PHASES["mtp"](args, tmp_path)
-    ((a, kw),) = seen
+    a, kw = stress_phase_call(
+        spec_script, monkeypatch, tmp_path, "mtp", "mtp_model_dir", tmp_path / "mtp", 4
+    )
     assert a[2:6] == ("mtp", tmp_path / "mtp", ("mtp",), None)
     assert a[6]["enforce_eager"] is False and a[6]["load_format"] == "dummy"
     assert kw == {"logprobs": True, "with_baseline": True}
@@ -265,13 +270,9 @@ def test_repeat_phase_graphs_unless_eager(spec_script, monkeypatch, tmp_path):
 
 
 def test_dflash_phase_runs_graphs_prefix_caching_and_a_baseline(spec_script, monkeypatch, tmp_path):
-    seen = []
-    monkeypatch.setattr(spec_script, "smoke_model", lambda args: tmp_path)
-    monkeypatch.setattr(spec_script, "dflash_draft_dir", lambda model, out: tmp_path / "d")
-    monkeypatch.setattr(spec_script, "_phase", lambda *a, **kw: seen.append((a, kw)) or True)
-    args = spec_script.parse_args(["--phase", "dflash", "--stress-prompts", "8"])
-    assert spec_script.PHASES["dflash"](args, tmp_path)
-    ((a, kw),) = seen
+    a, kw = stress_phase_call(
+        spec_script, monkeypatch, tmp_path, "dflash", "dflash_draft_dir", tmp_path / "d", 8
+    )
     assert a[2:6] == ("dflash", tmp_path, ("dflash",), tmp_path / "d")
     assert a[6]["enforce_eager"] is False and a[6]["enable_prefix_caching"] is True
     assert a[6]["load_format"] == "dummy" and len(a[7]) == 8
