@@ -535,3 +535,50 @@ def test_fast_decode_under_cuda_graphs() -> None:
         run()
     graph.replay()
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
+def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
+    """``verify_as_decode=True`` in the default launch (kvarn_k4v2_g128, bf16): three verify
+    blocks of 5, 3 and 5 tokens over 2000, 700 and 9000-token sequences give the bits of one
+    ``decode_attention`` call over the same 13 query rows, each row its sequence's position,
+    and agree with kvarn-math. head_dim 128 decodes on the Gluon kernel, head_dim 64
+    (SmolLM2's shape) on the Triton kernel."""
+    preset, dtype = "kvarn_k4v2_g128", torch.bfloat16
+    lens, n = [2000, 700, 9000], [5, 3, 5]
+    seqs = [
+        (make_kv((t, hkv, d), "outlier_channels", 90 + i), make_kv((t, hkv, d), "gaussian", 95 + i))
+        for i, t in enumerate(lens)
+    ]
+    batch = build_paged(seqs, preset, dtype, DEV, uncommitted=n, sinks=[True, False, True])
+    rows_q = sum(n)
+    q = torch.from_numpy(make_kv((rows_q, hq, d), "gaussian", 17)).to(DEV, dtype)
+    scale = d**-0.5
+    common = {
+        "kv_cache": batch.kv_cache,
+        "staging": batch.staging,
+        "block_table": batch.block_table,
+        "seq_lens": batch.seq_lens,
+        "quantized_lens": batch.quantized_lens,
+        "staging_slots": batch.staging_slots,
+        "preset": preset,
+        "scale": scale,
+        "sink_lens": batch.sink_lens,
+    }
+    loc = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    qsl = torch.from_numpy(loc).to(DEV)
+    got = kk.multi_query_attention(q, qsl, max_query_len=max(n), verify_as_decode=True, **common)
+    owner = torch.tensor([b for b, k in enumerate(n) for _ in range(k)], device=DEV)
+    pos = [lens[b] - n[b] + 1 + j for b, k in enumerate(n) for j in range(k)]
+    per_row = {
+        k: common[k].index_select(0, owner)  # type: ignore[union-attr]
+        for k in ("block_table", "quantized_lens", "staging_slots", "sink_lens")
+    }
+    seq_lens = torch.tensor(pos, dtype=torch.int32, device=DEV)
+    dec = kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})
+    assert torch.equal(dec.view(torch.int16), got.view(torch.int16))
+    q_in = q.float().cpu().numpy()
+    for b, ref in enumerate(batch.refs):
+        rows = slice(int(loc[b]), int(loc[b + 1]))
+        want = reference_attention(q_in[rows], staged_reference(ref, dtype), scale)
+        assert_close_rms(want, got[rows].float().cpu().numpy(), TOL[dtype], what=f"seq {b}")
