@@ -20,6 +20,7 @@ from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
 from test_kernels_attention import run_fresh
+from test_kernels_plan import PLANNER_CASES, planner_case
 from test_kernels_store import assert_records_match
 
 pytestmark = pytest.mark.gpu
@@ -582,3 +583,10 @@ def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
         rows = slice(int(loc[b]), int(loc[b + 1]))
         want = reference_attention(q_in[rows], staged_reference(ref, dtype), scale)
         assert_close_rms(want, got[rows].float().cpu().numpy(), TOL[dtype], what=f"seq {b}")
+
+
+@pytest.mark.parametrize(("rows", "sink", "recent", "window_keys"), PLANNER_CASES)
+def test_triton_planner_on_the_gpu(rows: int, sink: bool, recent: int, window_keys: bool) -> None:
+    """The Triton store planner on CUDA tensors, bit for bit its torch twin (GPU integer
+    division truncates where NumPy's floors: the planner divides only non-negative numbers)."""
+    planner_case(rows, sink, recent, window_keys, DEV)

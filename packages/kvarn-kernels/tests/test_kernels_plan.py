@@ -11,12 +11,15 @@ request wrote itself (a prefix-cache hit stays records only).
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples
+from kvarn_kernels import plan as plan_module
 from kvarn_kernels import plan_store, plan_store_device
 from kvarn_math.attention import key_window_start, recent_window_start
 
@@ -202,6 +205,17 @@ def test_plans_fill_every_tile_with_its_committed_tokens(sched: dict[str, object
                 assert sim.staging[(slots[i], pos)] == committed_tok[i][pos]
 
 
+def assert_plans_identical(a, b) -> None:  # type: ignore[no-untyped-def]
+    """Two StorePlans with the same fields and the same tensors, element for element."""
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, f.name
+            assert torch.equal(x.cpu(), y.cpu()), (f.name, x, y)
+        else:
+            assert x == y, (f.name, x, y)
+
+
 def assert_device_plan_equals(  # type: ignore[no-untyped-def]
     plan,
     cached,
@@ -224,22 +238,22 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
     def t(x: object) -> torch.Tensor:
         return torch.tensor(np.asarray(x), dtype=torch.int32)
 
-    dev = plan_store_device(
-        t(seq),
-        t(qsl),
-        t(seq - np.asarray(committed)),
-        t(quant),
-        t(slots),
-        torch.from_numpy(table[:n]),
-        "kvarn_k4v2_g64",
-        staging_tiles=s_tiles,
-        max_tiles=plan.num_tiles + 2,
-        max_writes=int(qsl[-1]) + 2,
-        sink=sink,
-        recent_tiles=recent,
-        exact_start=None if hits is None else t(hits),
-        window_keys=window_keys,
+    args = (t(seq), t(qsl), t(seq - np.asarray(committed)), t(quant), t(slots))
+    kwargs = {
+        "staging_tiles": s_tiles,
+        "max_tiles": plan.num_tiles + 2,
+        "max_writes": int(qsl[-1]) + 2,
+        "sink": sink,
+        "recent_tiles": recent,
+        "exact_start": None if hits is None else t(hits),
+        "window_keys": window_keys,
+    }
+    dev = plan_store_device(*args, torch.from_numpy(table[:n]), "kvarn_k4v2_g64", **kwargs)
+    # Under the interpreter (CI) that was the Triton planner: bit for bit its torch twin.
+    torch_plan = plan_module._plan_store_device_torch(
+        *args, torch.from_numpy(table[:n]), G, **kwargs
     )
+    assert_plans_identical(dev, torch_plan)
     tiles, writes = dev.tiles.numpy(), dev.writes.numpy()
     np.testing.assert_array_equal(tiles[: plan.num_tiles], plan.tiles.numpy())
     assert (tiles[plan.num_tiles :] == -1).all()
@@ -252,6 +266,79 @@ def assert_device_plan_equals(  # type: ignore[no-untyped-def]
         assert dev.key_read_lens is None and plan.key_read_lens is None
     else:
         np.testing.assert_array_equal(dev.key_read_lens.numpy(), plan.key_read_lens.numpy())
+
+
+def planner_case(rows: int, sink: bool, recent: int, window_keys: bool, device: str) -> None:
+    """The Triton planner (two launches) against the torch operations, on ``device``: a batch
+    of random speculative rows with padding rows between them (``rows`` of them: more than one
+    program's block, or none at all), a block table with a row stride wider than its columns,
+    spare tile and write rows."""
+    rng = np.random.default_rng(rows)
+    s_tiles = 2 + recent
+    new = rng.integers(1, 6, rows) * (rng.random(rows) < 0.8)  # 0: a padding row
+    drafts = np.minimum(rng.integers(0, 5, rows), np.maximum(new - 1, 0))
+    q_before = rng.integers(0, 40, rows) * G
+    seq = np.where(new > 0, q_before + rng.integers(0, G, rows) + new, 0)
+    q_before = np.where(new > 0, q_before, 0)
+    if rows:  # row 0 completes a tile
+        new[0] = max(new[0], 1)
+        drafts[0] = min(drafts[0], new[0] - 1)
+        seq[0] = q_before[0] + G + new[0]
+    qsl = np.concatenate([[0], np.cumsum(new)])
+    wide = torch.from_numpy(rng.integers(0, 10_000, (rows, 80)).astype(np.int32)).to(device)
+    table = wide[:, :50]
+    assert table.stride(0) == 80 or not rows
+
+    def t(x: object) -> torch.Tensor:
+        return torch.tensor(np.asarray(x), dtype=torch.int32, device=device)
+
+    exact = t(np.where(rng.random(rows) < 0.5, q_before, 0))
+    args = (t(seq), t(qsl), t(drafts), t(q_before), t(rng.permutation(rows)), table)
+    kwargs = {
+        "staging_tiles": s_tiles,
+        "max_tiles": rows + 3,
+        "max_writes": int(qsl[-1]) + 5,
+        "sink": sink,
+        "recent_tiles": recent,
+        "exact_start": exact,
+        "window_keys": window_keys,
+    }
+    got = plan_module._plan_store_device_triton(*args, G, **kwargs)
+    want = plan_module._plan_store_device_torch(*args, G, **kwargs)
+    assert_plans_identical(got, want)
+    if rows:  # the case quantizes some tiles
+        assert int((got.tiles[:, 0] >= 0).sum()) > 0
+
+
+PLANNER_CASES = [
+    (rows, *flags)
+    for rows in (0, 1, 5, 300)
+    for flags in ((False, 0, True), (True, 1, False), (True, 0, False))
+]
+
+
+@pytest.mark.parametrize(("rows", "sink", "recent", "window_keys"), PLANNER_CASES)
+def test_triton_planner_matches_its_torch_twin(
+    rows: int, sink: bool, recent: int, window_keys: bool
+) -> None:
+    from kvarn_kernels import _triton
+
+    if not _triton.INTERPRET:
+        pytest.skip("the Triton planner runs on CPU tensors only under TRITON_INTERPRET=1")
+    planner_case(rows, sink, recent, window_keys, "cpu")
+
+
+def test_planner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan_store_device`` takes the Triton planner on CUDA and under the interpreter, the
+    torch operations on CPU tensors otherwise or with ``KVARN_KERNELS_TORCH_PLANNER=1``."""
+    cpu = torch.zeros(1)
+    monkeypatch.setattr(plan_module, "INTERPRET", True)
+    assert plan_module._triton_planner(cpu)
+    monkeypatch.setenv("KVARN_KERNELS_TORCH_PLANNER", "1")
+    assert not plan_module._triton_planner(cpu)
+    monkeypatch.setenv("KVARN_KERNELS_TORCH_PLANNER", "0")
+    monkeypatch.setattr(plan_module, "INTERPRET", False)
+    assert not plan_module._triton_planner(cpu)
 
 
 def test_device_plan_padding_rows_and_shapes() -> None:

@@ -41,6 +41,7 @@ number of accepted drafts is known only on the GPU).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -48,8 +49,10 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 import torch
+import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, get_preset
 
+from kvarn_kernels._triton import INTERPRET
 from kvarn_kernels.cache import staging_rows
 
 __all__ = [
@@ -67,6 +70,7 @@ WRITE_FIELDS = ("token_index", "slot", "staging_pos", "key_pos")
 
 IntArray = npt.NDArray[np.int64]
 LensT = TypeVar("LensT", torch.Tensor, IntArray)
+_PLAN_BLOCK = 128  # rows of tiles / writes per program, and rows per pass of the row walk
 
 
 @dataclass(frozen=True)
@@ -501,7 +505,6 @@ def plan_store_device(
             f"recent_tiles must be an int in [0, staging_tiles={staging_tiles}), got "
             f"{recent_tiles!r}"
         )
-    sg = staging_tiles * g
     b = seq_lens.shape[0]
     for name, t, shape in (
         ("seq_lens", seq_lens, (b,)),
@@ -521,6 +524,70 @@ def plan_store_device(
     for name, n in (("max_tiles", max_tiles), ("max_writes", max_writes)):
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    if _triton_planner(seq_lens):
+        return _plan_store_device_triton(
+            seq_lens,
+            query_start_loc,
+            num_drafts,
+            num_quantized,
+            staging_slots,
+            block_table,
+            g,
+            staging_tiles=staging_tiles,
+            max_tiles=max_tiles,
+            max_writes=max_writes,
+            sink=sink,
+            recent_tiles=recent_tiles,
+            exact_start=exact_start,
+            window_keys=window_keys,
+        )
+    return _plan_store_device_torch(
+        seq_lens,
+        query_start_loc,
+        num_drafts,
+        num_quantized,
+        staging_slots,
+        block_table,
+        g,
+        staging_tiles=staging_tiles,
+        max_tiles=max_tiles,
+        max_writes=max_writes,
+        sink=sink,
+        recent_tiles=recent_tiles,
+        exact_start=exact_start,
+        window_keys=window_keys,
+    )
+
+
+def _triton_planner(seq_lens: torch.Tensor) -> bool:
+    """The Triton planner runs where the kernels do (CUDA, or anywhere under the interpreter);
+    ``KVARN_KERNELS_TORCH_PLANNER=1`` keeps the torch operations."""
+    if os.environ.get("KVARN_KERNELS_TORCH_PLANNER", "0") not in ("", "0"):
+        return False
+    return seq_lens.device.type == "cuda" or INTERPRET
+
+
+def _plan_store_device_torch(
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_drafts: torch.Tensor,
+    num_quantized: torch.Tensor,
+    staging_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    g: int,
+    *,
+    staging_tiles: int,
+    max_tiles: int,
+    max_writes: int,
+    sink: bool,
+    recent_tiles: int,
+    exact_start: torch.Tensor | None,
+    window_keys: bool,
+) -> StorePlan:
+    """:func:`plan_store_device` in torch operations (about 80 of them; the reference of the
+    Triton planner, and the path for CPU tensors outside the interpreter)."""
+    sg = staging_tiles * g
+    b = seq_lens.shape[0]
     dev = seq_lens.device
     i64 = torch.int64
     qsl = query_start_loc.to(i64)
@@ -586,4 +653,98 @@ def plan_store_device(
         read_lens=read.to(torch.int32) if recent_tiles else None,
         window_keys=bool(window_keys),
         key_read_lens=None if window_keys else key_read.to(torch.int32),
+    )
+
+
+def _plan_store_device_triton(
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_drafts: torch.Tensor,
+    num_quantized: torch.Tensor,
+    staging_slots: torch.Tensor,
+    block_table: torch.Tensor,
+    g: int,
+    *,
+    staging_tiles: int,
+    max_tiles: int,
+    max_writes: int,
+    sink: bool,
+    recent_tiles: int,
+    exact_start: torch.Tensor | None,
+    window_keys: bool,
+) -> StorePlan:
+    """:func:`plan_store_device` in two Triton launches (same outputs as the torch version)."""
+    from kvarn_kernels._plan_triton import plan_entries_kernel, plan_rows_kernel
+
+    b = seq_lens.shape[0]
+    dev = seq_lens.device
+    i32 = torch.int32
+    tiles = torch.empty((max_tiles, 5), dtype=i32, device=dev)
+    writes = torch.empty((max_writes, 4), dtype=i32, device=dev)
+    out_seq = torch.empty(b, dtype=i32, device=dev)
+    out_quant = torch.empty(b, dtype=i32, device=dev)
+    out_read = torch.empty(b, dtype=i32, device=dev) if recent_tiles else out_quant
+    out_key = None if window_keys else torch.empty(b, dtype=i32, device=dev)
+    if b == 0:
+        tiles.fill_(-1)
+        writes.fill_(-1)
+    else:
+        qsl = query_start_loc.contiguous()
+        table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        scratch = torch.empty((6, b), dtype=torch.int64, device=dev)
+        plan_rows_kernel[(1,)](
+            seq_lens.contiguous(),
+            qsl,
+            num_drafts.contiguous(),
+            num_quantized.contiguous(),
+            seq_lens if exact_start is None else exact_start.contiguous(),
+            b,
+            scratch,
+            out_seq,
+            out_quant,
+            out_read,
+            out_quant if out_key is None else out_key,
+            G=g,
+            S=staging_tiles,
+            RECENT=recent_tiles,
+            WINDOW_KEYS=bool(window_keys),
+            HAS_EXACT=exact_start is not None,
+            BLOCK=_PLAN_BLOCK,
+        )
+        programs = triton.cdiv(max_tiles, _PLAN_BLOCK) + triton.cdiv(max_writes, _PLAN_BLOCK)
+        if programs:
+            plan_entries_kernel[(programs,)](
+                qsl,
+                staging_slots.contiguous(),
+                table,
+                table.stride(0),
+                table.shape[1],
+                b,
+                b.bit_length(),
+                scratch,
+                tiles,
+                writes,
+                max_tiles,
+                max_writes,
+                G=g,
+                SG=staging_tiles * g,
+                SINK_ROWS=g if sink else 0,
+                KEY_RING=(staging_tiles - recent_tiles) * g,
+                WINDOW_KEYS=bool(window_keys),
+                BLOCK=_PLAN_BLOCK,
+            )
+    return StorePlan(
+        tiles=tiles,
+        writes=writes,
+        seq_lens=out_seq,
+        quantized_lens=out_quant,
+        num_tiles=max_tiles,
+        num_writes=max_writes,
+        group_size=g,
+        staging_tiles=staging_tiles,
+        sink=sink,
+        recent_tiles=recent_tiles,
+        read_lens=out_read if recent_tiles else None,
+        window_keys=bool(window_keys),
+        key_read_lens=out_key,
     )
