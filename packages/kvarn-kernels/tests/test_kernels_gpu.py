@@ -20,7 +20,12 @@ from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
 from test_kernels_attention import run_fresh
-from test_kernels_plan import PLANNER_CASES, planner_case
+from test_kernels_plan import (
+    DRAFT_PLANNER_CASES,
+    PLANNER_CASES,
+    draft_planner_case,
+    planner_case,
+)
 from test_kernels_store import assert_records_match
 
 pytestmark = pytest.mark.gpu
@@ -590,3 +595,12 @@ def test_triton_planner_on_the_gpu(rows: int, sink: bool, recent: int, window_ke
     """The Triton store planner on CUDA tensors, bit for bit its torch twin (GPU integer
     division truncates where NumPy's floors: the planner divides only non-negative numbers)."""
     planner_case(rows, sink, recent, window_keys, DEV)
+
+
+@pytest.mark.parametrize(("rows", "n", "sink", "recent", "window_keys"), DRAFT_PLANNER_CASES)
+def test_draft_planner_on_the_gpu(
+    rows: int, n: int, sink: bool, recent: int, window_keys: bool
+) -> None:
+    """``plan_draft_device``'s Triton kernel on CUDA tensors, element for element its torch
+    twin, written into views of one buffer."""
+    draft_planner_case(rows, n, sink, recent, window_keys, DEV)

@@ -11,16 +11,18 @@ request wrote itself (a prefix-cache hit stays records only).
 
 from __future__ import annotations
 
-from dataclasses import fields
+import os
+from dataclasses import fields, replace
 
+import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples
+from kvarn_kernels import StorePlan, plan_store, plan_store_device
 from kvarn_kernels import plan as plan_module
-from kvarn_kernels import plan_store, plan_store_device
 from kvarn_math.attention import key_window_start, recent_window_start
 
 G = 64
@@ -306,8 +308,42 @@ def planner_case(rows: int, sink: bool, recent: int, window_keys: bool, device: 
     got = plan_module._plan_store_device_triton(*args, G, **kwargs)
     want = plan_module._plan_store_device_torch(*args, G, **kwargs)
     assert_plans_identical(got, want)
+    # Into views of one buffer (a CUDA graph's metadata), by either planner: the same plan,
+    # read_lens written even without recent tiles (the attention lengths).
+    for torch_planner in ("0", "1"):
+        out = _out_views(rows, kwargs["max_tiles"], kwargs["max_writes"], window_keys, device)
+        os.environ["KVARN_KERNELS_TORCH_PLANNER"] = torch_planner
+        try:
+            placed = plan_store_device(*args, "kvarn_k4v2_g64", **kwargs, out=out)
+        finally:
+            del os.environ["KVARN_KERNELS_TORCH_PLANNER"]
+        assert placed.tiles is out.tiles and placed.seq_lens is out.seq_lens
+        assert_plans_identical(placed, want)
+        assert torch.equal(out.read_lens.cpu(), want.attention_lens.cpu())
     if rows:  # the case quantizes some tiles
         assert int((got.tiles[:, 0] >= 0).sum()) > 0
+
+
+def _out_views(
+    rows: int, max_tiles: int, max_writes: int, window_keys: bool, device: str
+) -> StorePlan:
+    """A plan's tensors as views of one int32 buffer filled with 77."""
+    sizes = [max_tiles * 5, max_writes * 4, rows, rows, rows, rows]
+    buf = torch.full((sum(sizes) + 4,), 77, dtype=torch.int32, device=device)
+    cut = np.concatenate([[0], np.cumsum(sizes)])
+    part = [buf[cut[i] : cut[i + 1]] for i in range(len(sizes))]
+    return StorePlan(
+        tiles=part[0].view(max_tiles, 5),
+        writes=part[1].view(max_writes, 4),
+        seq_lens=part[2],
+        quantized_lens=part[3],
+        read_lens=part[4],
+        key_read_lens=None if window_keys else part[5],
+        num_tiles=max_tiles,
+        num_writes=max_writes,
+        group_size=G,
+        staging_tiles=2,
+    )
 
 
 PLANNER_CASES = [
@@ -416,3 +452,114 @@ def test_bad_plans_raise(kwargs: dict[str, object], message: str) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         plan_store(**args)  # type: ignore[arg-type]
+
+
+def draft_planner_case(
+    rows: int, n: int, sink: bool, recent: int, window_keys: bool, device: str
+) -> None:
+    """``plan_draft_device``'s Triton kernel against its torch operations on ``device``: rows
+    with random lengths (some shorter than ``n``, so positions below 0 write nothing), padding
+    rows after ``live`` and padding tokens after them, outputs written into views of one
+    buffer (as a CUDA graph's metadata is)."""
+    rng = np.random.default_rng(100 + rows + n)
+    s_tiles = 2 + recent
+    slots_total = rows + 7
+    live = max(rows - 2, 0)
+    seq = np.where(np.arange(rows) < live, rng.integers(0, 40 * G, rows), 0)
+    seq[: min(rows, 2)] = [1, n + 3][: min(rows, 2)]
+    slots = rng.permutation(slots_total)[:rows]
+    slot_quant = rng.integers(0, 40, slots_total) * G
+    slot_start = rng.integers(0, 3, slots_total) * G
+    num_tokens = rows * n + 3
+
+    def t(x: object) -> torch.Tensor:
+        return torch.tensor(np.asarray(x), dtype=torch.int32, device=device)
+
+    def outs() -> kk.StorePlan:
+        buf = torch.full((rows * 9 + num_tokens * 4 + 8,), 77, dtype=torch.int32, device=device)
+        cut = np.cumsum([rows * 5, num_tokens * 4, rows, rows, rows, rows])
+        return kk.StorePlan(
+            tiles=buf[: cut[0]].view(rows, 5),
+            writes=buf[cut[0] : cut[1]].view(num_tokens, 4),
+            seq_lens=buf[cut[1] : cut[2]],
+            quantized_lens=buf[cut[2] : cut[3]],
+            read_lens=buf[cut[3] : cut[4]],
+            key_read_lens=None if window_keys else buf[cut[4] : cut[5]],
+            num_tiles=rows,
+            num_writes=num_tokens,
+            group_size=G,
+            staging_tiles=s_tiles,
+            sink=sink,
+            recent_tiles=recent,
+            window_keys=window_keys,
+        )
+
+    args = (t(seq), t(slots), t(slot_quant), t(slot_start), "kvarn_k4v2_g64")
+    kwargs = {
+        "tokens_per_row": n,
+        "num_tokens": num_tokens,
+        "live_rows": live,
+        "staging_tiles": s_tiles,
+        "sink": sink,
+        "recent_tiles": recent,
+        "window_keys": window_keys,
+    }
+    got = kk.plan_draft_device(*args, **kwargs, out=outs())
+    want = outs()
+    key_tiles = 0 if window_keys else s_tiles - recent
+    plan_module._plan_draft_torch(
+        *args[:4],
+        want,
+        g=G,
+        n=n,
+        num_tokens=num_tokens,
+        live_rows=live,
+        staging_tiles=s_tiles,
+        sink=sink,
+        recent_tiles=recent,
+        key_tiles=key_tiles,
+    )
+    assert_plans_identical(got, want)
+    if live:  # the case writes drafts and skips positions below 0
+        w = got.writes.cpu().numpy()
+        assert (w[:, 0] >= 0).any() and (w[:, 0] < 0).any()
+    assert (got.tiles.cpu() == -1).all()
+
+
+DRAFT_PLANNER_CASES = [
+    (rows, n, *flags)
+    for rows, n in ((1, 1), (5, 1), (5, 5), (300, 1), (40, 3))
+    for flags in ((False, 0, True), (True, 1, False))
+]
+
+
+@pytest.mark.parametrize(("rows", "n", "sink", "recent", "window_keys"), DRAFT_PLANNER_CASES)
+def test_draft_planner_matches_its_torch_twin(
+    rows: int, n: int, sink: bool, recent: int, window_keys: bool
+) -> None:
+    from kvarn_kernels import _triton
+
+    if not _triton.INTERPRET:
+        pytest.skip("the Triton planner runs on CPU tensors only under TRITON_INTERPRET=1")
+    draft_planner_case(rows, n, sink, recent, window_keys, "cpu")
+
+
+def test_draft_planner_refuses_bad_outputs() -> None:
+    t = torch.zeros(3, dtype=torch.int32)
+    args = (t, t, torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))
+    kwargs = {"num_tokens": 3, "live_rows": 3, "staging_tiles": 2}
+    with pytest.raises(ValueError, match="tokens_per_row"):
+        kk.plan_draft_device(*args, "kvarn_k4v2_g64", tokens_per_row=0, **kwargs)
+    plan = kk.plan_draft_device(*args, "kvarn_k4v2_g64", tokens_per_row=1, **kwargs)
+    with pytest.raises(ValueError, match=r"out.key_read_lens must be int32 \[3\], got None"):
+        kk.plan_draft_device(
+            *args, "kvarn_k4v2_g64", tokens_per_row=1, window_keys=False, out=plan, **kwargs
+        )
+    with pytest.raises(ValueError, match=r"out.tiles must be int32 \[3, 5\], got \[2, 5\]"):
+        kk.plan_draft_device(
+            *args,
+            "kvarn_k4v2_g64",
+            tokens_per_row=1,
+            out=replace(plan, tiles=torch.zeros(2, 5, dtype=torch.int32)),
+            **kwargs,
+        )

@@ -295,3 +295,37 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
     monkeypatch.setenv("KVARN_VLLM_WARMUP", "yes")
     with pytest.raises(ValueError, match="KVARN_VLLM_WARMUP must be 0 or 1"):
         md.warm_kernels(*args)
+
+
+def test_warm_planners_on_gpus_only(monkeypatch):
+    """Speculative engines compile both device planners at start-up on GPUs (one scratch
+    row each, the engine's ring, sink, recent tiles and window setting); CPU engines and
+    ``KVARN_VLLM_WARMUP=0`` skip it. The launches themselves run here under the interpreter."""
+    from kvarn_vllm import kernels
+    from kvarn_vllm.config import parse_kv_cache_dtype
+
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
+    config = parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4)
+    seen = []
+    monkeypatch.setattr(md, "launch_planners", lambda c, d: seen.append((c, d)))
+    assert not md.warm_planners(config, SimpleNamespace(type="cpu"))
+    monkeypatch.setenv("KVARN_VLLM_WARMUP", "0")
+    assert not md.warm_planners(config, SimpleNamespace(type="cuda"))
+    monkeypatch.delenv("KVARN_VLLM_WARMUP")
+    gpu = SimpleNamespace(type="cuda")
+    assert md.warm_planners(config, gpu) and seen == [(config, gpu)]
+    monkeypatch.undo()
+    monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
+    calls = []
+    for name in ("plan_store_device", "plan_draft_device"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels,
+            name,
+            lambda *a, _real=real, _n=name, **k: calls.append((_n, k)) or _real(*a, **k),
+        )
+    md.launch_planners(config, torch.device("cpu"))
+    assert [n for n, _ in calls] == ["plan_store_device", "plan_draft_device"]
+    for _, k in calls:
+        assert k["staging_tiles"] == config.ring_tiles and k["recent_tiles"] == 1
+        assert k["sink"] == config.sink and k["window_keys"] == config.window_keys

@@ -18,6 +18,7 @@ from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
 from kvarn_kernels.plan import (
     StorePlan,
     key_window_start,
+    plan_draft_device,
     plan_store,
     plan_store_device,
     window_start,
@@ -46,6 +47,7 @@ __all__ = [
     "encode_tiles",
     "key_window_start",
     "multi_query_attention",
+    "plan_draft_device",
     "plan_store",
     "plan_store_device",
     "quantize_tiles",

@@ -101,8 +101,7 @@ def plan_rows_kernel(
         tl.store(scratch_ptr + 5 * b + r, key_read, mask=ok)
         tl.store(out_seq_ptr + r, total.to(tl.int32), mask=ok)
         tl.store(out_quant_ptr + r, q_after.to(tl.int32), mask=ok)
-        if RECENT > 0:
-            tl.store(out_read_ptr + r, read.to(tl.int32), mask=ok)
+        tl.store(out_read_ptr + r, read.to(tl.int32), mask=ok)  # = q_after without RECENT
 
 
 @triton.jit
@@ -205,3 +204,103 @@ def plan_entries_kernel(
         tl.store(
             writes_ptr + i[:, None] * 4 + c, row.to(tl.int32), mask=in_range[:, None] & (c < 4)
         )
+
+
+_DRAFT_INTS = ("b", "n", "num_tokens", "live")
+_DRAFT_PTRS = (
+    "seq_ptr",
+    "slots_ptr",
+    "slot_quant_ptr",
+    "slot_start_ptr",
+    "tiles_ptr",
+    "writes_ptr",
+    "out_seq_ptr",
+    "out_quant_ptr",
+    "out_read_ptr",
+    "out_key_read_ptr",
+)
+
+
+@triton.jit(do_not_specialize=_DRAFT_INTS, do_not_specialize_on_alignment=_DRAFT_PTRS)
+def plan_draft_kernel(
+    seq_ptr,
+    slots_ptr,
+    slot_quant_ptr,
+    slot_start_ptr,
+    b,
+    n,
+    num_tokens,
+    live,
+    tiles_ptr,
+    writes_ptr,
+    out_seq_ptr,
+    out_quant_ptr,
+    out_read_ptr,
+    out_key_read_ptr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    SINK_ROWS: tl.constexpr,
+    RECENT: tl.constexpr,
+    KEY_TILES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A drafter step's plan (see ``plan_draft_device``): programs ``[0, cdiv(b, BLOCK))`` do
+    rows ``r`` (lengths, windows, an empty tile row), the rest token write rows ``t``."""
+    pid = tl.program_id(0)
+    row_programs = tl.cdiv(b, BLOCK)
+    if pid < row_programs:
+        r = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = r < b
+        seq = tl.load(seq_ptr + r, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + r, mask=ok, other=0).to(tl.int64)
+        first = tl.maximum(seq - n, 0)
+        quant = tl.minimum(
+            tl.load(slot_quant_ptr + slot, mask=ok, other=0).to(tl.int64), first // G * G
+        )
+        start = tl.load(slot_start_ptr + slot, mask=ok, other=0).to(tl.int64)
+        over = seq - S * G
+        ring = tl.where(over > 0, (over + G - 1) // G * G, -((-over) // G * G))
+        if RECENT > 0:
+            window = (first // G - RECENT) * G
+            read = tl.minimum(quant, tl.maximum(tl.maximum(start, window), ring))
+        else:
+            read = quant
+        if KEY_TILES > 0:
+            over_k = seq - KEY_TILES * G
+            ring_k = tl.where(over_k > 0, (over_k + G - 1) // G * G, -((-over_k) // G * G))
+            key_read = tl.minimum(quant, tl.maximum(tl.maximum(start, first // G * G), ring_k))
+            tl.store(out_key_read_ptr + r, key_read.to(tl.int32), mask=ok)
+        tl.store(out_seq_ptr + r, seq.to(tl.int32), mask=ok)
+        tl.store(out_quant_ptr + r, quant.to(tl.int32), mask=ok)
+        tl.store(out_read_ptr + r, read.to(tl.int32), mask=ok)
+        c5 = tl.arange(0, 8)[None, :]
+        tl.store(
+            tiles_ptr + r[:, None] * 5 + c5,
+            tl.full([BLOCK, 8], -1, tl.int32),
+            mask=ok[:, None] & (c5 < 5),
+        )
+    else:
+        t = (pid - row_programs) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        in_range = t < num_tokens
+        owner = t // n
+        row = tl.minimum(owner, tl.maximum(b - 1, 0))
+        seq = tl.load(seq_ptr + row, mask=in_range & (b > 0), other=0).to(tl.int64)
+        pos = seq - n + t % n
+        at = tl.maximum(pos, 0)
+        value_rows = staging_rows(at, S * G, SINK_ROWS)
+        if KEY_TILES > 0:
+            key_rows = at % (KEY_TILES * G)
+        else:
+            key_rows = value_rows
+        write_ok = in_range & (owner < live) & (pos >= 0)
+        slot = tl.load(slots_ptr + row, mask=in_range & (b > 0), other=0).to(tl.int64)
+        c = tl.arange(0, 4)[None, :]
+        entry = tl.where(
+            c == 0,
+            t[:, None],
+            tl.where(
+                c == 1, slot[:, None], tl.where(c == 2, value_rows[:, None], key_rows[:, None])
+            ),
+        )
+        entry = tl.where(write_ok[:, None], entry, -1)
+        tl.store(writes_ptr + t[:, None] * 4 + c, entry.to(tl.int32), mask=in_range[:, None])

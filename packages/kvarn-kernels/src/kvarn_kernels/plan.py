@@ -60,6 +60,7 @@ __all__ = [
     "WRITE_FIELDS",
     "StorePlan",
     "plan_store",
+    "plan_draft_device",
     "plan_store_device",
     "key_window_start",
     "window_start",
@@ -455,6 +456,7 @@ def plan_store_device(
     recent_tiles: int = 0,
     exact_start: torch.Tensor | None = None,
     window_keys: bool = True,
+    out: StorePlan | None = None,
 ) -> StorePlan:
     """:func:`plan_store` computed on the device from the step's real lengths (no host sync).
 
@@ -491,10 +493,16 @@ def plan_store_device(
         exact_start: ``[B]`` int, as :func:`plan_store` (default: the row's first cached
             position rounded down to a tile).
         window_keys: as :func:`plan_store`.
+        out: a plan whose tensors are written in place (e.g. views of a CUDA graph's
+            buffers): ``tiles`` ``[max_tiles, 5]``, ``writes`` ``[max_writes, 4]``,
+            ``seq_lens``, ``quantized_lens``, ``read_lens`` (always written: the attention
+            lengths, ``quantized_lens`` without recent tiles) and, exactly with
+            ``window_keys=False``, ``key_read_lens``, all int32 ``[B]``. ``None``: allocated.
 
     Returns:
-        :class:`StorePlan` on the inputs' device; ``num_tiles`` / ``num_writes`` are the
-        padded sizes (the real counts are only on the device).
+        :class:`StorePlan` on the inputs' device (on ``out``'s tensors when given);
+        ``num_tiles`` / ``num_writes`` are the padded sizes (the real counts are only on the
+        device).
     """
     p = get_preset(preset)
     g = p.group_size
@@ -524,6 +532,8 @@ def plan_store_device(
     for name, n in (("max_tiles", max_tiles), ("max_writes", max_writes)):
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    if out is not None:
+        _check_out(out, b, max_tiles, max_writes, window_keys)
     if _triton_planner(seq_lens):
         return _plan_store_device_triton(
             seq_lens,
@@ -540,8 +550,9 @@ def plan_store_device(
             recent_tiles=recent_tiles,
             exact_start=exact_start,
             window_keys=window_keys,
+            out=out,
         )
-    return _plan_store_device_torch(
+    plan = _plan_store_device_torch(
         seq_lens,
         query_start_loc,
         num_drafts,
@@ -557,6 +568,54 @@ def plan_store_device(
         exact_start=exact_start,
         window_keys=window_keys,
     )
+    if out is None:
+        return plan
+    assert out.read_lens is not None
+    for dst, src in (
+        (out.tiles, plan.tiles),
+        (out.writes, plan.writes),
+        (out.seq_lens, plan.seq_lens),
+        (out.quantized_lens, plan.quantized_lens),
+        (out.read_lens, plan.attention_lens),
+        (out.key_read_lens, plan.key_read_lens),
+    ):
+        if dst is not None and src is not None:
+            dst.copy_(src)
+    return _on(out, plan)
+
+
+def _on(out: StorePlan, plan: StorePlan) -> StorePlan:
+    """``plan`` with ``out``'s tensors (``read_lens`` only where the plan has one)."""
+    return replace(
+        plan,
+        tiles=out.tiles,
+        writes=out.writes,
+        seq_lens=out.seq_lens,
+        quantized_lens=out.quantized_lens,
+        read_lens=None if plan.read_lens is None else out.read_lens,
+        key_read_lens=out.key_read_lens,
+    )
+
+
+def _check_out(out: StorePlan, b: int, tiles: int, writes: int, window_keys: bool) -> None:
+    """``out`` of :func:`plan_store_device` / :func:`plan_draft_device`: shapes and fields."""
+    want = {
+        "tiles": (tiles, 5),
+        "writes": (writes, 4),
+        "seq_lens": (b,),
+        "quantized_lens": (b,),
+        "read_lens": (b,),
+        "key_read_lens": None if window_keys else (b,),
+    }
+    for name, shape in want.items():
+        t = getattr(out, name)
+        got = None if t is None else tuple(t.shape)
+        if got != shape:
+            raise ValueError(
+                f"out.{name} must be "
+                + ("None (window_keys=True)" if shape is None else f"int32 {list(shape)}")
+                + f", got {'None' if got is None else list(got)}"
+            )
 
 
 def _triton_planner(seq_lens: torch.Tensor) -> bool:
@@ -672,6 +731,7 @@ def _plan_store_device_triton(
     recent_tiles: int,
     exact_start: torch.Tensor | None,
     window_keys: bool,
+    out: StorePlan | None = None,
 ) -> StorePlan:
     """:func:`plan_store_device` in two Triton launches (same outputs as the torch version)."""
     from kvarn_kernels._plan_triton import plan_entries_kernel, plan_rows_kernel
@@ -679,12 +739,17 @@ def _plan_store_device_triton(
     b = seq_lens.shape[0]
     dev = seq_lens.device
     i32 = torch.int32
-    tiles = torch.empty((max_tiles, 5), dtype=i32, device=dev)
-    writes = torch.empty((max_writes, 4), dtype=i32, device=dev)
-    out_seq = torch.empty(b, dtype=i32, device=dev)
-    out_quant = torch.empty(b, dtype=i32, device=dev)
-    out_read = torch.empty(b, dtype=i32, device=dev) if recent_tiles else out_quant
-    out_key = None if window_keys else torch.empty(b, dtype=i32, device=dev)
+    if out is None:
+        tiles = torch.empty((max_tiles, 5), dtype=i32, device=dev)
+        writes = torch.empty((max_writes, 4), dtype=i32, device=dev)
+        out_seq = torch.empty(b, dtype=i32, device=dev)
+        out_quant = torch.empty(b, dtype=i32, device=dev)
+        out_read = torch.empty(b, dtype=i32, device=dev) if recent_tiles else out_quant
+        out_key = None if window_keys else torch.empty(b, dtype=i32, device=dev)
+    else:
+        assert out.read_lens is not None
+        tiles, writes, out_seq, out_quant = out.tiles, out.writes, out.seq_lens, out.quantized_lens
+        out_read, out_key = out.read_lens, out.key_read_lens
     if b == 0:
         tiles.fill_(-1)
         writes.fill_(-1)
@@ -748,3 +813,192 @@ def _plan_store_device_triton(
         window_keys=bool(window_keys),
         key_read_lens=out_key,
     )
+
+
+def plan_draft_device(
+    seq_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    slot_quantized: torch.Tensor,
+    slot_exact_start: torch.Tensor,
+    preset: str | Preset,
+    *,
+    tokens_per_row: int,
+    num_tokens: int,
+    live_rows: int,
+    staging_tiles: int,
+    sink: bool = False,
+    recent_tiles: int = 0,
+    window_keys: bool = True,
+    out: StorePlan | None = None,
+) -> StorePlan:
+    """A drafter step's store plan on the device: its tokens are drafts, so they go to staging
+    and no tile is quantized (every tile row -1). No host synchronization, fixed shapes.
+
+    Row ``b`` brings ``n = tokens_per_row`` tokens at its last positions
+    ``seq_lens[b] - n .. seq_lens[b] - 1``; token ``t`` of the step belongs to row ``t // n``.
+    Attention reads records up to ``min(slot_quantized[slot], first // G * G)`` (``first =
+    seq_len - n``, the step's first position), the exact windows from there as
+    :func:`window_start` / :func:`key_window_start` with ``exact_start`` taken from
+    ``slot_exact_start[slot]``.
+
+    Args:
+        seq_lens: ``[B]`` int tokens of each row after the step.
+        staging_slots: ``[B]`` int each row's staging slot.
+        slot_quantized: int tokens in quantized tiles, indexed by staging slot (the target
+            step's plan).
+        slot_exact_start: int first position each slot's request wrote itself, by slot.
+        preset: the cache preset (gives ``G``).
+        tokens_per_row: ``n`` >= 1.
+        num_tokens: write rows (the padded step's tokens); tokens past ``live_rows * n`` and
+            positions below 0 write nothing (-1).
+        live_rows: rows with real tokens (the rest are padding of a CUDA graph).
+        staging_tiles, sink, recent_tiles, window_keys: as :func:`plan_store_device`.
+        out: a plan whose tensors (``tiles`` ``[B, 5]``, ``writes`` ``[num_tokens, 4]``,
+            ``seq_lens``, ``quantized_lens``, ``read_lens`` and, with ``window_keys=False``,
+            ``key_read_lens``) are written in place, e.g. views of a CUDA graph's buffers;
+            ``None`` allocates them.
+
+    Returns:
+        The plan (``out`` when given), ``read_lens`` always set.
+    """
+    p = get_preset(preset)
+    g = p.group_size
+    b = seq_lens.shape[0]
+    if not isinstance(tokens_per_row, int) or tokens_per_row < 1:
+        raise ValueError(f"tokens_per_row must be an int >= 1, got {tokens_per_row!r}")
+    if not isinstance(recent_tiles, int) or not 0 <= recent_tiles < staging_tiles:
+        raise ValueError(
+            f"recent_tiles must be an int in [0, staging_tiles={staging_tiles}), got "
+            f"{recent_tiles!r}"
+        )
+    if tuple(staging_slots.shape) != (b,):
+        raise ValueError(f"staging_slots must have shape [{b}], got {list(staging_slots.shape)}")
+    dev = seq_lens.device
+    i32 = torch.int32
+    if out is None:
+        out = StorePlan(
+            tiles=torch.empty((b, 5), dtype=i32, device=dev),
+            writes=torch.empty((num_tokens, 4), dtype=i32, device=dev),
+            seq_lens=torch.empty(b, dtype=i32, device=dev),
+            quantized_lens=torch.empty(b, dtype=i32, device=dev),
+            num_tiles=b,
+            num_writes=num_tokens,
+            group_size=g,
+            staging_tiles=staging_tiles,
+            sink=sink,
+            recent_tiles=recent_tiles,
+            read_lens=torch.empty(b, dtype=i32, device=dev),
+            window_keys=bool(window_keys),
+            key_read_lens=None if window_keys else torch.empty(b, dtype=i32, device=dev),
+        )
+    _check_out(out, b, b, num_tokens, window_keys)
+    key_tiles = 0 if window_keys else staging_tiles - recent_tiles
+    run = _plan_draft_triton if _triton_planner(seq_lens) else _plan_draft_torch
+    run(
+        seq_lens,
+        staging_slots,
+        slot_quantized,
+        slot_exact_start,
+        out,
+        g=g,
+        n=tokens_per_row,
+        num_tokens=num_tokens,
+        live_rows=live_rows,
+        staging_tiles=staging_tiles,
+        sink=sink,
+        recent_tiles=recent_tiles,
+        key_tiles=key_tiles,
+    )
+    return out
+
+
+def _plan_draft_triton(
+    seq_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    slot_quantized: torch.Tensor,
+    slot_exact_start: torch.Tensor,
+    out: StorePlan,
+    *,
+    g: int,
+    n: int,
+    num_tokens: int,
+    live_rows: int,
+    staging_tiles: int,
+    sink: bool,
+    recent_tiles: int,
+    key_tiles: int,
+) -> None:
+    """:func:`plan_draft_device` in one Triton launch, into ``out``."""
+    from kvarn_kernels._plan_triton import plan_draft_kernel
+
+    b = seq_lens.shape[0]
+    programs = triton.cdiv(b, _PLAN_BLOCK) + triton.cdiv(num_tokens, _PLAN_BLOCK)
+    if not programs:
+        return
+    assert out.read_lens is not None
+    plan_draft_kernel[(programs,)](
+        seq_lens,
+        staging_slots,
+        slot_quantized,
+        slot_exact_start,
+        b,
+        n,
+        num_tokens,
+        live_rows,
+        out.tiles,
+        out.writes,
+        out.seq_lens,
+        out.quantized_lens,
+        out.read_lens,
+        out.read_lens if out.key_read_lens is None else out.key_read_lens,
+        G=g,
+        S=staging_tiles,
+        SINK_ROWS=g if sink else 0,
+        RECENT=recent_tiles,
+        KEY_TILES=key_tiles,
+        BLOCK=_PLAN_BLOCK,
+    )
+
+
+def _plan_draft_torch(
+    seq_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    slot_quantized: torch.Tensor,
+    slot_exact_start: torch.Tensor,
+    out: StorePlan,
+    *,
+    g: int,
+    n: int,
+    num_tokens: int,
+    live_rows: int,
+    staging_tiles: int,
+    sink: bool,
+    recent_tiles: int,
+    key_tiles: int,
+) -> None:
+    """:func:`plan_draft_device` in torch operations, into ``out`` (the Triton kernel's
+    tested twin; about 35 operations)."""
+    assert out.read_lens is not None
+    i32 = torch.int32
+    b = seq_lens.shape[0]
+    seq = seq_lens.to(i32)
+    slots = staging_slots.long()
+    first = (seq - n).clamp(min=0)
+    quant = torch.minimum(slot_quantized[slots], first // g * g)
+    start = slot_exact_start[slots]
+    out.seq_lens.copy_(seq)
+    out.quantized_lens.copy_(quant)
+    out.read_lens.copy_(window_start(first, seq, quant, start, g, recent_tiles, staging_tiles))
+    if out.key_read_lens is not None:
+        out.key_read_lens.copy_(key_window_start(first, seq, quant, start, g, key_tiles))
+    tokens = torch.arange(num_tokens, dtype=i32, device=seq.device)
+    owner = tokens // n  # past the real rows for a graph's padding tokens
+    rows = owner.clamp(max=max(b - 1, 0)).long()
+    pos = seq.index_select(0, rows) - n + tokens % n
+    value_rows = staging_rows(pos.clamp(min=0), staging_tiles * g, g if sink else 0)
+    key_rows = value_rows if not key_tiles else pos.clamp(min=0) % (key_tiles * g)
+    ok = (owner < live_rows) & (pos >= 0)
+    row_slots = staging_slots.index_select(0, rows).to(i32)
+    writes = torch.stack([tokens, row_slots, value_rows, key_rows], 1)
+    out.tiles.fill_(-1)
+    out.writes.copy_(torch.where(ok[:, None], writes, -1))

@@ -16,6 +16,7 @@ __all__ = [
     "kernels_module",
     "key_window_start",
     "multi_query_attention",
+    "plan_draft_device",
     "plan_store",
     "plan_store_device",
     "rotate",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _REQUIRED = (
+    "plan_draft_device",
     "plan_store",
     "plan_store_device",
     "store_kv",
@@ -73,6 +75,11 @@ def kernels_module() -> ModuleType:
 def plan_store(*args, **kwargs):
     """``kvarn_kernels.plan_store`` (host, once per step)."""
     return kernels_module().plan_store(*args, **kwargs)
+
+
+def plan_draft_device(*args, **kwargs):
+    """``kvarn_kernels.plan_draft_device`` (a drafter step's plan: one launch, no sync)."""
+    return kernels_module().plan_draft_device(*args, **kwargs)
 
 
 def plan_store_device(*args, **kwargs):

@@ -132,6 +132,49 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
     return summary
 
 
+def warm_planners(config: KvarnConfig, device: Any) -> bool:
+    """Compile the device store planners of speculative steps (a verify step's
+    ``plan_store_device`` and a drafter step's ``plan_draft_device``, one Triton variant each
+    per engine configuration) on one scratch row, before vLLM serves. GPU only;
+    ``KVARN_VLLM_WARMUP=0`` skips it. Returns whether it ran."""
+    if not env_flag(WARMUP_ENV, True) or getattr(device, "type", "cpu") != "cuda":
+        return False
+    launch_planners(config, device)
+    return True
+
+
+def launch_planners(config: KvarnConfig, device: Any) -> None:
+    """Both device planners once, on one scratch row (what :func:`warm_planners` compiles)."""
+    import torch
+
+    from kvarn_vllm import kernels
+
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    common = {
+        "staging_tiles": config.ring_tiles,
+        "sink": config.sink,
+        "recent_tiles": config.recent_tiles,
+        "window_keys": config.window_keys,
+    }
+    kernels.plan_store_device(
+        one,
+        torch.tensor([0, 1], dtype=torch.int32, device=device),
+        zero,
+        zero,
+        zero,
+        zero.view(1, 1),
+        config.preset,
+        max_tiles=1,
+        max_writes=1,
+        exact_start=zero,
+        **common,
+    )
+    kernels.plan_draft_device(
+        one, zero, zero, zero, config.preset, tokens_per_row=1, num_tokens=1, live_rows=1, **common
+    )
+
+
 def _align4(n: int) -> int:
     """``n`` rounded up to a multiple of 4 (int32 entries: 16 bytes)."""
     return -(-n // 4) * 4
@@ -657,6 +700,8 @@ def _make_builder_class() -> type:
             # Verify rows (1 + k tokens) are "context" rows: multi_query_attention.
             self._init_reorder_batch_threshold(1)
             warm_kernels(self.config, kv_cache_spec, vllm_config, device)
+            if self.speculative:
+                warm_planners(self.config, device)
 
         def _view(self, buf, name: str, n: int, cols: int = 1):
             start, size = self._layout[name]
@@ -965,6 +1010,11 @@ def _make_builder_class() -> type:
             start = torch.where(new_rows > 0, floor, spec["start"][slots.long()])
             if self.config.recent_tiles or not self.config.window_keys:
                 spec["start"].index_copy_(0, slots[:real].long(), start[:real])
+            from kvarn_kernels import StorePlan
+
+            tiles = self._view(buf, "tiles", self.max_tiles, 5)
+            writes = self._view(buf, "writes", num_tokens, 4)
+            # The plan lands in the step's buffer views (what CUDA graphs replay).
             plan = kernels.plan_store_device(
                 seq,
                 qsl,
@@ -980,19 +1030,24 @@ def _make_builder_class() -> type:
                 recent_tiles=self.config.recent_tiles,
                 exact_start=start,
                 window_keys=self.config.window_keys,
+                out=StorePlan(
+                    tiles=tiles,
+                    writes=writes,
+                    seq_lens=self._view(buf, "seq_lens", num_reqs),
+                    quantized_lens=self._view(buf, "quantized_lens", num_reqs),
+                    num_tiles=self.max_tiles,
+                    num_writes=num_tokens,
+                    group_size=g,
+                    staging_tiles=self.config.ring_tiles,
+                    read_lens=self._view(buf, "read_lens", num_reqs),
+                    key_read_lens=None
+                    if self.config.window_keys
+                    else self._view(buf, "key_lens", num_reqs),
+                ),
             )
-            tiles = self._view(buf, "tiles", self.max_tiles, 5)
-            writes = self._view(buf, "writes", num_tokens, 4)
-            tiles.copy_(plan.tiles)
-            writes.copy_(plan.writes)
             if record is None:
                 tiles.fill_(-1)
                 writes.fill_(-1)
-            self._view(buf, "seq_lens", num_reqs).copy_(seq)
-            self._view(buf, "quantized_lens", num_reqs).copy_(plan.quantized_lens)
-            self._view(buf, "read_lens", num_reqs).copy_(plan.attention_lens)
-            if plan.key_read_lens is not None:
-                self._view(buf, "key_lens", num_reqs).copy_(plan.key_read_lens)
             spec["quantized"].index_copy_(0, slots[:real].long(), plan.quantized_lens[:real])
             return self._plan_views(plan, buf, num_reqs, tiles, writes)
 
@@ -1071,63 +1126,48 @@ def _make_builder_class() -> type:
                 src = src.pin_memory()
             self._device_buf[:used].copy_(src, non_blocking=True)
             buf = self._device_buf
-            g, sg, base = self.preset.group_size, self.config.ring_tokens, self.config.sink_rows
-            seq = cam.seq_lens[:num_reqs].to(torch.int32)
+            g = self.preset.group_size
+            seq = cam.seq_lens[:num_reqs]
             if not real:  # dummy (profiling) draft step: attend the row's own tokens only
                 seq = seq.clamp(max=n)
             slots = self._view(buf, "slots", num_reqs)
             dev_seq = self._view(buf, "seq_lens", num_reqs)
-            dev_quant = self._view(buf, "quantized_lens", num_reqs)
-            dev_seq.copy_(seq)
-            first = (seq - n).clamp(min=0)  # the step's first position
-            quant = torch.minimum(self._spec["quantized"][slots.long()], first // g * g)
-            dev_quant.copy_(quant)
             dev_read = self._view(buf, "read_lens", num_reqs)
-            start = self._spec["start"][slots.long()]
-            dev_read.copy_(
-                kernels.window_start(
-                    first, seq, quant, start, g, self.config.recent_tiles, self.config.ring_tiles
-                )
-            )
             dev_keys = None
             if self.config.key_tiles is not None:
                 dev_keys = self._view(buf, "key_lens", num_reqs)
-                dev_keys.copy_(
-                    kernels.key_window_start(first, seq, quant, start, g, self.config.key_tiles)
-                )
-            # Token t is row t // n's draft at position seq - n + t % n.
-            tokens = torch.arange(num_tokens, dtype=torch.int32, device=buf.device)
-            owner = tokens // n  # past the real rows for a graph's padding tokens
-            rows = owner.clamp(max=max(num_reqs - 1, 0))
-            pos = seq.index_select(0, rows.long()) - n + tokens % n
-            value_rows = kernels.staging_rows(pos.clamp(min=0), sg, base)
-            key_rows = value_rows
-            if self.config.key_tiles is not None:
-                # values-only windows: the draft's key goes to the key ring (open tiles)
-                key_rows = pos.clamp(min=0) % (self.config.key_tiles * g)
-            ok = (owner < real) & (pos >= 0)
-            row_slots = slots.index_select(0, rows.long())
-            writes = torch.stack([tokens, row_slots, value_rows, key_rows], dim=1)
-            tiles = self._view(buf, "tiles", num_reqs, 5)
-            tiles.fill_(-1)
-            dev_writes = self._view(buf, "writes", num_tokens, 4)
-            dev_writes.copy_(torch.where(ok[:, None], writes, -1))
             from kvarn_kernels import StorePlan
 
-            plan = StorePlan(
-                tiles=tiles,
-                writes=dev_writes,
-                seq_lens=dev_seq,
-                quantized_lens=dev_quant,
-                num_tiles=num_reqs,
-                num_writes=num_tokens,
-                group_size=g,
+            # Every draft goes to staging, nothing is quantized; one launch writes the
+            # lengths, windows and write rows into the step's buffer views.
+            plan = kernels.plan_draft_device(
+                seq,
+                slots,
+                self._spec["quantized"],
+                self._spec["start"],
+                self.preset,
+                tokens_per_row=n,
+                num_tokens=num_tokens,
+                live_rows=real,
                 staging_tiles=self.config.ring_tiles,
                 sink=self.config.sink,
                 recent_tiles=self.config.recent_tiles,
-                read_lens=dev_read,
                 window_keys=self.config.window_keys,
-                key_read_lens=dev_keys,
+                out=StorePlan(
+                    tiles=self._view(buf, "tiles", num_reqs, 5),
+                    writes=self._view(buf, "writes", num_tokens, 4),
+                    seq_lens=dev_seq,
+                    quantized_lens=self._view(buf, "quantized_lens", num_reqs),
+                    num_tiles=num_reqs,
+                    num_writes=num_tokens,
+                    group_size=g,
+                    staging_tiles=self.config.ring_tiles,
+                    sink=self.config.sink,
+                    recent_tiles=self.config.recent_tiles,
+                    read_lens=dev_read,
+                    window_keys=self.config.window_keys,
+                    key_read_lens=dev_keys,
+                ),
             )
             group = RowGroup(
                 rows=None,
