@@ -852,7 +852,10 @@ def plan_draft_device(
         num_tokens: write rows (the padded step's tokens); tokens past ``live_rows * n`` and
             positions below 0 write nothing (-1).
         live_rows: rows with real tokens (the rest are padding of a CUDA graph).
-        staging_tiles, sink, recent_tiles, window_keys: as :func:`plan_store_device`.
+        staging_tiles: as :func:`plan_store_device`.
+        sink: as :func:`plan_store_device`.
+        recent_tiles: as :func:`plan_store_device`.
+        window_keys: as :func:`plan_store_device`.
         out: a plan whose tensors (``tiles`` ``[B, 5]``, ``writes`` ``[num_tokens, 4]``,
             ``seq_lens``, ``quantized_lens``, ``read_lens`` and, with ``window_keys=False``,
             ``key_read_lens``) are written in place, e.g. views of a CUDA graph's buffers;
