@@ -555,6 +555,14 @@ def test_draft_planner_refuses_bad_outputs() -> None:
         kk.plan_draft_device(
             *args, "kvarn_k4v2_g64", tokens_per_row=1, window_keys=False, out=plan, **kwargs
         )
+    with pytest.raises(ValueError, match="out.seq_lens must be a contiguous int32 tensor"):
+        kk.plan_draft_device(
+            *args,
+            "kvarn_k4v2_g64",
+            tokens_per_row=1,
+            out=replace(plan, seq_lens=torch.zeros(6, dtype=torch.int32)[::2]),
+            **kwargs,
+        )
     with pytest.raises(ValueError, match=r"out.tiles must be int32 \[3, 5\], got \[2, 5\]"):
         kk.plan_draft_device(
             *args,

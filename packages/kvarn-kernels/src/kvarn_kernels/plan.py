@@ -616,6 +616,11 @@ def _check_out(out: StorePlan, b: int, tiles: int, writes: int, window_keys: boo
                 + ("None (window_keys=True)" if shape is None else f"int32 {list(shape)}")
                 + f", got {'None' if got is None else list(got)}"
             )
+        if t is not None and (t.dtype != torch.int32 or not t.is_contiguous()):
+            raise ValueError(
+                f"out.{name} must be a contiguous int32 tensor (the planners write it in "
+                f"place), got {t.dtype}, strides {list(t.stride())}"
+            )
 
 
 def _triton_planner(seq_lens: torch.Tensor) -> bool:
@@ -898,10 +903,10 @@ def plan_draft_device(
     key_tiles = 0 if window_keys else staging_tiles - recent_tiles
     run = _plan_draft_triton if _triton_planner(seq_lens) else _plan_draft_torch
     run(
-        seq_lens,
-        staging_slots,
-        slot_quantized,
-        slot_exact_start,
+        seq_lens.contiguous(),
+        staging_slots.contiguous(),
+        slot_quantized.contiguous(),
+        slot_exact_start.contiguous(),
         out,
         g=g,
         n=tokens_per_row,
