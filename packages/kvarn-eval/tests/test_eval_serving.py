@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -402,6 +403,47 @@ def test_run_job_timeout_kills_the_group_and_keeps_partial(tmp_path: Path) -> No
     from kvarn_eval.serving.runner import group_members
 
     assert group_members(os.getpgid(0)) and group_members(grandchild) == []
+
+
+def test_sigterm_to_the_bench_stops_the_engine_group(tmp_path: Path) -> None:
+    """An outer ``timeout`` SIGTERMs the bench while an engine runs: the engine's process group
+    (vLLM's engine core is a grandchild in its own session) is stopped before the bench exits,
+    instead of living on with its GPU memory."""
+    pid_file = tmp_path / "grandchild.pid"
+    child = _script(
+        tmp_path,
+        """
+        import subprocess, sys, time
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(sys.argv[3], "w").write(str(grandchild.pid))
+        time.sleep(600)
+        """,
+    )
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from pathlib import Path
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            from test_eval_serving import _job
+            from kvarn_eval.serving.runner import run_job
+            run_job(_job(), Path({str(tmp_path / "runs")!r}), 600,
+                    command={[*child, "spec", str(tmp_path / "r.json"), str(pid_file)]!r},
+                    echo=None)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(parent)])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the engine never started"
+        time.sleep(0.1)
+    grandchild = int(pid_file.read_text())
+    assert _alive(grandchild)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+    assert not _alive(grandchild)
 
 
 def _alive(pid: int) -> bool:

@@ -46,8 +46,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,13 +356,34 @@ def run_llm(
     return result
 
 
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Inside, SIGTERM raises ``SystemExit`` (main thread only), so that :func:`run_child`
+    stops the child's group when this script is killed: an outer ``timeout`` sends SIGTERM,
+    whose default action skips ``finally`` and leaves the engine core (in its own session)
+    holding its GPU memory for the next run. A second SIGTERM during that clean-up is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_child(cmd: list[str], timeout: float) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group: ``(exit code or None on timeout, output)``.
 
     On a timeout the whole group is stopped (TERM, then KILL after 20 s): vLLM's engine core is a
     grandchild, and one left running keeps its GPU memory from the runs after it.
     """
-    with tempfile.TemporaryFile("w+", errors="replace") as out:
+    with tempfile.TemporaryFile("w+", errors="replace") as out, _sigterm_raises():
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=timeout)

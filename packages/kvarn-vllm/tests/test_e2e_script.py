@@ -470,3 +470,58 @@ def test_environment_records_kvarn_settings(e2e, monkeypatch):
     assert env["KVARN_VLLM_SPEC_FULL_GRAPHS"] == "1"
     assert env["KVARN_KERNELS_BATCH_INVARIANT"] == "1"
     assert all(k.startswith("KVARN_") for k in env)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_sigterm_to_the_script_stops_the_engine_group(tmp_path):
+    """An outer ``timeout`` SIGTERMs the script while an engine runs in ``run_child``: the
+    child's group (vLLM's engine core is a grandchild) is stopped before the script exits,
+    so the next engine does not find its GPU memory taken (H200, 2026-12-03)."""
+    import signal
+    import subprocess
+    import textwrap
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    child = tmp_path / "child.py"
+    child.write_text(
+        textwrap.dedent(
+            f"""
+            import subprocess, sys, time
+            g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open({str(pid_file)!r}, "w").write(str(g.pid))
+            time.sleep(600)
+            """
+        )
+    )
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        textwrap.dedent(
+            f"""
+            import importlib.util, sys
+            spec = importlib.util.spec_from_file_location("e2e_smoke", {str(SCRIPT)!r})
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["e2e_smoke"] = module
+            spec.loader.exec_module(module)
+            module.run_child([sys.executable, {str(child)!r}], 600)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(parent)])
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the child never started"
+        time.sleep(0.1)
+    grandchild = int(pid_file.read_text())
+    assert _running(grandchild)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+    assert not _running(grandchild)

@@ -234,7 +234,7 @@ def kernel_command(opts: ServingOptions, json_path: Path) -> list[str]:
 
 
 def _kernels(ctx: BenchContext) -> dict[str, Any]:
-    from kvarn_eval.serving.runner import stop_process_group
+    from kvarn_eval.serving.runner import sigterm_raises, stop_process_group
 
     opts = ctx.options.serving
     out = ctx.out_dir / "runs" / "kernels"
@@ -248,13 +248,14 @@ def _kernels(ctx: BenchContext) -> dict[str, Any]:
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        proc.wait(timeout=timeout)
-        status = "ok" if proc.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        status = "timeout"
-    finally:
-        stop_process_group(proc, grace=10.0)
+    with sigterm_raises():
+        try:
+            proc.wait(timeout=timeout)
+            status = "ok" if proc.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        finally:
+            stop_process_group(proc, grace=10.0)
     report = None
     if json_path.is_file():
         report = json.loads(json_path.read_text())

@@ -21,8 +21,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "group_members",
     "parse_log",
     "run_job",
+    "sigterm_raises",
     "skipped_record",
     "slugify",
     "stop_process_group",
@@ -152,6 +154,30 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> None:
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside, SIGTERM raises ``SystemExit`` (main thread only), so ``finally`` blocks stop the
+    engine's process group when this process is killed.
+
+    An outer ``timeout`` sends SIGTERM, whose default action ends the process without running
+    them; vLLM's engine core, in a session of its own, then lives on and keeps its GPU memory
+    from the next engine. A second SIGTERM during that clean-up is ignored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``, from ``/proc`` (Linux).
 
@@ -264,28 +290,29 @@ def run_job(
         )
     relayed = 0
     completed_at: float | None = None
-    try:
-        while True:
-            returncode = proc.poll()
-            relayed = _relay(log_path, relayed, echo)
-            if returncode is not None:
-                status = "ok" if returncode == 0 else "failed"
-                break
-            now = time.monotonic()
-            if now - start > timeout:
-                status = "timeout"
-                break
-            if completed_at is None:
-                partial = _read_json(result_path)
-                if partial is not None and partial.get("complete"):
-                    completed_at = now
-            elif now - completed_at > exit_grace:
-                status = "ok"  # finished its work; only the exit hung
-                break
-            time.sleep(poll_seconds)
-    finally:
-        stop_process_group(proc, grace=20.0)
-        _relay(log_path, relayed, echo)
+    with sigterm_raises():
+        try:
+            while True:
+                returncode = proc.poll()
+                relayed = _relay(log_path, relayed, echo)
+                if returncode is not None:
+                    status = "ok" if returncode == 0 else "failed"
+                    break
+                now = time.monotonic()
+                if now - start > timeout:
+                    status = "timeout"
+                    break
+                if completed_at is None:
+                    partial = _read_json(result_path)
+                    if partial is not None and partial.get("complete"):
+                        completed_at = now
+                elif now - completed_at > exit_grace:
+                    status = "ok"  # finished its work; only the exit hung
+                    break
+                time.sleep(poll_seconds)
+        finally:
+            stop_process_group(proc, grace=20.0)
+            _relay(log_path, relayed, echo)
     seconds = time.monotonic() - start
     log_text = log_path.read_text(errors="replace")
     worker = _read_json(result_path) or {}
