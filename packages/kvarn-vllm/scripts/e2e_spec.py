@@ -1,11 +1,13 @@
 """GPU end-to-end runs of speculative decoding over a KVarN cache (issue 6, items 2-4).
 
 Each engine starts in its own Python process (a crash, hang or CUDA error is recorded and the
-script carries on); results go to ``--out`` as JSON after every run. In the agreement and
-repeat phases each engine first generates 16 tokens for ``--warmup-prompts`` prompts of its own
+script carries on); results go to ``--out`` as JSON after every run. In every phase but
+``dummy`` each engine first generates 16 tokens for ``--warmup-prompts`` prompts of its own
 (untimed, in two waves so that steps mix prefill and decode, their drafts left out of the
-counts; :func:`warm_up`), so that kernels compiled on first use do not
-land in the timed run (a batch-invariant n-gram engine once spent most of it compiling).
+counts; :func:`warm_up`), so that kernels compiled on first use do not land in the timed run (a
+batch-invariant n-gram engine once spent most of it compiling). The stress phases have warmed
+up since 2026-12-03; before, one first EAGLE stress engine on a fresh H200 ran at a third of
+the speed of later ones, for a reason not found.
 
 Phases (one per call, each well under 10 minutes on an H200 with SmolLM2-135M):
 
@@ -699,6 +701,7 @@ def _stress(
         args.stress_tokens,
         logprobs=True,
         with_baseline=baseline,
+        warmup=warmup_prompts(args.warmup_prompts, 0),
     )
 
 
@@ -784,7 +787,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-prompts",
         type=int,
         default=16,
-        help="agreement and repeat phases: prompts each engine generates 16 tokens for before "
+        help="every phase but dummy: prompts each engine generates 16 tokens for before "
         "the timed run, in two waves so that steps mix prefill and decode, so that kernels "
         "compiled on first use compile outside it (their drafts are left out of the "
         "acceptance counts; 0: none)",

@@ -224,12 +224,29 @@ def stress_phase_call(spec_script, monkeypatch, tmp_path, phase, folder_fn, fold
     return a, kw
 
 
+def test_stress_phase_warms_up_and_runs_no_baseline(spec_script, monkeypatch, tmp_path):
+    """The EAGLE stress phase: speculation only, each engine warmed up first (16 prompts of
+    their own, so first-use compilations stay out of its tokens/s)."""
+    a, kw = stress_phase_call(
+        spec_script, monkeypatch, tmp_path, "stress", "eagle_draft_dir", tmp_path / "d", 4
+    )
+    assert a[2:6] == ("stress", tmp_path, ("eagle",), tmp_path / "d")
+    warm = kw.pop("warmup")
+    assert kw == {"logprobs": True, "with_baseline": False}
+    assert len(warm) == 16 and all(w.startswith("Warm-up notes ") for w in warm)
+    assert not set(warm) & set(a[7])  # no measured prompt among them
+
+
 def test_eagle3_phase_runs_a_baseline(spec_script, monkeypatch, tmp_path):
     a, kw = stress_phase_call(
         spec_script, monkeypatch, tmp_path, "eagle3", "eagle3_draft_dir", tmp_path / "d", 4
     )
     assert a[2:6] == ("eagle3", tmp_path, ("eagle3",), tmp_path / "d")
-    assert kw == {"logprobs": True, "with_baseline": True}
+    assert kw == {
+        "logprobs": True,
+        "with_baseline": True,
+        "warmup": spec_script.warmup_prompts(16, 0),
+    }
 
 
 def test_mtp_phase_drafts_with_the_target(spec_script, monkeypatch, tmp_path):
@@ -238,7 +255,11 @@ def test_mtp_phase_drafts_with_the_target(spec_script, monkeypatch, tmp_path):
     )
     assert a[2:6] == ("mtp", tmp_path / "mtp", ("mtp",), None)
     assert a[6]["enforce_eager"] is False and a[6]["load_format"] == "dummy"
-    assert kw == {"logprobs": True, "with_baseline": True}
+    assert kw == {
+        "logprobs": True,
+        "with_baseline": True,
+        "warmup": spec_script.warmup_prompts(16, 0),
+    }
 
 
 def test_parse_args(spec_script):
@@ -276,7 +297,11 @@ def test_dflash_phase_runs_graphs_prefix_caching_and_a_baseline(spec_script, mon
     assert a[2:6] == ("dflash", tmp_path, ("dflash",), tmp_path / "d")
     assert a[6]["enforce_eager"] is False and a[6]["enable_prefix_caching"] is True
     assert a[6]["load_format"] == "dummy" and len(a[7]) == 8
-    assert kw == {"logprobs": True, "with_baseline": True}  # no speculation runs too
+    assert kw == {
+        "logprobs": True,
+        "with_baseline": True,
+        "warmup": spec_script.warmup_prompts(16, 0),
+    }  # and no speculation
 
 
 def test_agreement_phase_eager_unless_graphs_and_reads_tiles(spec_script, monkeypatch, tmp_path):
