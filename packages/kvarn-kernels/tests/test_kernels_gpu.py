@@ -19,7 +19,7 @@ from kvarn_math import PRESETS, encode_tiles, get_preset, reference_attention, r
 from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
-from test_kernels_attention import run_fresh
+from test_kernels_attention import _batch_args, run_fresh
 from test_kernels_plan import (
     DRAFT_PLANNER_CASES,
     PLANNER_CASES,
@@ -560,17 +560,7 @@ def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
     rows_q = sum(n)
     q = torch.from_numpy(make_kv((rows_q, hq, d), "gaussian", 17)).to(DEV, dtype)
     scale = d**-0.5
-    common = {
-        "kv_cache": batch.kv_cache,
-        "staging": batch.staging,
-        "block_table": batch.block_table,
-        "seq_lens": batch.seq_lens,
-        "quantized_lens": batch.quantized_lens,
-        "staging_slots": batch.staging_slots,
-        "preset": preset,
-        "scale": scale,
-        "sink_lens": batch.sink_lens,
-    }
+    common = {**_batch_args(batch, preset), "scale": scale, "sink_lens": batch.sink_lens}
     loc = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
     qsl = torch.from_numpy(loc).to(DEV)
     got = kk.multi_query_attention(q, qsl, max_query_len=max(n), verify_as_decode=True, **common)

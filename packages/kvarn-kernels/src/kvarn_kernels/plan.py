@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -534,40 +534,19 @@ def plan_store_device(
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
     if out is not None:
         _check_out(out, b, max_tiles, max_writes, window_keys)
+    args = (seq_lens, query_start_loc, num_drafts, num_quantized, staging_slots, block_table, g)
+    options: dict[str, Any] = {
+        "staging_tiles": staging_tiles,
+        "max_tiles": max_tiles,
+        "max_writes": max_writes,
+        "sink": sink,
+        "recent_tiles": recent_tiles,
+        "exact_start": exact_start,
+        "window_keys": window_keys,
+    }
     if _triton_planner(seq_lens):
-        return _plan_store_device_triton(
-            seq_lens,
-            query_start_loc,
-            num_drafts,
-            num_quantized,
-            staging_slots,
-            block_table,
-            g,
-            staging_tiles=staging_tiles,
-            max_tiles=max_tiles,
-            max_writes=max_writes,
-            sink=sink,
-            recent_tiles=recent_tiles,
-            exact_start=exact_start,
-            window_keys=window_keys,
-            out=out,
-        )
-    plan = _plan_store_device_torch(
-        seq_lens,
-        query_start_loc,
-        num_drafts,
-        num_quantized,
-        staging_slots,
-        block_table,
-        g,
-        staging_tiles=staging_tiles,
-        max_tiles=max_tiles,
-        max_writes=max_writes,
-        sink=sink,
-        recent_tiles=recent_tiles,
-        exact_start=exact_start,
-        window_keys=window_keys,
-    )
+        return _plan_store_device_triton(*args, **options, out=out)
+    plan = _plan_store_device_torch(*args, **options)
     if out is None:
         return plan
     assert out.read_lens is not None
