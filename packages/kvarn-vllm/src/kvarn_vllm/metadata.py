@@ -894,10 +894,12 @@ def _make_builder_class() -> type:
 
             # One host -> device copy for everything the kernels read this step.
             used = self._used_prefix(num_reqs, group_hosts, split.uniform)
-            src = torch.from_numpy(host[:used])
+            # A device plan writes the plan regions itself: copy from the per-row vectors on.
+            lo = self._layout["seq_lens"][0] if on_device else 0
+            src = torch.from_numpy(host[lo:used])
             if self._pin:
                 src = src.pin_memory()
-            self._device_buf[:used].copy_(src, non_blocking=True)
+            self._device_buf[lo:used].copy_(src, non_blocking=True)
             buf = self._device_buf
 
             dev_seq = self._view(buf, "seq_lens", num_reqs)
@@ -1120,11 +1122,12 @@ def _make_builder_class() -> type:
                     host[s : s + real] = sink_slots
             s, _ = self._layout["qsl"]
             host[s : s + num_reqs + 1] = qsl
-            used = self._layout["qsl"][0] + num_reqs + 1
-            src = torch.from_numpy(host[:used])
+            # The per-row vectors only: the draft planner writes the plan regions.
+            lo, used = self._layout["seq_lens"][0], self._layout["qsl"][0] + num_reqs + 1
+            src = torch.from_numpy(host[lo:used])
             if self._pin:
                 src = src.pin_memory()
-            self._device_buf[:used].copy_(src, non_blocking=True)
+            self._device_buf[lo:used].copy_(src, non_blocking=True)
             buf = self._device_buf
             g = self.preset.group_size
             seq = cam.seq_lens[:num_reqs]
