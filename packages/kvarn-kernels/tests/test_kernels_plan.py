@@ -310,13 +310,17 @@ def planner_case(rows: int, sink: bool, recent: int, window_keys: bool, device: 
     assert_plans_identical(got, want)
     # Into views of one buffer (a CUDA graph's metadata), by either planner: the same plan,
     # read_lens written even without recent tiles (the attention lengths).
+    previous = os.environ.get("KVARN_KERNELS_TORCH_PLANNER")
     for torch_planner in ("0", "1"):
         out = _out_views(rows, kwargs["max_tiles"], kwargs["max_writes"], window_keys, device)
         os.environ["KVARN_KERNELS_TORCH_PLANNER"] = torch_planner
         try:
             placed = plan_store_device(*args, "kvarn_k4v2_g64", **kwargs, out=out)
         finally:
-            del os.environ["KVARN_KERNELS_TORCH_PLANNER"]
+            if previous is None:
+                del os.environ["KVARN_KERNELS_TORCH_PLANNER"]
+            else:
+                os.environ["KVARN_KERNELS_TORCH_PLANNER"] = previous
         assert placed.tiles is out.tiles and placed.seq_lens is out.seq_lens
         assert_plans_identical(placed, want)
         assert torch.equal(out.read_lens.cpu(), want.attention_lens.cpu())
