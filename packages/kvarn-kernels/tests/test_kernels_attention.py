@@ -912,6 +912,23 @@ def test_verify_as_decode_keeps_padding_rows_and_sequences_apart(
         assert _bits_equal(got[b : b + 1], out[i : i + 1]), (b, j)
 
 
+def decode_as_rows(
+    q: torch.Tensor, common: dict[str, object], lens: list[int], n: list[int]
+) -> torch.Tensor:
+    """One ``decode_attention`` call over verify blocks' query rows (``n[b]`` rows at the end
+    of sequence ``b`` of ``lens[b]`` tokens): each row its sequence's cache arguments and its
+    own position, what ``verify_as_decode`` must reproduce bit for bit."""
+    dev = q.device
+    owner = torch.tensor([b for b, k in enumerate(n) for _ in range(k)], device=dev)
+    pos = [lens[b] - n[b] + 1 + j for b, k in enumerate(n) for j in range(k)]
+    per_row = {
+        k: common[k].index_select(0, owner)  # type: ignore[attr-defined]
+        for k in ("block_table", "quantized_lens", "staging_slots", "sink_lens")
+    }
+    seq_lens = torch.tensor(pos, dtype=torch.int32, device=dev)
+    return kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("flag", "gluon"), [(True, False), (None, True), (False, True)])
 def test_verify_as_decode_in_the_default_launch(
     monkeypatch: pytest.MonkeyPatch, flag: bool | None, gluon: bool
@@ -939,15 +956,7 @@ def test_verify_as_decode_in_the_default_launch(
     got = kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=flag, **common)
     assert len(as_rows) == (1 if flag else 0)
     if flag:
-        rows = torch.tensor([0, 0, 0, 1, 1])
-        pos = [lens[0] - 2, lens[0] - 1, lens[0], lens[1] - 1, lens[1]]
-        per_row = {
-            k: common[k].index_select(0, rows)
-            for k in ("block_table", "quantized_lens", "staging_slots", "sink_lens")
-        }
-        seq_lens = torch.tensor(pos, dtype=torch.int32)
-        dec = kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})
-        assert _bits_equal(dec, got)
+        assert _bits_equal(decode_as_rows(q, common, lens, n), got)
     q_in = q.float().numpy()
     for b, rs in enumerate((slice(0, 3), slice(3, 5))):  # a sequence's rows: its last positions
         want = reference_attention(q_in[rs], staged_reference(batch.refs[b], dtype), 0.125)

@@ -19,7 +19,7 @@ from kvarn_math import PRESETS, encode_tiles, get_preset, reference_attention, r
 from kvarn_math import decode_tiles as ref_decode_tiles
 from kvarn_math import quantize_tiles as ref_quantize_tiles
 from kvarn_math.testing import assert_close_rms, make_kv
-from test_kernels_attention import _batch_args, run_fresh
+from test_kernels_attention import _batch_args, decode_as_rows, run_fresh
 from test_kernels_plan import (
     DRAFT_PLANNER_CASES,
     PLANNER_CASES,
@@ -564,14 +564,7 @@ def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
     loc = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
     qsl = torch.from_numpy(loc).to(DEV)
     got = kk.multi_query_attention(q, qsl, max_query_len=max(n), verify_as_decode=True, **common)
-    owner = torch.tensor([b for b, k in enumerate(n) for _ in range(k)], device=DEV)
-    pos = [lens[b] - n[b] + 1 + j for b, k in enumerate(n) for j in range(k)]
-    per_row = {
-        k: common[k].index_select(0, owner)  # type: ignore[union-attr]
-        for k in ("block_table", "quantized_lens", "staging_slots", "sink_lens")
-    }
-    seq_lens = torch.tensor(pos, dtype=torch.int32, device=DEV)
-    dec = kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})
+    dec = decode_as_rows(q, common, lens, n)
     assert torch.equal(dec.view(torch.int16), got.view(torch.int16))
     q_in = q.float().cpu().numpy()
     for b, ref in enumerate(batch.refs):
