@@ -21,7 +21,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 from kernel_testing import examples, nan_like_staging, unwritten_cache
-from kvarn_math import get_preset
+from kvarn_math import PRESETS, get_preset
 from kvarn_math.testing import make_kv
 
 MAX_DRAFTS = 8
@@ -208,6 +208,11 @@ PINNED = {
     "reqs": [{"prompt": 60, "steps": [(6, 0), (8, 1), (3, 0)], "length": 64}],
     "seed": 3,
 }
+# The same on 128-token tiles.
+PINNED_128 = {
+    "reqs": [{"prompt": 124, "steps": [(6, 0), (8, 1), (3, 0)], "length": 128}],
+    "seed": 5,
+}
 
 
 @pytest.mark.interpreter
@@ -227,11 +232,25 @@ def test_accept_reject_records_equal_accepted_tokens_once(
     run_accept_reject(run, preset, planner, 1, 64, dtype, "cpu", window_keys)
 
 
+@pytest.mark.interpreter
+@examples(4)
+@given(
+    run=accept_reject_runs(128, 3),
+    preset=st.sampled_from(["kvarn_k2v2_g128", "kvarn_k3v2_g128"]),
+    window_keys=st.booleans(),
+)
+@example(run=PINNED_128, preset="kvarn_k2v2_g128", window_keys=True)
+@example(run=PINNED_128, preset="kvarn_k3v2_g128", window_keys=False)
+def test_accept_reject_low_bit_keys(run: dict[str, object], preset: str, window_keys: bool) -> None:
+    """The 2- and 3-bit-key presets (128-token tiles), which the test above does not draw."""
+    run_accept_reject(run, preset, "device", 1, 64, torch.bfloat16, "cpu", window_keys)
+
+
 @pytest.mark.gpu
 @examples(25)
 @given(
     run=accept_reject_runs(128, 6),
-    preset=st.sampled_from(["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"]),
+    preset=st.sampled_from(sorted(PRESETS)),
     window_keys=st.booleans(),
 )
 def test_accept_reject_records_equal_accepted_tokens_once_gpu(

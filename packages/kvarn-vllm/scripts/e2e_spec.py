@@ -75,6 +75,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvarn_math import PRESETS
+
 from e2e_smoke import (
     _free,
     compare_outputs,
@@ -85,9 +87,9 @@ from e2e_smoke import (
 
 KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
 DTYPES = ("auto", *KVARN_PRESETS)
-# fp8 (vLLM's own quantized cache) on request, as the reference for what quantizing the cache
-# does to agreement between serving modes.
-_ALL_DTYPES = (*DTYPES, "fp8")
+# On request: every other kvarn preset, and fp8 (vLLM's own quantized cache) as the reference
+# for what quantizing the cache does to agreement between serving modes.
+_ALL_DTYPES = (*DTYPES, *(p for p in PRESETS if p not in KVARN_PRESETS), "fp8")
 _DTYPE_ORDER = {d: i for i, d in enumerate(_ALL_DTYPES)}
 NGRAM_METHODS = ("ngram", "ngram_gpu")
 
@@ -810,7 +812,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=list(DTYPES),
         choices=list(_ALL_DTYPES),
-        help="KV cache dtypes to run (default: bf16 and both kvarn presets; fp8 on request)",
+        help="KV cache dtypes to run (default: bf16 and the two g128 4-bit-key kvarn presets; "
+        "every other kvarn preset and fp8 on request)",
     )
     p.add_argument(
         "--methods",

@@ -271,6 +271,11 @@ def test_parse_args(spec_script):
     assert tuple(args.dtypes) == spec_script.DTYPES
     only = spec_script.parse_args(["--phase", "stress", "--dtypes", "kvarn_k4v2_g128"])
     assert only.dtypes == ["kvarn_k4v2_g128"]
+    from kvarn_math import PRESETS  # every preset on request (the twenty-fifth H200 run's
+    # stress call stopped at argparse for kvarn_k2v2_g128 and kvarn_k4v2_g64)
+
+    every = spec_script.parse_args(["--phase", "stress", "--dtypes", *PRESETS])
+    assert every.dtypes == list(PRESETS)
     with pytest.raises(SystemExit):
         spec_script.parse_args(["--dtypes", "kvarn_bogus"])
     both = spec_script.parse_args(["--methods", "ngram", "ngram_gpu", "--dtypes", "fp8"])
