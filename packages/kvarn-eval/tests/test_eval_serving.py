@@ -910,6 +910,58 @@ def test_report_keeps_one_engine_per_prompt_length(
     assert len(left_out) == 1 and "(1024): kept the run from" in left_out[0]
 
 
+def test_report_takes_stored_rows_of_folders_without_run_records(
+    fake_vllm: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Published results keep only ``results.json`` (GPU calls return a few files): their
+    capacity and throughput rows still merge, ratios computed across folders, and a stored
+    row never shadows a run record of the same measurement."""
+    import shutil
+
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    common = ["--gpu-models", "llama-3.1-8b", "--prompt-lens", "1024", "--output-len", "16"]
+    bf16, kvarn, kvarn2 = tmp_path / "bf16", tmp_path / "kvarn", tmp_path / "kvarn2"
+    bench = ["bench", "--suites", "throughput,capacity", *common]
+    assert cli.main([*bench, "--caches", "bf16@FLASH_ATTN", "--out", str(bf16)]) == 0
+    for out in (kvarn, kvarn2):
+        assert cli.main([*bench, "--caches", "kvarn_k4v2_g128", "--out", str(out)]) == 0
+    shutil.rmtree(bf16 / "runs")
+    shutil.rmtree(kvarn / "runs")
+    capsys.readouterr()
+    merged = tmp_path / "merged"
+    assert cli.main(["report", str(bf16), str(kvarn), "--out", str(merged), "--no-plot"]) == 0
+    printed = capsys.readouterr().out.replace("\n", "")
+    assert f"throughput: 1 row(s) taken as stored from {bf16 / 'results.json'}" in printed
+    payload = json.loads((merged / "results.json").read_text())
+    assert len(payload["rows_as_stored"]) == 4 and payload["left_out"] == []
+    by_suite = {r["suite"]: r for r in payload["results"]}
+    rows = {r["cache"]: r for r in by_suite["throughput"]["rows"]}
+    assert rows["kvarn_k4v2_g128"]["capacity_vs_bf16"] == 6.0  # across the two folders
+    assert rows["kvarn_k4v2_g128"]["throughput_vs_bf16"] == pytest.approx(
+        rows["kvarn_k4v2_g128"]["total_tok_per_s"] / rows["bf16@FLASH_ATTN"]["total_tok_per_s"]
+    )
+    assert rows["bf16@FLASH_ATTN"]["throughput_vs_bf16"] == 1.0
+    assert {r["cache"]: r["vs_bf16"] for r in by_suite["capacity"]["rows"]} == {
+        "bf16@FLASH_ATTN": 1.0,
+        "kvarn_k4v2_g128": 6.0,
+    }
+    # kvarn2 kept its run records: they win over kvarn's stored rows, which are left out.
+    again = tmp_path / "again"
+    argv = ["report", str(bf16), str(kvarn), str(kvarn2), "--out", str(again), "--no-plot"]
+    assert cli.main(argv) == 0
+    payload = json.loads((again / "results.json").read_text())
+    throughput = next(r for r in payload["results"] if r["suite"] == "throughput")
+    assert [r["cache"] for r in throughput["rows"]] == ["kvarn_k4v2_g128", "bf16@FLASH_ATTN"]
+    assert "source" not in throughput["rows"][0]  # from kvarn2's run record
+    assert len(payload["left_out"]) == 2  # kvarn's stored throughput and capacity rows
+    assert all(f"left out the stored row from {kvarn}" in line for line in payload["left_out"])
+
+
 def test_root_cause_of_an_engine_start_up_failure() -> None:
     """vLLM's front end says only "Engine core initialization failed. See root cause above.";
     the record names the engine core's own exception (lines as an H200 log had them)."""

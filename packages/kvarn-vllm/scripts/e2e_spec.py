@@ -75,8 +75,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvarn_math import PRESETS
-
 from e2e_smoke import (
     _free,
     compare_outputs,
@@ -84,6 +82,7 @@ from e2e_smoke import (
     run_child,
     smoke_model,
 )
+from kvarn_math import PRESETS
 
 KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
 DTYPES = ("auto", *KVARN_PRESETS)

@@ -650,8 +650,8 @@ def _report(args: argparse.Namespace, console: Any) -> int:
     for d in dirs:
         if not d.is_dir():
             raise FileNotFoundError(f"no bench output folder {d}")
-    results, sources, dropped = collect_results(dirs)
-    for line in dropped:
+    results, sources, dropped, as_stored = collect_results(dirs)
+    for line in as_stored + dropped:
         console.print(f"note: {line}", markup=False)
     if not results:
         raise ValueError(f"no results.json or run records under {', '.join(map(str, dirs))}")
@@ -662,6 +662,7 @@ def _report(args: argparse.Namespace, console: Any) -> int:
         "merged_from": [str(d) for d in dirs],
         "sources": sources,
         "left_out": dropped,
+        "rows_as_stored": as_stored,
         "environment": report.environment_info(),
     }
     json_path = _save(out_dir, payload, results)

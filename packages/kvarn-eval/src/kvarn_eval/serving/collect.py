@@ -5,7 +5,9 @@ calls. Each call's folder keeps one record per engine run under ``runs/<suite>/`
 partial result, completed by the parent with status and log facts; the job's ``.spec.json``
 beside it). :func:`collect_results` merges the records of several folders into one capacity and
 one throughput result, one vLLM-greedy and one vLLM-perplexity result per real model, and keeps
-the other suites' results as they are.
+the other suites' results as they are. A folder whose ``runs/`` is gone (the published results
+keep only ``results.json``) still counts: its capacity and throughput rows join the tables as
+stored, with the ratios computed again over every row.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from kvarn_eval.serving.suites import (
     capacity_result,
     greedy_result,
     perplexity_result,
+    row_key,
     throughput_result,
 )
 
 __all__ = ["collect_results", "load_records"]
 
 _REBUILT = ("capacity", "throughput", "vllm_greedy", "vllm_perplexity")
+# Suites whose stored rows can join rebuilt tables when a folder has no run records for them.
+_ROW_SUITES = ("capacity", "throughput")
 # Suites on a real model: their runs compare within one model only.
 _PER_MODEL = {"vllm_greedy": greedy_result, "vllm_perplexity": perplexity_result}
 
@@ -121,9 +126,35 @@ def _merge(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     return list(merged.values()), dropped
 
 
+def _extra_rows(
+    stored: Sequence[dict[str, Any]], rebuilt: Sequence[dict[str, Any]], dropped: list[str]
+) -> list[dict[str, Any]]:
+    """The stored rows that join a rebuilt table: one per :func:`row_key`, a later one
+    replacing an earlier one unless it is worse, and none where a run record measured the
+    same (that one wins). Every row left out gets a line in ``dropped``."""
+    taken = {row_key(row) for row in rebuilt}
+    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in stored:
+        key = row_key(row)
+        label = "/".join(str(k) for k in key if k is not None)
+        if key in taken:
+            dropped.append(
+                f"{label}: kept the run record, left out the stored row from {row['source']}"
+            )
+            continue
+        old = kept.get(key)
+        if old is None or not (old.get("status") == "ok" and row.get("status") != "ok"):
+            if old is not None:
+                dropped.append(f"{label}: kept {row['source']}, left out {old['source']}")
+            kept[key] = row
+        else:
+            dropped.append(f"{label}: kept {old['source']} (ok), left out {row['source']}")
+    return list(kept.values())
+
+
 def collect_results(
     folders: Sequence[Path],
-) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+) -> tuple[list[dict[str, Any]], list[str], list[str], list[str]]:
     """Results of every suite found in ``folders``, GPU run records merged.
 
     Args:
@@ -131,23 +162,38 @@ def collect_results(
 
     Returns:
         The results (other suites first, as stored; then capacity, throughput and, per real
-        model, vllm_greedy and vllm_perplexity rebuilt from the merged records), the files they came from, and a line per run
-        record left out because another folder had the same suite and run name.
+        model, vllm_greedy and vllm_perplexity rebuilt from the merged records and any stored
+        capacity and throughput rows of folders without records), the files they came from, a
+        line per run record or stored row left out because another folder measured the same,
+        and a line per folder whose stored rows were taken as they are.
     """
     kept: list[dict[str, Any]] = []
     settings: dict[str, dict[str, Any]] = {}
     sources: list[str] = []
     records: list[dict[str, Any]] = []
+    stored_rows: dict[str, list[dict[str, Any]]] = {s: [] for s in _ROW_SUITES}
+    notes: list[str] = []
     for folder in folders:
         stored = _read(folder / "results.json")
+        found = load_records(folder)
         if stored is not None:
             sources.append(str(folder / "results.json"))
+            recorded = {r["suite"] for r in found}
+            if "throughput" in recorded:  # capacity rows are rebuilt from throughput engines too
+                recorded.add("capacity")
             for result in stored.get("results", []):
-                if result.get("suite") in _REBUILT:
-                    settings.setdefault(result["suite"], result.get("settings", {}))
+                suite = result.get("suite")
+                if suite in _REBUILT:
+                    settings.setdefault(suite, result.get("settings", {}))
+                    if suite in _ROW_SUITES and suite not in recorded and result.get("rows"):
+                        rows = [{**row, "source": str(folder)} for row in result["rows"]]
+                        stored_rows[suite] += rows
+                        notes.append(
+                            f"{suite}: {len(rows)} row(s) taken as stored from "
+                            f"{folder / 'results.json'} (no run records there)"
+                        )
                 else:
                     kept.append({**result, "source": str(folder)})
-        found = load_records(folder)
         if found:
             sources.append(str(folder / "runs"))
         records += found
@@ -160,16 +206,24 @@ def collect_results(
         if r["name"] not in names:
             names.add(r["name"])
             capacity.append(r)
-    if capacity:
-        results.append(
-            capacity_result(capacity, settings.get("capacity") or settings.get("throughput", {}))
-        )
-    if by_suite["throughput"]:
-        results.append(throughput_result(by_suite["throughput"], settings.get("throughput", {})))
+    cap_settings = settings.get("capacity") or settings.get("throughput", {})
+    extra = _extra_rows(
+        stored_rows["capacity"], capacity_result(capacity, cap_settings)["rows"], dropped
+    )
+    if capacity or extra:
+        results.append(capacity_result(capacity, cap_settings, extra))
+    tp_settings = settings.get("throughput", {})
+    extra = _extra_rows(
+        stored_rows["throughput"],
+        throughput_result(by_suite["throughput"], tp_settings)["rows"],
+        dropped,
+    )
+    if by_suite["throughput"] or extra:
+        results.append(throughput_result(by_suite["throughput"], tp_settings, extra))
     for suite, build in _PER_MODEL.items():
         models: dict[str, list[dict[str, Any]]] = {}
         for r in by_suite[suite]:
             models.setdefault(str(r.get("meta", {}).get("model")), []).append(r)
         for model, runs in models.items():
             results.append(build(runs, {**settings.get(suite, {}), "model": model}))
-    return results, sources, dropped
+    return results, sources, dropped, notes

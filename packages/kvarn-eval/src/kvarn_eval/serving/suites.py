@@ -31,6 +31,7 @@ __all__ = [
     "greedy_result",
     "perplexity_jobs",
     "perplexity_result",
+    "row_key",
     "serving_jobs",
     "throughput_result",
 ]
@@ -378,12 +379,42 @@ def _bf16_tokens(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], int
     return found
 
 
-def capacity_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a capacity or throughput row measured: model, parallelism, cache, prompt length."""
+    return (
+        row.get("model"),
+        row.get("tensor_parallel_size"),
+        row.get("cache"),
+        row.get("prompt_len"),
+    )
+
+
+def _capacity_ratios(rows: list[dict[str, Any]], key: str) -> None:
+    """Set ``row[key]``: KV tokens against the first bf16 row of the same model and
+    parallelism."""
+    base: dict[tuple[Any, Any], int] = {}
+    for row in rows:
+        group = (row.get("model"), row.get("tensor_parallel_size"))
+        if row.get("family") == "bf16" and row.get("kv_cache_tokens") and group not in base:
+            base[group] = row["kv_cache_tokens"]
+    for row in rows:
+        ref = base.get((row.get("model"), row.get("tensor_parallel_size")))
+        tokens = row.get("kv_cache_tokens")
+        row[key] = tokens / ref if tokens and ref else None
+
+
+def capacity_result(
+    records: Sequence[dict[str, Any]],
+    settings: dict[str, Any],
+    extra_rows: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
     """The ``capacity`` suite's result from its run records.
 
     Args:
         records: one per (model, cache).
         settings: what the run was asked for (shown in the title, stored).
+        extra_rows: finished rows (from a stored ``results.json`` whose run records are gone),
+            appended after the records' rows; ratios are computed over all rows.
     """
     bf16 = _bf16_tokens(records)
     rows = []
@@ -404,7 +435,6 @@ def capacity_result(records: Sequence[dict[str, Any]], settings: dict[str, Any])
                 "kv_cache_tokens": tokens,
                 "kv_cache_tokens_logged": r.get("kv_cache_tokens_logged"),
                 "kv_cache_tokens_config": (r.get("capacity") or {}).get("kv_cache_tokens_config"),
-                "vs_bf16": tokens / reference if tokens and reference else None,
                 "staging_gib": r.get("staging_gib_logged"),
                 "startup_s": r.get("startup_seconds"),
                 "status": r.get("status"),
@@ -412,6 +442,8 @@ def capacity_result(records: Sequence[dict[str, Any]], settings: dict[str, Any])
                 "problems": _kvarn_problems(r, reference),
             }
         )
+    rows += [dict(row) for row in extra_rows]
+    _capacity_ratios(rows, "vs_bf16")
     header = [
         "model",
         "cache",
@@ -458,7 +490,9 @@ def _status_text(row: dict[str, Any]) -> str:
 
 
 def throughput_result(
-    records: Sequence[dict[str, Any]], settings: dict[str, Any]
+    records: Sequence[dict[str, Any]],
+    settings: dict[str, Any],
+    extra_rows: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The ``throughput`` suite's result: one row per (model, cache, prompt length).
 
@@ -467,13 +501,13 @@ def throughput_result(
     Args:
         records: one per (model, cache), each with its bursts.
         settings: what the run was asked for.
+        extra_rows: finished rows (from a stored ``results.json`` whose run records are gone),
+            appended after the records' rows; ratios are computed over all rows.
     """
-    bf16 = _bf16_tokens(records)
     rows = []
     for r in records:
         spec, meta = _spec(r), r.get("meta", {})
         tokens = _kv_tokens(r)
-        reference = bf16.get(_group(r))
         bursts = r.get("bursts") or {}
         lens = r.get("workload", {}).get("prompt_lens") or [int(k) for k in bursts]
         for prompt_len in lens:
@@ -487,7 +521,6 @@ def throughput_result(
                 "prompt_len": int(prompt_len),
                 "output_len": r.get("workload", {}).get("output_len"),
                 "kv_cache_tokens": tokens,
-                "capacity_vs_bf16": tokens / reference if tokens and reference else None,
                 "status": "ok" if burst and "seconds" in burst else r.get("status"),
                 "error": _first_line((burst or {}).get("error") or r.get("error")),
             }
@@ -496,6 +529,8 @@ def throughput_result(
             elif r.get("status") == "ok":
                 row["status"] = "missing"
             rows.append(row)
+    rows += [dict(row) for row in extra_rows]
+    _capacity_ratios(rows, "capacity_vs_bf16")
     base: dict[tuple[str, int, int], float] = {}
     for row in rows:
         key = (row["model"], row["tensor_parallel_size"], row["prompt_len"])
