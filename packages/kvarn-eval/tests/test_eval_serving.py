@@ -962,6 +962,55 @@ def test_report_takes_stored_rows_of_folders_without_run_records(
     assert all(f"left out the stored row from {kvarn}" in line for line in payload["left_out"])
 
 
+def test_bench_resume_keeps_finished_engine_runs(
+    fake_vllm: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--resume`` runs only what an earlier bench into the same folder did not finish ok
+    with the same job; without it every engine runs again."""
+    from kvarn_eval import suites
+
+    monkeypatch.setattr(suites, "_gpu_available", lambda: True)
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--suites", "throughput,capacity", "--gpu-models", "llama-3.1-8b",
+        "--prompt-lens", "1024", "--output-len", "16", "--out", str(out),
+        "--caches", "bf16@FLASH_ATTN,kvarn_k4v2_g128",
+    ]  # fmt: skip
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    assert cli.main([*argv, "--caches", "bf16@FLASH_ATTN"]) == 0  # its engine fails
+    capsys.readouterr()
+    monkeypatch.delenv("FAKE_VLLM_FAIL")
+    assert cli.main([*argv, "--resume"]) == 0  # the failed run is not kept
+    first = capsys.readouterr().out
+    assert first.count(": starting (timeout") == 2 and "--resume)" not in first
+
+    def throughput_rows() -> dict[str, dict[str, Any]]:
+        payload = json.loads((out / "results.json").read_text())
+        result = next(r for r in payload["results"] if r["suite"] == "throughput")
+        return {row["cache"]: row for row in result["rows"]}
+
+    before = throughput_rows()
+    assert cli.main([*argv, "--resume"]) == 0
+    again = capsys.readouterr().out
+    assert ": starting (timeout" not in again
+    assert again.count("(--resume)") == 2
+    assert "capacity from llama-3.1-8b/tp1/kvarn_k4v2_g128" in again  # from the kept run
+    after = throughput_rows()
+    assert {c: r["seconds"] for c, r in after.items()} == {
+        c: r["seconds"] for c, r in before.items()
+    }
+    # Another workload is another job: it runs.
+    other = [*argv[:-2], "--caches", "kvarn_k4v2_g128", "--output-len", "8", "--resume"]
+    assert cli.main(other) == 0
+    assert capsys.readouterr().out.count(": starting (timeout") == 1
+    # Without --resume, everything runs again.
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.count(": starting (timeout") == 2
+
+
 def test_root_cause_of_an_engine_start_up_failure() -> None:
     """vLLM's front end says only "Engine core initialization failed. See root cause above.";
     the record names the engine core's own exception (lines as an H200 log had them)."""

@@ -145,6 +145,14 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         "when too little is (e.g. 540 inside a 10-minute call)",
     )
     gpu.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the engine runs an earlier bench into the same --out finished ok with the "
+        "same job (model, cache, engine arguments, workload, environment) and run only the "
+        "rest: a table that took more than one call, or a run that was killed, goes on where "
+        "it stopped (it does not check that the code is the same)",
+    )
+    gpu.add_argument(
         "--engine-in-process",
         action="store_true",
         help="vLLM's engine core inside the worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
@@ -255,6 +263,7 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
         enforce_eager=args.eager,
         run_timeout=args.run_timeout,
         max_seconds=args.max_seconds,
+        resume=args.resume,
         engine_in_process=args.engine_in_process,
         greedy_model=args.greedy_model,
         greedy_caches=args.greedy_caches,

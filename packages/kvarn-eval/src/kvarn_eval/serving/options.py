@@ -33,6 +33,9 @@ class ServingOptions:
         enforce_eager: no CUDA graphs in capacity and throughput runs.
         run_timeout: seconds before one engine run is killed.
         max_seconds: wall-clock budget of all GPU runs (``None``: unlimited).
+        resume: keep each engine run of an earlier bench in the same output folder that
+            finished ``ok`` with the same job (model, cache, engine arguments, workload,
+            environment), and run only the others.
         engine_in_process: run vLLM's engine core inside the worker process
             (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) instead of its own process.
         greedy_model: model of the vLLM greedy and perplexity suites (``None``: the bench's
@@ -75,6 +78,7 @@ class ServingOptions:
     enforce_eager: bool = False
     run_timeout: float = 1800.0
     max_seconds: float | None = None
+    resume: bool = False
     engine_in_process: bool = False
     greedy_model: str | None = None
     greedy_caches: str = "bf16@TRITON_ATTN,fp8@TRITON_ATTN,turboquant,kvarn"

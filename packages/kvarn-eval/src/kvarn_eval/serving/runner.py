@@ -32,6 +32,7 @@ __all__ = [
     "PROGRESS_PREFIX",
     "Budget",
     "EngineJob",
+    "finished_record",
     "group_members",
     "parse_log",
     "run_job",
@@ -248,6 +249,25 @@ def _identity(job: EngineJob) -> dict[str, Any]:
         "settings": {k: v for k, v in job.llm_kwargs.items() if k != "model"},
         "workload": {k: v for k, v in job.workload.items() if k != "prompts"},
     }
+
+
+def finished_record(job: EngineJob, workdir: Path) -> dict[str, Any] | None:
+    """The record :func:`run_job` left in ``workdir`` for this same job, if that run finished
+    ``ok``; else ``None`` (no record, another job under the same name, or a run that failed,
+    timed out or was interrupted).
+
+    Args:
+        job: the job about to run.
+        workdir: the folder :func:`run_job` writes to.
+    """
+    slug = slugify(job.name)
+    spec = _read_json(workdir / f"{slug}.spec.json")
+    record = _read_json(workdir / f"{slug}.json")
+    if spec is None or record is None or record.get("status") != "ok":
+        return None
+    if spec != json.loads(json.dumps(asdict(job))):
+        return None
+    return {**record, "resumed": True}
 
 
 def run_job(

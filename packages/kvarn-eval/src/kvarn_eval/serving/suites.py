@@ -21,7 +21,13 @@ from typing import Any
 
 from kvarn_eval.serving.caches import CacheSpec, parse_caches
 from kvarn_eval.serving.options import ServingOptions
-from kvarn_eval.serving.runner import Budget, EngineJob, run_job, skipped_record
+from kvarn_eval.serving.runner import (
+    Budget,
+    EngineJob,
+    finished_record,
+    run_job,
+    skipped_record,
+)
 from kvarn_eval.serving.shapes import get_shape, write_model_dir
 
 __all__ = [
@@ -299,7 +305,11 @@ def run_jobs(
     for index, job in enumerate(jobs, 1):
         key = job.engine_key()
         earlier = (reuse or {}).get(key)
-        if job.workload["kind"] == "capacity" and earlier and earlier.get("capacity"):
+        kept = finished_record(job, workdir) if opts.resume else None
+        if kept is not None:
+            record = kept
+            echo(f"[{index}/{len(jobs)}] {job.name}: kept from {workdir} (--resume)")
+        elif job.workload["kind"] == "capacity" and earlier and earlier.get("capacity"):
             record = {
                 **earlier,
                 "suite": job.suite,
