@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import kvarn_kernels
 import kvarn_math
@@ -88,3 +90,29 @@ def test_kernels_implement_kvarn_maths_format_version() -> None:
         ImportError, match="implements cache format 3, but the installed kvarn-math"
     ):
         kvarn_kernels.check_format_version(2)
+
+
+def test_compile_cache_redirects_triton_and_puts_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM points TRITON_CACHE_DIR at a folder per engine configuration; compiles inside
+    ``compile_cache`` go to one stable folder instead, and the engine's setting comes back
+    afterwards (also when the block raises). An unwritable folder changes nothing."""
+    import triton  # type: ignore[import-untyped]
+
+    engine_dir = str(tmp_path / "engine")
+    monkeypatch.setenv("TRITON_CACHE_DIR", engine_dir)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    with kvarn_kernels.compile_cache() as used:
+        assert used == str(tmp_path / "home" / ".triton" / "cache")
+        assert triton.knobs.cache.dir == used and os.environ["TRITON_CACHE_DIR"] == used
+    assert os.environ["TRITON_CACHE_DIR"] == engine_dir == triton.knobs.cache.dir
+    stable = tmp_path / "stable"
+    with pytest.raises(RuntimeError), kvarn_kernels.compile_cache(str(stable)) as used:
+        assert used == str(stable) and stable.is_dir()
+        raise RuntimeError("a failed compile")
+    assert os.environ["TRITON_CACHE_DIR"] == engine_dir == triton.knobs.cache.dir
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with kvarn_kernels.compile_cache(str(blocker / "cache")) as used:  # cannot be created
+        assert used is None and triton.knobs.cache.dir == engine_dir

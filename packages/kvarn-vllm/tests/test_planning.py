@@ -249,16 +249,23 @@ def _warm_args(device_type: str):
     return config, spec, vllm_config, SimpleNamespace(type=device_type)
 
 
-def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
-    from kvarn_vllm import kernels
+def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch, tmp_path):
+    import os
 
-    calls = []
+    from kvarn_vllm import kernels, plugin
+
+    calls, folders = [], []
 
     def fake_warmup(*args, **kwargs):
         calls.append((args, kwargs))
+        folders.append(os.environ["TRITON_CACHE_DIR"])
         return {"launches": 17, "seconds": 0.5, "query_block_sizes": [1, 2, 4, 8, 16]}
 
     monkeypatch.setattr(kernels, "warmup", fake_warmup)
+    # vLLM points TRITON_CACHE_DIR at a folder per engine configuration after the plugin
+    # registered; the kernels compile in the folder the process started with.
+    monkeypatch.setattr(plugin, "_triton_cache_dir", str(tmp_path / "stable"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-config-hash"))
     monkeypatch.setattr(md, "_WARMED", set())
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
     monkeypatch.delenv("KVARN_VLLM_KEY_FRAME", raising=False)
@@ -266,6 +273,8 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
     args = _warm_args("cuda")
     assert md.warm_kernels(*args)["launches"] == 17
     assert md.warm_kernels(*args) is None  # once per process and shape
+    assert folders == [str(tmp_path / "stable")]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-config-hash")
     ((positional, keywords),) = calls
     assert positional[:5] == ("kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16)
     assert keywords == {
@@ -297,23 +306,36 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch):
         md.warm_kernels(*args)
 
 
-def test_warm_planners_on_gpus_only(monkeypatch):
+def test_warm_planners_on_gpus_only(monkeypatch, tmp_path):
     """Speculative engines compile both device planners at start-up on GPUs (one scratch
-    row each, the engine's ring, sink, recent tiles and window setting); CPU engines and
-    ``KVARN_VLLM_WARMUP=0`` skip it. The launches themselves run here under the interpreter."""
-    from kvarn_vllm import kernels
+    row each, the engine's ring, sink, recent tiles and window setting), in Triton's own cache
+    folder; CPU engines and ``KVARN_VLLM_WARMUP=0`` skip it. The launches themselves run here
+    under the interpreter."""
+    import os
+
+    from kvarn_vllm import kernels, plugin
     from kvarn_vllm.config import parse_kv_cache_dtype
 
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
     config = parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4)
-    seen = []
-    monkeypatch.setattr(md, "launch_planners", lambda c, d: seen.append((c, d)))
+    seen, folders = [], []
+
+    def fake_launch(c, d):
+        seen.append((c, d))
+        folders.append(os.environ.get("TRITON_CACHE_DIR"))
+
+    monkeypatch.setattr(md, "launch_planners", fake_launch)
+    monkeypatch.setattr(plugin, "_triton_cache_dir", None)  # unset at start: Triton's default
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-config-hash"))
     assert not md.warm_planners(config, SimpleNamespace(type="cpu"))
     monkeypatch.setenv("KVARN_VLLM_WARMUP", "0")
     assert not md.warm_planners(config, SimpleNamespace(type="cuda"))
     monkeypatch.delenv("KVARN_VLLM_WARMUP")
     gpu = SimpleNamespace(type="cuda")
     assert md.warm_planners(config, gpu) and seen == [(config, gpu)]
+    assert folders == [str(tmp_path / ".triton" / "cache")]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-config-hash")
     monkeypatch.undo()
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
     calls = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -87,9 +88,17 @@ def test_import_and_register_leave_cuda_alone():
         "kvarn_vllm.register(); kvarn_vllm.register()\n"
         "assert 'kvarn_kernels' not in sys.modules, 'register imported the kernels'\n"
         "assert not torch.cuda.is_initialized()\n"
+        # TRITON_CACHE_DIR as the process started, before vLLM points it elsewhere
+        "import os\n"
+        "from kvarn_vllm.plugin import kernel_cache_dir\n"
+        "os.environ['TRITON_CACHE_DIR'] = '/vllm/torch_compile_cache/x/triton_cache'\n"
+        "assert kernel_cache_dir() == '/start/triton', kernel_cache_dir()\n"
         "print('OK')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    env = {**os.environ, "TRITON_CACHE_DIR": "/start/triton"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK")
 

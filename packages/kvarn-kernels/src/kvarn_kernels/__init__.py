@@ -3,6 +3,7 @@
 Importing this package never initializes CUDA and never imports vLLM.
 """
 
+from kvarn_kernels._compile_cache import compile_cache
 from kvarn_kernels._format import FORMAT_VERSION, check_format_version
 from kvarn_kernels.attention import choose_num_splits, decode_attention, multi_query_attention
 from kvarn_kernels.attention.launch import VERIFY_AS_DECODE_MAX_QUERY
@@ -39,6 +40,7 @@ __all__ = [
     "cache_shape",
     "check_format_version",
     "choose_num_splits",
+    "compile_cache",
     "compiled_variants",
     "decode_attention",
     "decode_tiles",

@@ -11,6 +11,7 @@ from types import ModuleType
 
 __all__ = [
     "allocate_staging",
+    "compile_cache",
     "decode_attention",
     "dequantize",
     "kernels_module",
@@ -43,6 +44,7 @@ _REQUIRED = (
     "unrotate",
     "staging_rows",
     "warmup",
+    "compile_cache",
     "window_start",
     "key_window_start",
     "VERIFY_AS_DECODE_MAX_QUERY",
@@ -136,6 +138,12 @@ def verify_as_decode_max_query() -> int:
     """``kvarn_kernels.VERIFY_AS_DECODE_MAX_QUERY``: batch-invariant multi-query calls of at
     most this many query tokens per row may run as decode rows."""
     return int(kernels_module().VERIFY_AS_DECODE_MAX_QUERY)
+
+
+def compile_cache(path=None):
+    """``kvarn_kernels.compile_cache``: compile under one folder that stays the same across
+    engine configurations (a context manager)."""
+    return kernels_module().compile_cache(path)
 
 
 def warmup(*args, **kwargs):

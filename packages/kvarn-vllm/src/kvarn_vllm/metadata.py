@@ -106,27 +106,32 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
     if key in _WARMED:
         return None
     _WARMED.add(key)
-    summary = kernels.warmup(
-        config.preset.name,
-        int(kv_cache_spec.head_size),
-        num_q_heads,
-        int(kv_cache_spec.num_kv_heads),
-        model.dtype,
-        device,
-        staging_tiles=config.ring_tiles,
-        sink=config.sink,
-        sliding_window=window,
-        batch_invariant=config.batch_invariant,
-        own_kv=own_kv,
-        key_frame=config.key_frame,
-        key_tiles=config.key_tiles,
-    )
+    from kvarn_vllm.plugin import kernel_cache_dir
+
+    # One Triton cache folder for every engine configuration (vLLM gives each its own).
+    with kernels.compile_cache(kernel_cache_dir()) as folder:
+        summary = kernels.warmup(
+            config.preset.name,
+            int(kv_cache_spec.head_size),
+            num_q_heads,
+            int(kv_cache_spec.num_kv_heads),
+            model.dtype,
+            device,
+            staging_tiles=config.ring_tiles,
+            sink=config.sink,
+            sliding_window=window,
+            batch_invariant=config.batch_invariant,
+            own_kv=own_kv,
+            key_frame=config.key_frame,
+            key_tiles=config.key_tiles,
+        )
     logger.info(
-        "kvarn: compiled the kernels before serving (%d launches, query blocks %s) in %.1f s; "
-        "%s=0 skips this and compiles them inside the first requests instead",
+        "kvarn: compiled the kernels before serving (%d launches, query blocks %s) in %.1f s, "
+        "Triton cache %s; %s=0 skips this and compiles them inside the first requests instead",
         summary["launches"],
         summary["query_block_sizes"],
         summary["seconds"],
+        folder or "as vLLM set it (the stable folder is not writable)",
         WARMUP_ENV,
     )
     return summary
@@ -139,7 +144,11 @@ def warm_planners(config: KvarnConfig, device: Any) -> bool:
     ``KVARN_VLLM_WARMUP=0`` skips it. Returns whether it ran."""
     if not env_flag(WARMUP_ENV, True) or getattr(device, "type", "cpu") != "cuda":
         return False
-    launch_planners(config, device)
+    from kvarn_vllm import kernels
+    from kvarn_vllm.plugin import kernel_cache_dir
+
+    with kernels.compile_cache(kernel_cache_dir()):
+        launch_planners(config, device)
     return True
 
 

@@ -9,14 +9,28 @@ patches touch, never Triton or the kernels, and never initializes CUDA.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
-__all__ = ["register", "registered"]
+__all__ = ["kernel_cache_dir", "register", "registered"]
 
 logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
 _lock = threading.Lock()
 _done = False
+_UNSET = object()
+_triton_cache_dir: object = _UNSET
+
+
+def kernel_cache_dir() -> str | None:
+    """Where kvarn's kernels compile: ``TRITON_CACHE_DIR`` as this process found it when the
+    plugin first registered, before vLLM pointed it at a folder of its torch.compile cache
+    (one per engine configuration); ``None`` when it was unset (Triton's default folder).
+    """
+    value = _triton_cache_dir
+    if value is _UNSET:  # register() has not run in this process: read it now
+        value = os.environ.get("TRITON_CACHE_DIR")
+    return value if isinstance(value, str) and value else None
 
 
 def registered() -> bool:
@@ -31,12 +45,14 @@ def register() -> None:
     the kvarn backend as ``AttentionBackendEnum.CUSTOM`` unless another plugin already
     claimed it.
     """
-    global _done
+    global _done, _triton_cache_dir
     if _done:
         return
     with _lock:
         if _done:
             return
+        if _triton_cache_dir is _UNSET:
+            _triton_cache_dir = os.environ.get("TRITON_CACHE_DIR")
         from kvarn_vllm import patches
 
         patches.apply_process_patches()
