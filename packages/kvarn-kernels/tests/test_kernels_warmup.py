@@ -186,3 +186,40 @@ def test_nothing_compiles_after_warmup_on_row_slices(invariant: bool) -> None:
             kk.multi_query_attention(q, qsl, *args, max_query_len=n, **meta)
     torch.cuda.synchronize()
     assert kk.compiled_variants() == before
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_into_compile_cache_and_a_new_process_reuses_it(tmp_path) -> None:
+    """vLLM points TRITON_CACHE_DIR at a folder per engine configuration: under
+    ``compile_cache`` the warm-up writes its kernels to the stable folder instead, and a second
+    process (another engine) finds them all there, compiling nothing new."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    engine, stable = tmp_path / "engine", tmp_path / "stable"
+    code = textwrap.dedent(
+        f"""
+        import os, torch, kvarn_kernels as kk
+        os.environ["TRITON_CACHE_DIR"] = {str(engine)!r}
+        with kk.compile_cache({str(stable)!r}):
+            kk.warmup("kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16, "cuda", staging_tiles=2,
+                      sink=True, key_tiles=1, key_frame="auto")
+        assert os.environ["TRITON_CACHE_DIR"] == {str(engine)!r}
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def run() -> set[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+        return {str(p.relative_to(stable)) for p in stable.rglob("*") if p.is_file()}
+
+    first = run()
+    assert first, "nothing compiled into the stable folder"
+    assert not engine.exists() or not any(engine.rglob("*.cubin"))
+    assert run() == first  # the second process loaded every kernel from disk
