@@ -168,17 +168,27 @@ def assert_matches(h, got, k, v, quantized, q, where, slot=None, key_quantized=N
 
 
 @pytest.mark.parametrize(
-    ("sink", "recent", "as_decode"),
-    [("0", "1", False), ("1", "1", False), ("1", "0", False), ("1", "1", True), ("0", "0", True)],
+    ("sink", "recent", "as_decode", "window_keys"),
+    [
+        ("0", "1", False, "0"),
+        ("1", "1", False, "0"),
+        ("1", "0", False, "0"),
+        ("1", "1", True, "0"),
+        ("0", "0", True, "0"),
+        ("1", "1", False, "1"),
+    ],
 )
 def test_verify_and_draft_steps_with_rejections(
-    vllm_config_factory, monkeypatch, sink, recent, as_decode
+    vllm_config_factory, monkeypatch, sink, recent, as_decode, window_keys
 ):
     """Verify steps with random rejections and drafter steps against kvarn-math over the
     accepted tokens. ``as_decode``: ``KVARN_VLLM_VERIFY_AS_DECODE=1``: the verify blocks go
-    to the kernels as decode rows, reading their own tokens from staging."""
+    to the kernels as decode rows, reading their own tokens from staging. ``window_keys``:
+    ``KVARN_VLLM_WINDOW_KEYS=1``, exact windows with their keys (the default of the 2- and
+    3-bit-key presets; values only otherwise)."""
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", recent)
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", window_keys)
     monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "1" if as_decode else "0")
     as_rows = []
     if as_decode:
@@ -188,6 +198,7 @@ def test_verify_and_draft_steps_with_rejections(
         monkeypatch.setattr(launch, "decode_rows", lambda *a: as_rows.append(1) or decode_rows(*a))
     h = SpecHarness(vllm_config_factory, monkeypatch)
     assert h.builder.config.verify_as_decode is as_decode
+    assert h.builder.config.window_keys == (window_keys == "1")
     assert h.builder.config.sink == (sink == "1")
     assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
     assert h.builder.config.ring_tiles == 2 + int(recent)
