@@ -1025,6 +1025,22 @@ def test_fast_split_plan_fixed_positions() -> None:
             fast_split_plan(*bad)
 
 
+def test_invariant_split_tiles_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVARN_KERNELS_INVARIANT_SPLIT_TILES`` sets the batch-invariant split length (still
+    doubled until the table fits the combine); anything but a power of two up to 256 is
+    refused with the variable's name."""
+    from kvarn_kernels.attention.launch import fast_split_plan
+
+    monkeypatch.setenv("KVARN_KERNELS_INVARIANT_SPLIT_TILES", "32")
+    assert fast_split_plan(32, 3) == (32, 1)
+    assert fast_split_plan(128, 3) == (32, 4)
+    assert fast_split_plan(3000, 3) == (64, 47)
+    for bad in ("0", "12", "512", "x", "-8"):
+        monkeypatch.setenv("KVARN_KERNELS_INVARIANT_SPLIT_TILES", bad)
+        with pytest.raises(ValueError, match="KVARN_KERNELS_INVARIANT_SPLIT_TILES"):
+            fast_split_plan(32, 3)
+
+
 @pytest.mark.parametrize(
     ("preset", "windows", "cap"),
     # the 4-bit-key (phased) path with values-only windows, the generic path with keys too:

@@ -49,9 +49,9 @@ _MAX_SPLITS = 64
 # batch 64 x 16K, 1024 positions 12%, 2048 positions 5% (and 4-5% at batch 256).
 _MIN_SPLIT_TOKENS = 2048
 # Batch-invariant splits of the Gluon decode kernel hold this many tiles (1024 positions at
-# G = 128): its query rows come prepared, so a split costs little besides its partial (at
-# batch 64 x 4K, by arithmetic, the extra partials move about 4% more bytes than the default
-# launch's call). Not yet timed on a GPU.
+# G = 128; KVARN_KERNELS_INVARIANT_SPLIT_TILES changes it): its query rows come prepared, so a
+# split costs little besides its partial. H200 (twenty-first run): 0.96-1.16x the default
+# launch's time at 16-64 x 4K-16K.
 _FAST_SPLIT_TILES = 8
 # Batch-invariant multi-query calls of at most this many query tokens per sequence (verify
 # blocks of speculative decoding) run where the Gluon decode kernel applies as decode rows,
@@ -221,17 +221,32 @@ def fast_decode_splits(
     return max(1, min(want, max_tiles, _MAX_SPLITS - staged_splits))
 
 
+def invariant_split_tiles() -> int:
+    """``KVARN_KERNELS_INVARIANT_SPLIT_TILES=N``: tiles per split of the Gluon decode kernel in
+    batch-invariant mode (a power of two, 1-256; default 8, 1024 positions at ``G = 128``).
+    Longer splits mean fewer partials at large batch and fewer programs at small batch; the
+    bits then differ from those of another ``N``, so every engine that must agree uses one
+    value."""
+    raw = os.environ.get("KVARN_KERNELS_INVARIANT_SPLIT_TILES", str(_FAST_SPLIT_TILES)).strip()
+    if not raw.isdigit() or int(raw) not in {1 << i for i in range(9)}:
+        raise ValueError(
+            "KVARN_KERNELS_INVARIANT_SPLIT_TILES must be a power of two from 1 to 256, "
+            f"got {raw!r}"
+        )
+    return int(raw)
+
+
 def fast_split_plan(table_width: int, staged_splits: int) -> tuple[int, int]:
     """``(split_tiles, num_splits)`` of the fast decode kernel in batch-invariant mode: splits
-    of ``_FAST_SPLIT_TILES`` tiles from tile 0 (doubled until the table's ``table_width`` tiles
-    fit beside the ``staged_splits`` of the Triton kernel in the combine's maximum); they
-    depend on nothing but the table's width."""
+    of :func:`invariant_split_tiles` tiles from tile 0 (doubled until the table's
+    ``table_width`` tiles fit beside the ``staged_splits`` of the Triton kernel in the
+    combine's maximum); they depend on nothing but the table's width."""
     if table_width < 1 or not 1 <= staged_splits < _MAX_SPLITS:
         raise ValueError(
             f"fast_split_plan needs table_width >= 1 and 1 <= staged_splits < {_MAX_SPLITS}, "
             f"got {table_width}, {staged_splits}"
         )
-    tiles = _FAST_SPLIT_TILES
+    tiles = invariant_split_tiles()
     while -(-table_width // tiles) > _MAX_SPLITS - staged_splits:
         tiles *= 2
     return tiles, -(-table_width // tiles)
