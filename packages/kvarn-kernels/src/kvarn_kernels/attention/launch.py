@@ -230,8 +230,7 @@ def invariant_split_tiles() -> int:
     raw = os.environ.get("KVARN_KERNELS_INVARIANT_SPLIT_TILES", str(_FAST_SPLIT_TILES)).strip()
     if not raw.isdigit() or int(raw) not in {1 << i for i in range(9)}:
         raise ValueError(
-            "KVARN_KERNELS_INVARIANT_SPLIT_TILES must be a power of two from 1 to 256, "
-            f"got {raw!r}"
+            f"KVARN_KERNELS_INVARIANT_SPLIT_TILES must be a power of two from 1 to 256, got {raw!r}"
         )
     return int(raw)
 
