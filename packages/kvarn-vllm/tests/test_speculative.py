@@ -31,12 +31,15 @@ pytestmark = pytest.mark.skipif(
 class SpecHarness:
     """One kvarn layer and its builder with speculative decoding configured (k = 4)."""
 
-    def __init__(self, vllm_config_factory, monkeypatch, method="eagle"):
+    def __init__(self, vllm_config_factory, monkeypatch, method="eagle", preset=PRESET):
+        from kvarn_math import get_preset
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
-        self.vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
-        self.vc.cache_config.block_size = G
+        self.preset = preset
+        self.g = get_preset(preset).group_size
+        self.vc = vllm_config_factory(preset, max_num_seqs=4, max_num_batched_tokens=256)
+        self.vc.cache_config.block_size = self.g
         # The builder and the layer read only these two fields of the speculative config.
         object.__setattr__(
             self.vc,
@@ -64,7 +67,7 @@ class SpecHarness:
         spec = self.layer.get_kv_cache_spec(self.vc)
         builder_cls = self.layer.attn_backend.get_builder_cls()
         self.builder = builder_cls(spec, [self.layer.layer_name], self.vc, torch.device("cpu"))
-        shape = self.layer.attn_backend.get_kv_cache_shape(16, G, HKV, D)
+        shape = self.layer.attn_backend.get_kv_cache_shape(16, self.g, HKV, D)
         self.kv_cache = torch.zeros(shape, dtype=torch.uint8)
         self.block_table = torch.arange(16, dtype=torch.int32).reshape(4, MAX_BLOCKS).flip(1)
         gen = torch.Generator().manual_seed(0)
@@ -108,26 +111,27 @@ class SpecHarness:
         from kvarn_math import QuantizedSequence, quantize_sequence, reference_attention
 
         kf, vf = k.float().numpy(), v.float().numpy()
-        sink = self.builder.config.sink and quantized >= G  # tile 0 exact in staging
+        g = self.g
+        sink = self.builder.config.sink and quantized >= g  # tile 0 exact in staging
         # keys from records below max(quantized, key_quantized), and tile 0's exact while it
         # is the step's own tile (kvarn_math.step_sequence)
         kq = quantized if key_quantized is None else max(quantized, key_quantized)
-        keys_exact = self.builder.config.window_keys or (sink and key_quantized < G)
+        keys_exact = self.builder.config.window_keys or (sink and key_quantized < g)
         stored = quantize_sequence(
             kf[:kq],
             vf[:kq],
-            PRESET,
+            self.preset,
             keep_first_tile=sink,
-            recent_tiles=(kq - quantized) // G,
+            recent_tiles=(kq - quantized) // g,
             window_keys=keys_exact,
         )
         if slot is not None:  # the cache's own records, checked to encode these tokens
             stored = cached_records(
-                self.kv_cache, self.block_table[slot], kf, vf, stored, PRESET, D
+                self.kv_cache, self.block_table[slot], kf, vf, stored, self.preset, D
             )
         seq = QuantizedSequence(
             records=stored.records,
-            preset=records_preset(),
+            preset=records_preset(self.preset),
             head_dim=D,
             tail_k=kf[kq:],
             tail_v=vf[kq:],
@@ -139,10 +143,10 @@ class SpecHarness:
         return torch.from_numpy(reference_attention(q_rows.float().numpy(), seq, D**-0.5))
 
 
-def records_preset():
+def records_preset(preset=PRESET):
     from kvarn_math import get_preset
 
-    return get_preset(PRESET)
+    return get_preset(preset)
 
 
 def _rel(a, b):
@@ -168,24 +172,25 @@ def assert_matches(h, got, k, v, quantized, q, where, slot=None, key_quantized=N
 
 
 @pytest.mark.parametrize(
-    ("sink", "recent", "as_decode", "window_keys"),
+    ("sink", "recent", "as_decode", "window_keys", "preset"),
     [
-        ("0", "1", False, "0"),
-        ("1", "1", False, "0"),
-        ("1", "0", False, "0"),
-        ("1", "1", True, "0"),
-        ("0", "0", True, "0"),
-        ("1", "1", False, "1"),
+        ("0", "1", False, "0", PRESET),
+        ("1", "1", False, "0", PRESET),
+        ("1", "0", False, "0", PRESET),
+        ("1", "1", True, "0", PRESET),
+        ("0", "0", True, "0", PRESET),
+        ("1", "1", False, "1", PRESET),
+        ("1", "1", False, "1", "kvarn_k2v2_g128"),  # 2-bit keys, 128-token tiles
     ],
 )
 def test_verify_and_draft_steps_with_rejections(
-    vllm_config_factory, monkeypatch, sink, recent, as_decode, window_keys
+    vllm_config_factory, monkeypatch, sink, recent, as_decode, window_keys, preset
 ):
     """Verify steps with random rejections and drafter steps against kvarn-math over the
     accepted tokens. ``as_decode``: ``KVARN_VLLM_VERIFY_AS_DECODE=1``: the verify blocks go
     to the kernels as decode rows, reading their own tokens from staging. ``window_keys``:
     ``KVARN_VLLM_WINDOW_KEYS=1``, exact windows with their keys (the default of the 2- and
-    3-bit-key presets; values only otherwise)."""
+    3-bit-key presets; values only otherwise). ``preset``: the walk's tiles are the preset's."""
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", recent)
     monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", window_keys)
@@ -196,26 +201,32 @@ def test_verify_and_draft_steps_with_rejections(
 
         decode_rows = launch.decode_rows
         monkeypatch.setattr(launch, "decode_rows", lambda *a: as_rows.append(1) or decode_rows(*a))
-    h = SpecHarness(vllm_config_factory, monkeypatch)
+    h = SpecHarness(vllm_config_factory, monkeypatch, preset=preset)
+    g = h.g
     assert h.builder.config.verify_as_decode is as_decode
     assert h.builder.config.window_keys == (window_keys == "1")
     assert h.builder.config.sink == (sink == "1")
     assert h.builder.config.staging_tiles == 2  # 1 + ceil(2k / G)
     assert h.builder.config.ring_tiles == 2 + int(recent)
     slot = 2
-    # Accepted drafts per verify step (of K = 4), rejections mixed in. Verifies at 63 and 127
-    # commit a sampled token that completes a tile (tile 1's keeps tile 0 in its window).
+    # Accepted drafts per verify step (of K = 4), rejections mixed in. Verifies at g - 1 and
+    # 2g - 1 commit a sampled token that completes a tile (tile 1's keeps tile 0 in its
+    # window): at 63 and 127 for 64-token tiles, at 127 and 255 for 128.
     schedule = [1, 0, 4, 0, 2, 4, 4, 4, 1, 4, 4, 4, 4, 4, 4, 2, 1, 1, 0, 2]
-    # Prompt: 61 tokens, committed (no drafts), a new request in its row.
-    k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
+    if g == 128:
+        schedule = schedule + schedule
+        schedule[34:36] = [3, 1]
+    # Prompt: g - 3 tokens, committed (no drafts), a new request in its row.
+    prompt = g - 3
+    k0, v0 = h.rand(prompt, HKV, D), h.rand(prompt, HKV, D)
     md.STEP.report_added([slot])
     md.STEP.report_real(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
     )
-    meta = h.builder.build(0, h.cam([slot], [0], [61], [0]))
+    meta = h.builder.build(0, h.cam([slot], [0], [prompt], [0]))
     h.run(meta, [(slot, 0, (k0, v0))])
     h.kv[slot] = (k0, v0)
-    cached = 61
+    cached = prompt
     checked_quantized = set()
     completing = set()
     for step in range(len(schedule)):
@@ -233,16 +244,16 @@ def test_verify_and_draft_steps_with_rejections(
         assert meta.context is not None and meta.decode is None  # verify -> multi-query
         q, out = h.run(meta, [(slot, cached, (real_k, real_v))])
         # Committed: everything before the step plus its first (sampled) token.
-        assert int(meta.plan.quantized_lens[0]) == (cached + 1) // G * G
+        assert int(meta.plan.quantized_lens[0]) == (cached + 1) // g * g
         # Attention reads records up to here, the recent window (from the step's first token)
         # and the rest from staging.
         quantized = int(meta.context.quantized_lens[0])
         q_after = int(meta.plan.quantized_lens[0])
         ring = h.builder.config.ring_tiles
-        want = recent_window_start(cached, cached + 1 + K, q_after, G, int(recent), ring)
+        want = recent_window_start(cached, cached + 1 + K, q_after, g, int(recent), ring)
         assert quantized == want
-        if recent == "1" and want < q_after - G:
-            completing.add(step)  # the old rule (q_after - G) would have lost the window
+        if recent == "1" and want < q_after - g:
+            completing.add(step)  # the old rule (q_after - g) would have lost the window
         checked_quantized.add(int(meta.plan.quantized_lens[0]))
         ak, av = h.kv[slot]
         step_k, step_v = torch.cat([ak, real_k]), torch.cat([av, real_v])
@@ -269,11 +280,11 @@ def test_verify_and_draft_steps_with_rejections(
         base = h.builder.config.sink_rows
         row = cached if cached < base else base + (cached - base) % h.builder.config.ring_tokens
         key_tiles = h.builder.config.key_tiles
-        key_row = row if key_tiles is None else cached % (key_tiles * G)
+        key_row = row if key_tiles is None else cached % (key_tiles * g)
         assert dmeta.plan.writes[0].tolist() == [0, slot, row, key_row]
         # Drafts commit nothing; the window counts from the draft's position.
         read = recent_window_start(
-            cached, cached + 1, min(q_after, cached // G * G), G, int(recent), ring
+            cached, cached + 1, min(q_after, cached // g * g), g, int(recent), ring
         )
         assert int(dmeta.decode.quantized_lens[0]) == read
         dq, dout = h.run(dmeta, [(slot, cached, (dk, dv))])
@@ -283,7 +294,7 @@ def test_verify_and_draft_steps_with_rejections(
             h, dout, torch.cat([ak, dk]), torch.cat([av, dv]), read, dq, step, slot, key_read
         )
         # The next verify step rewrites that position with the real token.
-    assert {0, 64} <= checked_quantized  # the walk crossed a tile boundary
+    assert {0, g, 2 * g} <= checked_quantized  # the walk crossed two tile boundaries
     assert completing or recent == "0"  # a verify completed a tile and kept its window
     assert len(as_rows) == (len(schedule) if as_decode else 0)  # every verify, as decode rows
 
