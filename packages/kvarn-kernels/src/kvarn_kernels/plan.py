@@ -846,7 +846,8 @@ def plan_draft_device(
             ``None`` allocates them.
 
     Returns:
-        The plan (``out`` when given), ``read_lens`` always set.
+        The plan (on ``out``'s tensors when given, with this call's settings), ``read_lens``
+        always set.
     """
     p = get_preset(preset)
     g = p.group_size
@@ -896,7 +897,17 @@ def plan_draft_device(
         recent_tiles=recent_tiles,
         key_tiles=key_tiles,
     )
-    return out
+    # The plan's settings are this call's, whatever ``out`` carried (as plan_store_device).
+    return replace(
+        out,
+        num_tiles=b,
+        num_writes=num_tokens,
+        group_size=g,
+        staging_tiles=staging_tiles,
+        sink=sink,
+        recent_tiles=recent_tiles,
+        window_keys=bool(window_keys),
+    )
 
 
 def _plan_draft_triton(

@@ -1021,11 +1021,8 @@ def _make_builder_class() -> type:
             start = torch.where(new_rows > 0, floor, spec["start"][slots.long()])
             if self.config.recent_tiles or not self.config.window_keys:
                 spec["start"].index_copy_(0, slots[:real].long(), start[:real])
-            from kvarn_kernels import StorePlan
-
-            tiles = self._view(buf, "tiles", self.max_tiles, 5)
-            writes = self._view(buf, "writes", num_tokens, 4)
-            # The plan lands in the step's buffer views (what CUDA graphs replay).
+            out = self._plan_out(buf, num_reqs, self.max_tiles, num_tokens)
+            tiles, writes = out.tiles, out.writes
             plan = kernels.plan_store_device(
                 seq,
                 qsl,
@@ -1041,26 +1038,35 @@ def _make_builder_class() -> type:
                 recent_tiles=self.config.recent_tiles,
                 exact_start=start,
                 window_keys=self.config.window_keys,
-                out=StorePlan(
-                    tiles=tiles,
-                    writes=writes,
-                    seq_lens=self._view(buf, "seq_lens", num_reqs),
-                    quantized_lens=self._view(buf, "quantized_lens", num_reqs),
-                    num_tiles=self.max_tiles,
-                    num_writes=num_tokens,
-                    group_size=g,
-                    staging_tiles=self.config.ring_tiles,
-                    read_lens=self._view(buf, "read_lens", num_reqs),
-                    key_read_lens=None
-                    if self.config.window_keys
-                    else self._view(buf, "key_lens", num_reqs),
-                ),
+                out=out,
             )
             if record is None:
                 tiles.fill_(-1)
                 writes.fill_(-1)
             spec["quantized"].index_copy_(0, slots[:real].long(), plan.quantized_lens[:real])
             return self._plan_views(plan, buf, num_reqs, tiles, writes)
+
+        def _plan_out(self, buf, num_reqs: int, num_tiles: int, num_tokens: int):
+            """The step's buffer views a device planner writes its plan into (what CUDA
+            graphs replay), with this engine's plan settings."""
+            from kvarn_kernels import StorePlan
+
+            cfg = self.config
+            return StorePlan(
+                tiles=self._view(buf, "tiles", num_tiles, 5),
+                writes=self._view(buf, "writes", num_tokens, 4),
+                seq_lens=self._view(buf, "seq_lens", num_reqs),
+                quantized_lens=self._view(buf, "quantized_lens", num_reqs),
+                num_tiles=num_tiles,
+                num_writes=num_tokens,
+                group_size=self.preset.group_size,
+                staging_tiles=cfg.ring_tiles,
+                sink=cfg.sink,
+                recent_tiles=cfg.recent_tiles,
+                read_lens=self._view(buf, "read_lens", num_reqs),
+                window_keys=cfg.window_keys,
+                key_read_lens=None if cfg.window_keys else self._view(buf, "key_lens", num_reqs),
+            )
 
         def _plan_views(self, plan, buf, num_reqs: int, tiles, writes):
             """``plan`` on the persistent buffer: its tiles and writes as given, its per-row
@@ -1138,18 +1144,12 @@ def _make_builder_class() -> type:
                 src = src.pin_memory()
             self._device_buf[lo:used].copy_(src, non_blocking=True)
             buf = self._device_buf
-            g = self.preset.group_size
             seq = cam.seq_lens[:num_reqs]
             if not real:  # dummy (profiling) draft step: attend the row's own tokens only
                 seq = seq.clamp(max=n)
             slots = self._view(buf, "slots", num_reqs)
-            dev_seq = self._view(buf, "seq_lens", num_reqs)
-            dev_read = self._view(buf, "read_lens", num_reqs)
-            dev_keys = None
-            if self.config.key_tiles is not None:
-                dev_keys = self._view(buf, "key_lens", num_reqs)
-            from kvarn_kernels import StorePlan
-
+            out = self._plan_out(buf, num_reqs, num_reqs, num_tokens)
+            dev_seq, dev_read, dev_keys = out.seq_lens, out.read_lens, out.key_read_lens
             # Every draft goes to staging, nothing is quantized; one launch writes the
             # lengths, windows and write rows into the step's buffer views.
             plan = kernels.plan_draft_device(
@@ -1165,21 +1165,7 @@ def _make_builder_class() -> type:
                 sink=self.config.sink,
                 recent_tiles=self.config.recent_tiles,
                 window_keys=self.config.window_keys,
-                out=StorePlan(
-                    tiles=self._view(buf, "tiles", num_reqs, 5),
-                    writes=self._view(buf, "writes", num_tokens, 4),
-                    seq_lens=dev_seq,
-                    quantized_lens=self._view(buf, "quantized_lens", num_reqs),
-                    num_tiles=num_reqs,
-                    num_writes=num_tokens,
-                    group_size=g,
-                    staging_tiles=self.config.ring_tiles,
-                    sink=self.config.sink,
-                    recent_tiles=self.config.recent_tiles,
-                    read_lens=dev_read,
-                    window_keys=self.config.window_keys,
-                    key_read_lens=dev_keys,
-                ),
+                out=out,
             )
             group = RowGroup(
                 rows=None,
