@@ -96,60 +96,68 @@ def _key(record: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
     return record["suite"], name, lens
 
 
-def _merge(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """One record per (suite, name, prompt lengths): a later one replaces an earlier one unless
-    it is worse.
-
-    Returns:
-        The kept records, and one line per record left out (which, from where, kept what),
-        so that two runs of the same cache under different settings never collapse silently.
-    """
-    merged: dict[tuple[str, str, tuple[int, ...]], dict[str, Any]] = {}
-    dropped: list[str] = []
-    for record in records:
-        key = _key(record)
-        label = f"{key[0]}/{key[1]}" + (f" ({','.join(map(str, key[2]))})" if key[2] else "")
-        old = merged.get(key)
-        if old is None or not (old.get("status") == "ok" and record.get("status") != "ok"):
-            merged[key] = record
+def _latest(
+    items: Sequence[dict[str, Any]], key_of: Any, label_of: Any, dropped: list[str]
+) -> list[dict[str, Any]]:
+    """One item per ``key_of(item)``: a later one replaces an earlier one unless it is worse
+    (not ``ok`` where the earlier was). Each item left out gets a line in ``dropped`` (which,
+    from where, kept what), so that two runs of the same measurement under different
+    settings never collapse silently."""
+    kept: dict[Any, dict[str, Any]] = {}
+    for item in items:
+        key = key_of(item)
+        old = kept.get(key)
+        if old is None or not (old.get("status") == "ok" and item.get("status") != "ok"):
+            kept[key] = item
             if old is not None:
                 dropped.append(
-                    f"{label}: kept the run from {record.get('source')} "
-                    f"({record.get('status')}), left out the one from {old.get('source')} "
+                    f"{label_of(key)}: kept the run from {item.get('source')} "
+                    f"({item.get('status')}), left out the one from {old.get('source')} "
                     f"({old.get('status')})"
                 )
         else:
             dropped.append(
-                f"{label}: kept the run from {old.get('source')} (ok), left out the "
-                f"one from {record.get('source')} ({record.get('status')})"
+                f"{label_of(key)}: kept the run from {old.get('source')} (ok), left out the "
+                f"one from {item.get('source')} ({item.get('status')})"
             )
-    return list(merged.values()), dropped
+    return list(kept.values())
+
+
+def _merge(records: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """One record per (suite, name, prompt lengths) (:func:`_latest`).
+
+    Returns:
+        The kept records, and one line per record left out.
+    """
+    dropped: list[str] = []
+
+    def label(key: tuple[str, str, tuple[int, ...]]) -> str:
+        return f"{key[0]}/{key[1]}" + (f" ({','.join(map(str, key[2]))})" if key[2] else "")
+
+    return _latest(records, _key, label, dropped), dropped
 
 
 def _extra_rows(
     stored: Sequence[dict[str, Any]], rebuilt: Sequence[dict[str, Any]], dropped: list[str]
 ) -> list[dict[str, Any]]:
-    """The stored rows that join a rebuilt table: one per :func:`row_key`, a later one
-    replacing an earlier one unless it is worse, and none where a run record measured the
-    same (that one wins). Every row left out gets a line in ``dropped``."""
+    """The stored rows that join a rebuilt table: one per :func:`row_key` (:func:`_latest`),
+    and none where a run record measured the same (that one wins). Every row left out gets a
+    line in ``dropped``."""
+
+    def label(key: tuple[Any, ...]) -> str:
+        return "/".join(str(k) for k in key if k is not None)
+
     taken = {row_key(row) for row in rebuilt}
-    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    fresh = []
     for row in stored:
-        key = row_key(row)
-        label = "/".join(str(k) for k in key if k is not None)
-        if key in taken:
+        if row_key(row) in taken:
             dropped.append(
-                f"{label}: kept the run record, left out the stored row from {row['source']}"
+                f"{label(row_key(row))}: kept the run record, left out the stored row from "
+                f"{row['source']}"
             )
-            continue
-        old = kept.get(key)
-        if old is None or not (old.get("status") == "ok" and row.get("status") != "ok"):
-            if old is not None:
-                dropped.append(f"{label}: kept {row['source']}, left out {old['source']}")
-            kept[key] = row
         else:
-            dropped.append(f"{label}: kept {old['source']} (ok), left out {row['source']}")
-    return list(kept.values())
+            fresh.append(row)
+    return _latest(fresh, row_key, label, dropped)
 
 
 def collect_results(
