@@ -396,8 +396,9 @@ def plot_serving(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
         ax.set_xlabel("KV cache capacity (million tokens)")
         ax.set_ylabel("burst throughput (prompt + output tokens/s)")
         ax.set_title(f"{key[0]}, {key[1]}-token prompts", fontsize=9)
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
+        # Room right of the largest cache for its label (the points' labels extend right).
+        ax.set_xlim(0, 1.3 * max(r["kv_cache_tokens"] for r in panels[key]) / 1e6)
+        ax.set_ylim(0, 1.1 * max(r["total_tok_per_s"] for r in panels[key]))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys) :]:
         ax.set_visible(False)
