@@ -968,6 +968,62 @@ def test_verify_as_decode_in_the_default_launch(
     assert not as_rows
 
 
+def test_split_sizing() -> None:
+    """The default launch sizes its splits for the call's rows, or for ``split_batch`` rounded
+    up to a power of two; anything but None or an int >= 1 is refused by name."""
+    from kvarn_kernels.attention.launch import split_sizing
+
+    assert split_sizing(5, None) == 5
+    assert [split_sizing(3, b) for b in (1, 2, 3, 5, 8, 100, 128, 129)] == [
+        1, 2, 4, 8, 8, 128, 128, 256,
+    ]  # fmt: skip
+    for bad in (0, -3, True, 2.5, "4"):
+        with pytest.raises(ValueError, match="split_batch must be None or an int >= 1"):
+            split_sizing(3, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="split_batch"):
+        kk.decode_attention(**TestGuards()._args(), split_batch=0)
+
+
+def test_split_batch_gives_verify_rows_the_splits_of_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Default launch: without ``split_batch`` a verify block run as decode rows sizes its
+    splits for its own rows (5 here), a decode call for its own sequences, so the same token
+    can get other splits in a speculative step than when decoded; with the step's request
+    count as ``split_batch`` both size for its power of two and the verify rows have exactly
+    the bits of the decode call over the same tokens. (The CPU has no SMs to size for, so the
+    split count is made to depend on the sizing here.) Batch-invariant mode ignores it."""
+    from kvarn_kernels.attention import launch
+
+    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
+    sized: list[int] = []
+
+    def splits(num_seqs: int, *args: object, **kwargs: object) -> int:
+        sized.append(num_seqs)
+        return 1 + num_seqs % 3
+
+    monkeypatch.setattr(launch, "choose_num_splits", splits)
+    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
+    lens, n = [200, 150], [3, 2]
+    seqs = _sequences(lens, h, d, 7)
+    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
+    q = torch.from_numpy(make_kv((5, h * group, d), "gaussian", 13)).to(dtype)
+    common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=True, **common)
+    kk.decode_attention(q[:2], **common)
+    assert sized == [5, 2]  # rows of the verify call; sequences of the decode call
+    sized.clear()
+    step = {**common, "split_batch": 3}  # the step's requests: 3 -> sized for 4
+    got = kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=True, **step)
+    want = decode_as_rows(q, step, lens, n)
+    assert sized == [4, 4]
+    assert _bits_equal(want, got)
+    sized.clear()
+    kk.decode_attention(q[:2], **{**step, "batch_invariant": True})
+    assert sized == []  # fixed split positions: nothing sized
+
+
 def test_non_causal_blocks_attend_their_whole_sequence() -> None:
     """``causal=False`` (a DFlash-style draft block): every query of a sequence attends all of
     its positions, block included: the decode row of the whole sequence bit for bit, and

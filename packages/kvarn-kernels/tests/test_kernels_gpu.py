@@ -573,6 +573,31 @@ def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
         assert_close_rms(want, got[rows].float().cpu().numpy(), TOL[dtype], what=f"seq {b}")
 
 
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
+def test_split_batch_at_real_sizes(d: int, hq: int, hkv: int) -> None:
+    """The default launch with the step's request count as ``split_batch``: the last token of
+    each of three verify blocks (run as decode rows, 13 rows in all) has the bits of the same
+    token in a decode call of the three sequences, as a step without speculation computes it;
+    without ``split_batch`` the two calls would size their splits for 13 rows and for 3."""
+    preset, dtype = "kvarn_k4v2_g128", torch.bfloat16
+    lens, n = [2000, 700, 9000], [5, 3, 5]
+    seqs = [
+        (make_kv((t, hkv, d), "outlier_channels", 90 + i), make_kv((t, hkv, d), "gaussian", 95 + i))
+        for i, t in enumerate(lens)
+    ]
+    batch = build_paged(seqs, preset, dtype, DEV, uncommitted=n, sinks=[True, False, True])
+    q = torch.from_numpy(make_kv((sum(n), hq, d), "gaussian", 17)).to(DEV, dtype)
+    common = {**_batch_args(batch, preset), "scale": d**-0.5, "sink_lens": batch.sink_lens}
+    loc = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    qsl = torch.from_numpy(loc).to(DEV)
+    last = torch.from_numpy(loc[1:] - 1).to(DEV)
+    verify = kk.multi_query_attention(
+        q, qsl, max_query_len=max(n), verify_as_decode=True, split_batch=3, **common
+    )
+    decode = kk.decode_attention(q.index_select(0, last), split_batch=3, **common)
+    assert torch.equal(decode.view(torch.int16), verify.index_select(0, last).view(torch.int16))
+
+
 @pytest.mark.parametrize(("rows", "sink", "recent", "window_keys"), PLANNER_CASES)
 def test_triton_planner_on_the_gpu(rows: int, sink: bool, recent: int, window_keys: bool) -> None:
     """The Triton store planner on CUDA tensors, bit for bit its torch twin (GPU integer

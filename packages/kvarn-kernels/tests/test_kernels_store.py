@@ -460,3 +460,19 @@ def test_store_kv_key_frame_checks() -> None:
         kk.store_kv(**args, key_frame="auto")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="a multiple of 2 heads"):
         kk.store_kv(**args, key_frame="auto", query=torch.zeros(3, 3, d))  # type: ignore[arg-type]
+
+
+def test_store_warps_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVARN_KERNELS_STORE_WARPS`` (for the bench's store sweep) replaces the warps per
+    program of the tile quantization; anything but 4, 8, 16 or 32 is refused by name."""
+    from kvarn_kernels.quantize.launch import STORE_WARPS_ENV, _num_warps
+    from kvarn_math.layout import tile_layout
+
+    layout = tile_layout("kvarn_k4v2_g128", 128)
+    monkeypatch.delenv(STORE_WARPS_ENV, raising=False)
+    assert _num_warps(layout) == 16
+    monkeypatch.setenv(STORE_WARPS_ENV, "32")
+    assert _num_warps(layout) == 32
+    monkeypatch.setenv(STORE_WARPS_ENV, "7")
+    with pytest.raises(ValueError, match="KVARN_KERNELS_STORE_WARPS must be 4, 8, 16 or 32"):
+        _num_warps(layout)

@@ -287,6 +287,29 @@ def test_invariant_context_runs_verify_blocks_apart(vllm_config_factory, monkeyp
     assert not torch.isnan(out).any()
 
 
+def test_a_step_sizes_every_attention_call_for_its_requests(vllm_config_factory, monkeypatch):
+    """The decode call and the multi-query call of one step get the step's request count as
+    ``split_batch``, not their own rows, so that a verify token run as a decode row
+    (``KVARN_VLLM_VERIFY_AS_DECODE=1``) is split as it would be when decoded in a step of as
+    many requests (the kernels' ``split_sizing``)."""
+    from kvarn_vllm import kernels
+
+    seen = []
+    for name in ("decode_attention", "multi_query_attention"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, int(args[0].shape[0]), kwargs.get("split_batch")))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, spy)
+    h = Harness(vllm_config_factory, monkeypatch)
+    h.step([(0, 0, 100, [9, 11]), (1, 0, 70, [3, 5]), (2, 0, 20, [7])])
+    seen.clear()
+    h.step([(0, 100, 1, [9, 11]), (1, 70, 3, [3, 5]), (2, 20, 1, [7])])
+    assert seen == [("decode_attention", 2, 3), ("multi_query_attention", 3, 3)]
+
+
 def test_capture_and_replay_share_buffers(vllm_config_factory, monkeypatch):
     """A full CUDA graph captured on capture metadata reads the real step's values."""
     from vllm.v1.attention.backend import CommonAttentionMetadata

@@ -154,6 +154,8 @@ _LAUNCH_ENV = (
     "KVARN_KERNELS_ATTN_LAUNCH",
     "KVARN_KERNELS_STAGED_SPLITS",
     "KVARN_KERNELS_AUTOTUNE",
+    "KVARN_KERNELS_INVARIANT_SPLIT_TILES",
+    "KVARN_KERNELS_STORE_WARPS",
 )
 
 WINDOWS = ("open", "keys", "values")
@@ -388,17 +390,20 @@ def _store_cost(
     quick: bool,
     key_frame: str = "rotated",
     num_q_heads: int = 0,
+    iterations: int | None = None,
 ) -> dict[str, Any]:
     """store_kv time for a decode step of ``batch`` requests: typical (batch/G tiles complete),
     worst (every request completes a tile), and per completed tile; and for a prefill chunk of
     ``8 G`` tokens of each of 8 requests (per tile). ``key_frame="auto"``: each tile's key frame
-    chosen from ``num_q_heads`` random queries per token."""
+    chosen from ``num_q_heads`` random queries per token. ``iterations``: normalization sweeps
+    (default kvarn-math's)."""
     from kvarn_kernels.cache import allocate_cache, allocate_staging
     from kvarn_kernels.plan import StorePlan, plan_store
     from kvarn_kernels.quantize import store_kv
 
     p = get_preset(preset)
     g = p.group_size
+    sweeps = {} if iterations is None else {"iterations": iterations}
     cache = allocate_cache(batch * 2, num_kv_heads, head_dim, p, device)
     staging = allocate_staging(batch, num_kv_heads, head_dim, p, dtype, device)
     staging.normal_()
@@ -415,7 +420,7 @@ def _store_cost(
 
         def step(plan: StorePlan = plan) -> None:
             store_kv(key, value, cache, staging, plan, p, key_frame=key_frame,
-                     query=query if auto else None)  # fmt: skip
+                     query=query if auto else None, **sweeps)  # fmt: skip
 
         ms = _best_ms(step, quick, device)["ms"]
         result[f"store_step_{name}_ms"] = ms
@@ -436,12 +441,62 @@ def _store_cost(
     pplan = pplan.to(device)
 
     def prefill() -> None:
-        store_kv(pk, pk, big, staging, pplan, p, key_frame=key_frame, query=pq if auto else None)
+        store_kv(pk, pk, big, staging, pplan, p, key_frame=key_frame,
+                 query=pq if auto else None, **sweeps)  # fmt: skip
 
     ms = _best_ms(prefill, quick, device)["ms"]
     result["store_prefill_ms"] = ms
     result["store_prefill_per_tile_us"] = ms * 1e3 / (reqs * tiles * num_kv_heads)
     return result
+
+
+# (key frame, normalization sweeps, warps per program or None for the default) of --store-sweep:
+# what the key-frame choice, the sweeps and the program's width each cost.
+STORE_VARIANTS = (
+    ("rotated", 0, None),
+    ("rotated", 2, None),
+    ("auto", 0, None),
+    ("auto", 2, None),
+    ("auto", 2, "8"),
+    ("auto", 2, "32"),
+)
+
+
+def _store_sweep(
+    preset: str,
+    shape: tuple[str, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    quick: bool,
+    batch: int,
+) -> list[dict[str, Any]]:
+    """The store's decode-step and prefill costs (:func:`_store_cost`) at ``shape`` (name,
+    query heads, KV heads, head_dim) for each of :data:`STORE_VARIANTS`; a variant that fails
+    (e.g. out of registers) is recorded with its error and the sweep goes on."""
+    from kvarn_kernels.quantize.launch import STORE_WARPS_ENV
+
+    rows = []
+    for key_frame, iters, warps in STORE_VARIANTS:
+        name, hq, hkv, d = shape
+        row: dict[str, Any] = {"preset": preset, "shape": name, "key_frame": key_frame}
+        row["iterations"] = iters
+        row["warps"] = warps or "default"
+        old = os.environ.pop(STORE_WARPS_ENV, None)
+        if warps:
+            os.environ[STORE_WARPS_ENV] = warps
+        try:
+            row.update(
+                _store_cost(preset, hkv, d, batch, dtype, device, quick, key_frame, hq, iters)
+            )
+        except Exception as exc:  # a variant that does not compile or run is a result too
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            os.environ.pop(STORE_WARPS_ENV, None)
+            if old is not None:
+                os.environ[STORE_WARPS_ENV] = old
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def _sweep(preset: str, dtype: torch.dtype, device: torch.device, quick: bool) -> list[dict]:
@@ -656,6 +711,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.sweep and cuda:
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "0"
         report["sweep"] = [r for p in presets for r in _sweep(p, dtype, device, quick)]
+    if args.store_sweep:
+        report["store_sweep"] = [
+            r
+            for p in presets
+            for r in _store_sweep(p, shapes[0], dtype, device, quick, store_batch)
+        ]
     report["elapsed_s"] = time.time() - t0
     return report
 
@@ -765,6 +826,28 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['shape']} | {r['batch']} | {r['context']} | {r['SUB']} | "
                 f"{r['num_warps']} | {r.get('num_stages', 1)} | {r.get('maxnreg', '-')} | {t} |"
             )
+    if report.get("store_sweep"):
+        lines += [
+            "",
+            "Store variants:",
+            "",
+            "| preset | shape | key frame | sweeps | warps | typical step (us) | worst step (us) "
+            "| prefill chunk (us) | prefill per tile (us) |",
+            "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for r in report["store_sweep"]:
+            head = (
+                f"| {r['preset']} | {r['shape']} | {r['key_frame']} | {r['iterations']} | "
+                f"{r['warps']} | "
+            )
+            if "error" in r:
+                lines.append(head + f"{r['error']} | | | |")
+                continue
+            lines.append(
+                head + f"{1e3 * r['store_step_typical_ms']:.1f} | "
+                f"{1e3 * r['store_step_worst_ms']:.1f} | {1e3 * r['store_prefill_ms']:.1f} | "
+                f"{r['store_prefill_per_tile_us']:.2f} |"
+            )
     if report["notes"]:
         lines += ["", *[f"- {n}" for n in report["notes"]]]
     return "\n".join(lines)
@@ -817,6 +900,12 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         action="store_true",
         help="also time every autotune config of the attention kernel at three sizes",
+    )
+    parser.add_argument(
+        "--store-sweep",
+        action="store_true",
+        help="also time the store (decode step and prefill chunk) with each key frame, 0 and 2 "
+        "normalization sweeps, and 8 or 32 warps per program (KVARN_KERNELS_STORE_WARPS)",
     )
     parser.add_argument(
         "--skip-grid",

@@ -281,6 +281,9 @@ def _make_impl_class() -> type:
                     raw_keys=self.config.mixed_key_frames,
                     key_lens=g.key_lens,
                     key_tiles=self.config.key_tiles,
+                    # The default launch sizes splits for the step, not this group's rows:
+                    # a verify row run as a decode row then splits as a decode would.
+                    split_batch=md.num_reqs,
                 )
                 if not whole:
                     output.index_copy_(0, g.token_index, res)
@@ -329,6 +332,7 @@ def _make_impl_class() -> type:
                     key_tiles=self.config.key_tiles,
                     causal=md.causal,
                     verify_as_decode=True if as_decode else None,
+                    split_batch=md.num_reqs,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)

@@ -37,6 +37,7 @@ __all__ = [
     "fast_decode_supported",
     "multi_query_attention",
     "query_block_sizes",
+    "split_sizing",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -362,6 +363,22 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def split_sizing(num_rows: int, split_batch: int | None) -> int:
+    """The sequence count the default launch sizes its splits for: ``split_batch`` rounded up
+    to a power of two when given (the calls of one engine step, whatever rows each gets, then
+    split alike, and the layout changes only where the step's request count crosses a power of
+    two), else the call's own ``num_rows``.
+
+    Raises:
+        ValueError: ``split_batch`` is not ``None`` or an int >= 1.
+    """
+    if split_batch is None:
+        return num_rows
+    if isinstance(split_batch, bool) or not isinstance(split_batch, int) or split_batch < 1:
+        raise ValueError(f"split_batch must be None or an int >= 1, got {split_batch!r}")
+    return _next_pow2(split_batch)
+
+
 def _query_block(max_query_len: int, group: int, invariant: bool) -> int:
     """Query tokens per program of the multi-query kernel (a compile-time constant)."""
     block_h = _next_pow2(group)
@@ -509,6 +526,7 @@ def _run(
     staged_only: bool = False,
     causal: bool = True,
     as_decode: bool | None = None,
+    split_batch: int | None = None,
 ) -> torch.Tensor:
     """Launch the attention kernels (the checks are the callers'). ``staged_only``: for tests,
     only the Triton kernel's part of the fast decode path, its staged splits over the sink
@@ -516,9 +534,10 @@ def _run(
     ``causal=False`` (multi-query only): every query attends its whole sequence.
     ``as_decode`` (multi-query only): blocks of at most :data:`VERIFY_AS_DECODE_MAX_QUERY`
     tokens as decode rows, whatever kernel decodes; ``None``: in batch-invariant mode where
-    :func:`verify_as_decode` says so."""
+    :func:`verify_as_decode` says so. ``split_batch``: :func:`split_sizing` (default launch)."""
     num_tokens, num_q_heads, d = query.shape
     num_seqs = seq_lens.shape[0]
+    sizing = split_sizing(num_seqs, split_batch)
     p = layout.preset
     g = p.group_size
     if out is None:
@@ -582,6 +601,7 @@ def _run(
             raw_keys,
             per_row(key_lens),
             key_tiles,
+            split_batch=split_batch,
         )
         # Rows past query_start_loc[-1] (padding) are left untouched.
         tokens = torch.arange(num_tokens, device=query.device)
@@ -612,7 +632,7 @@ def _run(
     fast_splits = split_tiles = 0
     if fast or staged_only:
         num_splits, fast_splits, split_tiles = fast_path_splits(
-            staging, g, sink_lens is not None, key_tiles, num_seqs, num_kv_heads,
+            staging, g, sink_lens is not None, key_tiles, sizing, num_kv_heads,
             block_table.shape[1], query.device, invariant, fast,
         )  # fmt: skip
         if kernel is attention_partial_kernel:
@@ -622,7 +642,7 @@ def _run(
             launch = {**launch, "num_stages": 1, **launch_override()}
     if num_splits is None:
         split_steps, num_splits = launch_splits(
-            num_seqs, num_kv_heads, max_chunks, d, g, query.device, invariant
+            sizing, num_kv_heads, max_chunks, d, g, query.device, invariant
         )
     if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
@@ -766,6 +786,7 @@ def decode_attention(
     raw_keys: bool = True,
     key_lens: torch.Tensor | None = None,
     key_tiles: int | None = None,
+    split_batch: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its quantized tiles and staging.
 
@@ -806,6 +827,14 @@ def decode_attention(
             ``key_read_lens``) are read from their records, values only before
             ``quantized_lens`` (the sink tile's values from its sink rows).
         key_tiles: the key ring's tiles ``S_k`` (the plan's ``key_tiles``).
+        split_batch: in the default launch (``num_splits`` and ``batch_invariant`` unset),
+            the number of sequences to size the split-K layout for instead of ``B``, rounded up
+            to a power of two (:func:`split_sizing`). An engine passes its step's request
+            count to every call of the step, so that a token decoded here and the same token
+            verified as a decode row in a speculative step (``multi_query_attention(...,
+            verify_as_decode=True, split_batch=...)``) get the same splits, hence the same
+            bits, while the step's request count stays in one power-of-two bucket. Ignored in
+            batch-invariant mode, whose splits sit at fixed positions.
 
     Returns:
         ``[B, Hq, D]`` in the original frame, query's dtype.
@@ -848,6 +877,7 @@ def decode_attention(
         raw_keys=raw_keys,
         key_lens=key_lens,
         key_tiles=key_tiles,
+        split_batch=split_batch,
     )
 
 
@@ -875,6 +905,7 @@ def multi_query_attention(
     key_tiles: int | None = None,
     causal: bool = True,
     verify_as_decode: bool | None = None,
+    split_batch: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per sequence over the cache.
 
@@ -883,8 +914,8 @@ def multi_query_attention(
     already be stored.  Other arguments as :func:`decode_attention`; ``max_query_len`` (host
     int, >= every ``n_b``) avoids a device sync.  Rows past ``query_start_loc[-1]`` (padding)
     are left untouched.  ``sink_lens``, ``sink_slots``, ``batch_invariant``, ``raw_keys``,
-    ``key_lens``, ``key_tiles``: as :func:`decode_attention` (batch-invariant mode runs every
-    query row with decode's launch).
+    ``key_lens``, ``key_tiles``, ``split_batch``: as :func:`decode_attention` (batch-invariant
+    mode runs every query row with decode's launch).
 
     ``fresh_kv``: optional ``(k, v)``, each ``[num_q_tokens, Hkv, D]`` in query's dtype and the
     rotated frame (:func:`kvarn_kernels.rotate`), row ``i`` the K/V of query row ``i``'s own
@@ -901,7 +932,8 @@ def multi_query_attention(
     ``verify_as_decode=True``: blocks of at most :data:`VERIFY_AS_DECODE_MAX_QUERY` tokens
     (verify blocks) without ``fresh_kv`` run as decode rows, one per token, so that a verify
     token is computed by the kernel and launch that decode it without speculation (the split
-    layout still follows the batch); ``None``: in batch-invariant mode where the Gluon kernel
+    layout follows ``split_batch``, or without it the number of rows); ``None``: in
+    batch-invariant mode where the Gluon kernel
     decodes (:func:`verify_as_decode`), which then gives a decode row's bits exactly; ``False``:
     never.
 
@@ -975,4 +1007,5 @@ def multi_query_attention(
         key_tiles,
         causal=bool(causal),
         as_decode=verify_as_decode,
+        split_batch=split_batch,
     )

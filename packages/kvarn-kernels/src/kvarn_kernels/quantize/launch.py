@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -30,9 +31,20 @@ __all__ = ["encode_tiles", "quantize_tiles", "store_kv"]
 _STAGE_BLOCK_T = 16
 
 
+STORE_WARPS_ENV = "KVARN_KERNELS_STORE_WARPS"
+"""Environment variable: warps per program of the tile quantization (4, 8, 16 or 32) instead
+of :func:`_num_warps`'s choice. For measurements (``python -m kvarn_kernels.bench
+--store-sweep``); an engine leaves it unset."""
+
+
 def _num_warps(layout: TileLayout) -> int:
     # The [G, D] fp32 tile lives in registers several times over during normalization; 16 warps
     # for 128x128 tiles keep spills small and the compile time near 10 s.
+    raw = os.environ.get(STORE_WARPS_ENV, "").strip()
+    if raw:
+        if raw not in ("4", "8", "16", "32"):
+            raise ValueError(f"{STORE_WARPS_ENV} must be 4, 8, 16 or 32, got {raw!r}")
+        return int(raw)
     elems = layout.group_size * layout.head_dim
     return 4 if elems <= 4096 else 8 if elems <= 8192 else 16
 
