@@ -929,6 +929,20 @@ def decode_as_rows(
     return kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})  # type: ignore[arg-type]
 
 
+def verify_blocks_case():
+    """Two sequences (200 and 150 tokens, head_dim 64, 2 KV heads, GQA 4, fp16,
+    ``kvarn_k4v2_g64``) ending in verify blocks of 3 and 2 uncommitted tokens: ``(batch, lens,
+    n, q, common, qsl)`` for a multi-query call over the 5 query rows."""
+    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
+    lens, n = [200, 150], [3, 2]
+    seqs = _sequences(lens, h, d, 7)
+    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
+    q = torch.from_numpy(make_kv((5, h * group, d), "gaussian", 13)).to(dtype)
+    common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    return batch, lens, n, q, common, qsl
+
+
 @pytest.mark.parametrize(("flag", "gluon"), [(True, False), (None, True), (False, True)])
 def test_verify_as_decode_in_the_default_launch(
     monkeypatch: pytest.MonkeyPatch, flag: bool | None, gluon: bool
@@ -946,21 +960,15 @@ def test_verify_as_decode_in_the_default_launch(
     as_rows = []
     decode_rows = launch.decode_rows
     monkeypatch.setattr(launch, "decode_rows", lambda *a: as_rows.append(1) or decode_rows(*a))
-    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
-    lens, n = [200, 150], [3, 2]
-    seqs = _sequences(lens, h, d, 7)
-    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
-    q = torch.from_numpy(make_kv((5, h * group, d), "gaussian", 13)).to(dtype)
-    common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
-    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    batch, lens, n, q, common, qsl = verify_blocks_case()
     got = kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=flag, **common)
     assert len(as_rows) == (1 if flag else 0)
     if flag:
         assert _bits_equal(decode_as_rows(q, common, lens, n), got)
     q_in = q.float().numpy()
     for b, rs in enumerate((slice(0, 3), slice(3, 5))):  # a sequence's rows: its last positions
-        want = reference_attention(q_in[rs], staged_reference(batch.refs[b], dtype), 0.125)
-        assert_close_rms(want, got[rs].float().numpy(), TOL[dtype], what=f"sequence {b}")
+        want = reference_attention(q_in[rs], staged_reference(batch.refs[b], q.dtype), 0.125)
+        assert_close_rms(want, got[rs].float().numpy(), TOL[q.dtype], what=f"sequence {b}")
     # Blocks longer than VERIFY_AS_DECODE_MAX_QUERY keep the multi-query kernel.
     as_rows.clear()
     monkeypatch.setattr(launch, "VERIFY_AS_DECODE_MAX_QUERY", 2)
@@ -1003,13 +1011,7 @@ def test_split_batch_gives_verify_rows_the_splits_of_the_step(
         return 1 + num_seqs % 3
 
     monkeypatch.setattr(launch, "choose_num_splits", splits)
-    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
-    lens, n = [200, 150], [3, 2]
-    seqs = _sequences(lens, h, d, 7)
-    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
-    q = torch.from_numpy(make_kv((5, h * group, d), "gaussian", 13)).to(dtype)
-    common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
-    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    batch, lens, n, q, common, qsl = verify_blocks_case()
     kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=True, **common)
     kk.decode_attention(q[:2], **common)
     assert sized == [5, 2]  # rows of the verify call; sequences of the decode call

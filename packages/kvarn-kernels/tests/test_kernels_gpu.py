@@ -543,42 +543,9 @@ def test_fast_decode_under_cuda_graphs() -> None:
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
-def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
-    """``verify_as_decode=True`` in the default launch (kvarn_k4v2_g128, bf16): three verify
-    blocks of 5, 3 and 5 tokens over 2000, 700 and 9000-token sequences give the bits of one
-    ``decode_attention`` call over the same 13 query rows, each row its sequence's position,
-    and agree with kvarn-math. head_dim 128 decodes on the Gluon kernel, head_dim 64
-    (SmolLM2's shape) on the Triton kernel."""
-    preset, dtype = "kvarn_k4v2_g128", torch.bfloat16
-    lens, n = [2000, 700, 9000], [5, 3, 5]
-    seqs = [
-        (make_kv((t, hkv, d), "outlier_channels", 90 + i), make_kv((t, hkv, d), "gaussian", 95 + i))
-        for i, t in enumerate(lens)
-    ]
-    batch = build_paged(seqs, preset, dtype, DEV, uncommitted=n, sinks=[True, False, True])
-    rows_q = sum(n)
-    q = torch.from_numpy(make_kv((rows_q, hq, d), "gaussian", 17)).to(DEV, dtype)
-    scale = d**-0.5
-    common = {**_batch_args(batch, preset), "scale": scale, "sink_lens": batch.sink_lens}
-    loc = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-    qsl = torch.from_numpy(loc).to(DEV)
-    got = kk.multi_query_attention(q, qsl, max_query_len=max(n), verify_as_decode=True, **common)
-    dec = decode_as_rows(q, common, lens, n)
-    assert torch.equal(dec.view(torch.int16), got.view(torch.int16))
-    q_in = q.float().cpu().numpy()
-    for b, ref in enumerate(batch.refs):
-        rows = slice(int(loc[b]), int(loc[b + 1]))
-        want = reference_attention(q_in[rows], staged_reference(ref, dtype), scale)
-        assert_close_rms(want, got[rows].float().cpu().numpy(), TOL[dtype], what=f"seq {b}")
-
-
-@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
-def test_split_batch_at_real_sizes(d: int, hq: int, hkv: int) -> None:
-    """The default launch with the step's request count as ``split_batch``: the last token of
-    each of three verify blocks (run as decode rows, 13 rows in all) has the bits of the same
-    token in a decode call of the three sequences, as a step without speculation computes it;
-    without ``split_batch`` the two calls would size their splits for 13 rows and for 3."""
+def real_verify_case(d: int, hq: int, hkv: int):
+    """Three verify blocks of 5, 3 and 5 uncommitted tokens ending 2000, 700 and 9000-token
+    sequences (kvarn_k4v2_g128, bf16): ``(batch, lens, n, q, common, loc, qsl)``."""
     preset, dtype = "kvarn_k4v2_g128", torch.bfloat16
     lens, n = [2000, 700, 9000], [5, 3, 5]
     seqs = [
@@ -589,7 +556,34 @@ def test_split_batch_at_real_sizes(d: int, hq: int, hkv: int) -> None:
     q = torch.from_numpy(make_kv((sum(n), hq, d), "gaussian", 17)).to(DEV, dtype)
     common = {**_batch_args(batch, preset), "scale": d**-0.5, "sink_lens": batch.sink_lens}
     loc = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-    qsl = torch.from_numpy(loc).to(DEV)
+    return batch, lens, n, q, common, loc, torch.from_numpy(loc).to(DEV)
+
+
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
+def test_verify_as_decode_at_real_sizes(d: int, hq: int, hkv: int) -> None:
+    """``verify_as_decode=True`` in the default launch (kvarn_k4v2_g128, bf16): three verify
+    blocks of 5, 3 and 5 tokens over 2000, 700 and 9000-token sequences give the bits of one
+    ``decode_attention`` call over the same 13 query rows, each row its sequence's position,
+    and agree with kvarn-math. head_dim 128 decodes on the Gluon kernel, head_dim 64
+    (SmolLM2's shape) on the Triton kernel."""
+    batch, lens, n, q, common, loc, qsl = real_verify_case(d, hq, hkv)
+    got = kk.multi_query_attention(q, qsl, max_query_len=max(n), verify_as_decode=True, **common)
+    dec = decode_as_rows(q, common, lens, n)
+    assert torch.equal(dec.view(torch.int16), got.view(torch.int16))
+    q_in = q.float().cpu().numpy()
+    for b, ref in enumerate(batch.refs):
+        rows = slice(int(loc[b]), int(loc[b + 1]))
+        want = reference_attention(q_in[rows], staged_reference(ref, q.dtype), d**-0.5)
+        assert_close_rms(want, got[rows].float().cpu().numpy(), TOL[q.dtype], what=f"seq {b}")
+
+
+@pytest.mark.parametrize(("d", "hq", "hkv"), [(128, 32, 8), (64, 9, 3)])
+def test_split_batch_at_real_sizes(d: int, hq: int, hkv: int) -> None:
+    """The default launch with the step's request count as ``split_batch``: the last token of
+    each of three verify blocks (run as decode rows, 13 rows in all) has the bits of the same
+    token in a decode call of the three sequences, as a step without speculation computes it;
+    without ``split_batch`` the two calls would size their splits for 13 rows and for 3."""
+    _, _, n, q, common, loc, qsl = real_verify_case(d, hq, hkv)
     last = torch.from_numpy(loc[1:] - 1).to(DEV)
     verify = kk.multi_query_attention(
         q, qsl, max_query_len=max(n), verify_as_decode=True, split_batch=3, **common
