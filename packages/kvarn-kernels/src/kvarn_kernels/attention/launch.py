@@ -933,9 +933,8 @@ def multi_query_attention(
     (verify blocks) without ``fresh_kv`` run as decode rows, one per token, so that a verify
     token is computed by the kernel and launch that decode it without speculation (the split
     layout follows ``split_batch``, or without it the number of rows); ``None``: in
-    batch-invariant mode where the Gluon kernel
-    decodes (:func:`verify_as_decode`), which then gives a decode row's bits exactly; ``False``:
-    never.
+    batch-invariant mode where the Gluon kernel decodes (:func:`verify_as_decode`), which then
+    gives a decode row's bits exactly; ``False``: never.
 
     Returns:
         ``[num_q_tokens, Hq, D]`` in the original frame, query's dtype.
