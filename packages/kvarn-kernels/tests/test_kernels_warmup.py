@@ -137,6 +137,40 @@ def test_per_sequence_metadata_is_not_specialized_on_alignment() -> None:
     assert set(k._METADATA) <= set(params)
 
 
+def test_fast_decode_kernel_does_not_specialize_on_the_split_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Gluon decode kernel takes the split layout (split count, partial count, first split,
+    fixed split length) unspecialized: they change with the batch from step to step, and a new
+    value class (1, a multiple of 16) would compile a variant mid-serving. ``compiled_variants``
+    counts the fast path's two kernels too (checked here with stand-ins holding two compiled
+    variants each, since the interpreter compiles nothing), so the GPU tests above see such a
+    compile."""
+    import importlib
+    from types import SimpleNamespace
+
+    from kvarn_kernels.attention import fast
+
+    exempt = [p.name for p in fast.fast_decode_partial_kernel.params if p.do_not_specialize]
+    assert exempt == ["num_splits", "part_splits", "split0", "split_tiles"]
+    modules = {
+        "attention.kernel": ("attention_partial_kernel", "attention_combine_kernel"),
+        "attention.prep": ("prepare_queries_kernel",),
+        "attention.fast": ("fast_decode_partial_kernel",),
+        "quantize.kernel": ("quantize_tiles_kernel", "stage_tokens_kernel"),
+        "dequantize.kernel": ("dequantize_kernel",),
+        "rotation.kernel": ("rotate_rows_kernel",),
+    }
+    for module, names in modules.items():
+        mod = importlib.import_module(f"kvarn_kernels.{module}")
+        for name in names:
+            stand_in = SimpleNamespace(__name__=name, device_caches={0: ({"a": 1, "b": 2},)})
+            monkeypatch.setattr(mod, name, stand_in)
+    counts = kk.compiled_variants()
+    assert counts["fast_decode_partial_kernel"] == counts["prepare_queries_kernel"] == 2
+    assert len(counts) == 8
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("invariant", [False, True])
 def test_nothing_compiles_after_warmup_on_row_slices(invariant: bool) -> None:

@@ -178,7 +178,9 @@ def warmup(
 def compiled_variants() -> dict[str, int]:
     """How many compiled variants each kernel holds (all devices), ``{}`` under Triton's
     interpreter. An engine that compiles mid-serving shows it here: take it before and after."""
+    from kvarn_kernels.attention.fast import fast_decode_partial_kernel
     from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
+    from kvarn_kernels.attention.prep import prepare_queries_kernel
     from kvarn_kernels.dequantize.kernel import dequantize_kernel
     from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
     from kvarn_kernels.rotation.kernel import rotate_rows_kernel
@@ -191,6 +193,8 @@ def compiled_variants() -> dict[str, int]:
         stage_tokens_kernel,
         dequantize_kernel,
         rotate_rows_kernel,
+        prepare_queries_kernel,  # the fast decode path: its query rows, then the Gluon kernel
+        fast_decode_partial_kernel,
     ):
         caches = getattr(kernel, "device_caches", None)
         if caches is None:

@@ -418,7 +418,12 @@ def _load_query(
     return qs, qa
 
 
-@gluon.jit
+# Values that change from step to step (with the batch) are not specialized: a new value class
+# (1, a multiple of 16) would otherwise compile a variant mid-serving.
+_STEP_VARYING = ("num_splits", "part_splits", "split0", "split_tiles")
+
+
+@gluon.jit(do_not_specialize=_STEP_VARYING)
 def fast_decode_partial_kernel(
     qs_ptr,  # fp16 [B, NUM_FRAMES, Hq, D]: q * scale * log2(e) / max|q|, frame 0 rotated
     qa_ptr,  # fp32 [B, NUM_FRAMES, Hq]: max|q| of those rows
