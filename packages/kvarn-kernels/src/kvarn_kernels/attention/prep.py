@@ -36,7 +36,7 @@ def _write_frame(x, qs_ptr, qa_ptr, row_base, rows_ok, d, D: tl.constexpr):
     tl.store(qa_ptr + row_base, amax, mask=rows_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))  # the batch's rows: one variant for every batch
 def prepare_queries_kernel(
     q_ptr,
     stride_qt,
