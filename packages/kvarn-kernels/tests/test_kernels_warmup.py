@@ -90,13 +90,15 @@ def test_nothing_compiles_after_warmup(sink: bool) -> None:
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
     sink_lens = torch.where(lens >= g, g, 0).to(torch.int32) if sink else None
     sink_slots = slots if sink else None
-    for b in (1, 5, 16, 37):
+    # Batches (and steps sized by split_batch) whose Gluon split counts fall in every value
+    # class: 1 (37 sequences), a multiple of 16 (4, or 3 sized as 4), and others.
+    for b, step in ((1, None), (4, None), (5, None), (16, None), (37, None), (3, 3), (5, 100)):
         for window in (None, 700, 33):
             q = torch.randn((b, hq, d), generator=gen).to(dev, dtype)
             kk.decode_attention(
                 q, cache, staging, table[:b], lens[:b], quant[:b], slots[:b], preset, d**-0.5,
                 sliding_window=window, sink_lens=None if not sink else sink_lens[:b],
-                sink_slots=None if not sink else sink_slots[:b],
+                sink_slots=None if not sink else sink_slots[:b], split_batch=step,
             )  # fmt: skip
     for n in (1, 2, 3, 7, 9, 33, 64, 100):
         rows = slice(1, 4)  # 998, 1995 and 305 tokens
