@@ -929,18 +929,20 @@ def decode_as_rows(
     return kk.decode_attention(q, **{**common, **per_row, "seq_lens": seq_lens})  # type: ignore[arg-type]
 
 
-def verify_blocks_case():
+def verify_blocks_case(n: tuple[int, int] = (3, 2), seed: int = 7, q_seed: int = 13):
     """Two sequences (200 and 150 tokens, head_dim 64, 2 KV heads, GQA 4, fp16,
-    ``kvarn_k4v2_g64``) ending in verify blocks of 3 and 2 uncommitted tokens: ``(batch, lens,
-    n, q, common, qsl)`` for a multi-query call over the 5 query rows."""
+    ``kvarn_k4v2_g64``) ending in blocks of ``n`` uncommitted tokens: ``(batch, lens, n, q,
+    common, qsl)`` for a multi-query call over their query rows."""
     preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
-    lens, n = [200, 150], [3, 2]
-    seqs = _sequences(lens, h, d, 7)
-    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=7, sinks=[True, False])
-    q = torch.from_numpy(make_kv((5, h * group, d), "gaussian", 13)).to(dtype)
+    lens, n_list = [200, 150], list(n)
+    seqs = _sequences(lens, h, d, seed)
+    batch = build_paged(
+        seqs, preset, dtype, "cpu", uncommitted=n_list, seed=seed, sinks=[True, False]
+    )
+    q = torch.from_numpy(make_kv((sum(n_list), h * group, d), "gaussian", q_seed)).to(dtype)
     common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
-    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
-    return batch, lens, n, q, common, qsl
+    qsl = torch.tensor([0, n_list[0], sum(n_list)], dtype=torch.int32)
+    return batch, lens, n_list, q, common, qsl
 
 
 @pytest.mark.parametrize(("flag", "gluon"), [(True, False), (None, True), (False, True)])
@@ -1030,13 +1032,8 @@ def test_non_causal_blocks_attend_their_whole_sequence() -> None:
     """``causal=False`` (a DFlash-style draft block): every query of a sequence attends all of
     its positions, block included: the decode row of the whole sequence bit for bit, and
     kvarn-math's attention of that query over the whole sequence; ``fresh_kv`` is refused."""
-    preset, d, h, group, dtype = "kvarn_k4v2_g64", 64, 2, 4, torch.float16
-    lens, n = [200, 150], [4, 3]
-    seqs = _sequences(lens, h, d, 9)
-    batch = build_paged(seqs, preset, dtype, "cpu", uncommitted=n, seed=9, sinks=[True, False])
-    q = torch.from_numpy(make_kv((7, h * group, d), "gaussian", 17)).to(dtype)
-    common = {**_batch_args(batch, preset), "sink_lens": batch.sink_lens}
-    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    batch, _, _, q, common, qsl = verify_blocks_case((4, 3), seed=9, q_seed=17)
+    dtype, h = q.dtype, batch.kv_cache.shape[1]
     got = kk.multi_query_attention(q, qsl, max_query_len=4, causal=False, **common)
     causal = kk.multi_query_attention(q, qsl, max_query_len=4, **common)
     q_in = q.float().numpy()
@@ -1049,7 +1046,7 @@ def test_non_causal_blocks_attend_their_whole_sequence() -> None:
     # Only a block's last query sees the same keys either way.
     assert torch.allclose(got[3].float(), causal[3].float(), atol=2e-3)
     assert not torch.allclose(got[0].float(), causal[0].float(), atol=1e-3)
-    fresh = (torch.zeros(7, h, d, dtype=dtype), torch.zeros(7, h, d, dtype=dtype))
+    fresh = (torch.zeros(7, h, 64, dtype=dtype), torch.zeros(7, h, 64, dtype=dtype))
     with pytest.raises(ValueError, match="causal=False"):
         kk.multi_query_attention(q, qsl, max_query_len=4, causal=False, fresh_kv=fresh, **common)
 
