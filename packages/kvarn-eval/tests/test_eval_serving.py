@@ -101,6 +101,14 @@ def test_parse_cache_kvarn_settings() -> None:
         parse_cache("kvarn_k4v2_g128+recent0+recent2")
     with pytest.raises(ValueError, match="unknown kvarn setting 'dense'.*keys.*values"):
         parse_cache("kvarn_k4v2_g128+mqa+dense")
+    inv = parse_cache("kvarn_k4v2_g128+invariant+split32")
+    assert inv.label == "kvarn_k4v2_g128+invariant+split32"
+    assert inv.env == (
+        ("KVARN_KERNELS_BATCH_INVARIANT", "1"),
+        ("KVARN_KERNELS_INVARIANT_SPLIT_TILES", "32"),
+    )
+    with pytest.raises(ValueError, match="unknown kvarn setting 'split12'.*splitN"):
+        parse_cache("kvarn_k4v2_g128+invariant+split12")
 
 
 def test_parse_caches_groups() -> None:

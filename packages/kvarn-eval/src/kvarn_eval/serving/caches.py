@@ -12,7 +12,10 @@ FlashAttention (``KVARN_VLLM_DENSE_CONTEXT=0``), ``+rotated`` stores every tile'
 instead of choosing each tile's key frame from the queries (``KVARN_VLLM_KEY_FRAME=rotated``),
 ``+keys`` keeps the exact tiles' keys exact too instead of their values only
 (``KVARN_VLLM_WINDOW_KEYS=1``, the default of 2- and 3-bit keys), ``+values`` keeps only their
-values exact (``KVARN_VLLM_WINDOW_KEYS=0``, the default of 4-bit keys). Names are
+values exact (``KVARN_VLLM_WINDOW_KEYS=0``, the default of 4-bit keys), ``+invariant`` runs
+attention batch-invariant (``KVARN_KERNELS_BATCH_INVARIANT=1``) and ``+splitN`` sets its fixed
+split length on the Gluon decode kernel to N tiles (``KVARN_KERNELS_INVARIANT_SPLIT_TILES=N``, a
+power of two 1-256), so that one table compares the two launches. Names are
 checked here, without importing vLLM, against the values vLLM 0.26 accepts (a test compares with
 vLLM's own list).
 
@@ -78,6 +81,8 @@ _KVARN_SETTINGS: dict[str, tuple[str, str | None]] = {
     r"rotated": ("KVARN_VLLM_KEY_FRAME", "rotated"),
     r"keys": ("KVARN_VLLM_WINDOW_KEYS", "1"),
     r"values": ("KVARN_VLLM_WINDOW_KEYS", "0"),
+    r"invariant": ("KVARN_KERNELS_BATCH_INVARIANT", "1"),
+    r"split(1|2|4|8|16|32|64|128|256)": ("KVARN_KERNELS_INVARIANT_SPLIT_TILES", None),
 }
 
 DEFAULT_CACHES: tuple[str, ...] = (
@@ -200,7 +205,9 @@ def parse_cache(text: str) -> CacheSpec:
                 f"unknown kvarn setting {setting!r} in {text!r}; expected recentN (N = 0-4: "
                 "complete tiles read exact from staging), mqa (continuation chunks through "
                 "the multi-query kernel), rotated (every tile's keys rotated), keys (the exact "
-                "tiles keep their keys) or values (the exact tiles keep only their values)"
+                "tiles keep their keys), values (the exact tiles keep only their values), "
+                "invariant (batch-invariant attention) or splitN (its split length in tiles, N "
+                "a power of two 1-256)"
             )
     dtype = _ALIASES.get(name, name)
     known = (*VLLM_CACHE_DTYPES, *PRESETS)
