@@ -155,6 +155,16 @@ def test_fast_decode_kernel_does_not_specialize_on_the_split_layout(
 
     exempt = [p.name for p in fast.fast_decode_partial_kernel.params if p.do_not_specialize]
     assert exempt == ["num_splits", "part_splits", "split0", "split_tiles"]
+    # The Triton kernel's part of the fast path: its partial count follows the Gluon splits
+    # (an H200 warm-up test compiled a variant mid-serving while it was specialized).
+    from kvarn_kernels.attention import kernel as attn
+
+    kernel = attn.attention_partial_kernel
+    if hasattr(kernel, "params"):  # compiled
+        exempt = [p.name for p in kernel.params if p.do_not_specialize]
+    else:  # Triton's interpreter keeps the decorator's arguments
+        exempt = list(kernel.kwargs["do_not_specialize"])
+    assert sorted(exempt) == ["num_splits", "part_splits", "split_steps", "stride_bt", "window"]
     modules = {
         "attention.kernel": ("attention_partial_kernel", "attention_combine_kernel"),
         "attention.prep": ("prepare_queries_kernel",),

@@ -757,9 +757,11 @@ def _prune(
 # metadata (read one scalar per program; an engine passes row slices of its tables, whose
 # starts move with the batch: kvarn-vllm's batch-invariant runs of verify blocks start at any
 # row; with key_lens_ptr specialized, a batch-invariant H200 engine compiled this kernel
-# mid-serving, most likely on such a run, 2026-12-02). Strides of the cache and staging are fixed per engine and keep their
-# specialization (vectorized loads).
-_STEP_VARYING = ("num_splits", "split_steps", "window", "stride_bt")
+# mid-serving, most likely on such a run, 2026-12-02). ``part_splits`` follows the fast path's
+# split count, which follows the batch (with ``split_batch``, the step's request count): an
+# H200 test compiled a variant after warm-up while it was specialized (2026-12-03). Strides of
+# the cache and staging are fixed per engine and keep their specialization (vectorized loads).
+_STEP_VARYING = ("num_splits", "split_steps", "part_splits", "window", "stride_bt")
 _METADATA = (
     "qstart_ptr",
     "block_table_ptr",
