@@ -443,6 +443,44 @@ def test_store_kv_chooses_each_tiles_key_frame_from_the_queries() -> None:
     assert_records_match(records, ref, k_rot, v_rot, preset, d)
 
 
+@pytest.mark.parametrize("staged", [0, 5])
+def test_store_kv_judges_a_chunks_tile_by_sixteen_spread_positions(staged: int) -> None:
+    """A tile completed by a prefill chunk is judged by the queries of at most 16 of its fresh
+    positions (kvarn_math.frame_query_rows): here those weigh the keys' small channels (raw
+    wins) and the other positions' queries, 100x larger, the large ones (the rotation would
+    win over all positions), so the record's frame shows which positions the kernel read."""
+    from kvarn_math import choose_key_frames, frame_query_rows
+
+    preset, g, d = "kvarn_k2v2_g128", 128, 64
+    rng = np.random.default_rng(11)
+    scales = np.geomspace(0.01, 10, d)
+    k = (rng.standard_normal((g, 1, d)) * scales).astype(np.float32)
+    v = rng.standard_normal((g, 1, d)).astype(np.float32)
+    q = (100 * rng.standard_normal((g, 1, d)) * scales).astype(np.float32)
+    fresh = g - staged
+    picked = staged + frame_query_rows(fresh)
+    q[picked] = rng.standard_normal((len(picked), 1, d)) * scales[::-1]
+    keys = k.transpose(1, 0, 2)  # [Hkv, G, D]
+    by_picked = choose_key_frames(keys, q[picked].transpose(1, 0, 2))
+    by_all = choose_key_frames(keys, q[staged:].transpose(1, 0, 2))
+    assert by_picked.tolist() == [True] and by_all.tolist() == [False]  # the case discriminates
+    lay = tile_layout(preset, d)
+    cache = unwritten_cache(2, 1, lay.tile_bytes, "cpu")
+    staging = nan_like_staging(
+        kk.staging_shape(1, 1, d, preset, staging_tiles=2), torch.float32, "cpu"
+    )
+    table = np.array([[1]], dtype=np.int32)
+    kt, vt, qt = (torch.from_numpy(x) for x in (k, v, q))
+    for start, n in ((0, staged), (staged, fresh)):
+        if n:
+            plan = kk.plan_store([start], [n], None, [0], table, preset, staging_tiles=2)
+            rows = slice(start, start + n)
+            kk.store_kv(
+                kt[rows], vt[rows], cache, staging, plan, preset, key_frame="auto", query=qt[rows]
+            )
+    assert read_fields(cache[1].numpy(), preset, d).raw_keys.tolist() == [True]
+
+
 def test_store_kv_key_frame_checks() -> None:
     preset, d = "kvarn_k4v2_g64", 64
     lay = tile_layout(preset, d)
@@ -470,7 +508,9 @@ def test_store_warps_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
     layout = tile_layout("kvarn_k4v2_g128", 128)
     monkeypatch.delenv(STORE_WARPS_ENV, raising=False)
-    assert _num_warps(layout) == 16
+    assert _num_warps(layout) == 8  # the H200's best of 8, 16 and 32 at 128 x 128
+    assert _num_warps(tile_layout("kvarn_k4v2_g128", 256)) == 16
+    assert _num_warps(tile_layout("kvarn_k4v2_g64", 64)) == 4
     monkeypatch.setenv(STORE_WARPS_ENV, "32")
     assert _num_warps(layout) == 32
     monkeypatch.setenv(STORE_WARPS_ENV, "7")

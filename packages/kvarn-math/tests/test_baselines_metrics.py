@@ -123,7 +123,12 @@ def test_metrics() -> None:
 
 def test_kvarn_method_chooses_key_frames_from_queries_when_given() -> None:
     from kvarn_math.baselines import KVarN, standard_methods
-    from kvarn_math.tile import choose_key_frames, dequantize_tiles, quantize_tiles
+    from kvarn_math.tile import (
+        choose_key_frames,
+        dequantize_tiles,
+        frame_query_rows,
+        quantize_tiles,
+    )
 
     rng = np.random.default_rng(3)
     g, d = 128, 64
@@ -140,8 +145,9 @@ def test_kvarn_method_chooses_key_frames_from_queries_when_given() -> None:
     auto = KVarN.of("kvarn_k2v2_g128", key_frame="auto")
     assert auto.reads_queries and not KVarN.of("kvarn_k2v2_g128").reads_queries
     k_tiles = k.reshape(2, g, 2, d).transpose(0, 2, 1, 3)
-    q_tiles = q.reshape(2, g, 2, 2, d).transpose(0, 2, 1, 3, 4).reshape(2, 2, 2 * g, d)
-    raw = choose_key_frames(k_tiles, q_tiles)
+    # each tile is judged by the queries of the positions a store takes from a prefill chunk
+    q_tiles = q.reshape(2, g, 2, 2, d).transpose(0, 2, 1, 3, 4)[:, :, frame_query_rows(g)]
+    raw = choose_key_frames(k_tiles, q_tiles.reshape(2, 2, -1, d))
     np.testing.assert_array_equal(raw, [[True, False], [True, False]])
     v_tiles = v.reshape(2, g, 2, d).transpose(0, 2, 1, 3)
     want = dequantize_tiles(

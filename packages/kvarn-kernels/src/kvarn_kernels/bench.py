@@ -457,7 +457,7 @@ STORE_VARIANTS = (
     ("rotated", 2, None),
     ("auto", 0, None),
     ("auto", 2, None),
-    ("auto", 2, "8"),
+    ("auto", 2, "16"),
     ("auto", 2, "32"),
 )
 
@@ -905,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         "--store-sweep",
         action="store_true",
         help="also time the store (decode step and prefill chunk) with each key frame, 0 and 2 "
-        "normalization sweeps, and 8 or 32 warps per program (KVARN_KERNELS_STORE_WARPS)",
+        "normalization sweeps, and 16 or 32 warps per program besides the default (KVARN_KERNELS_STORE_WARPS)",
     )
     parser.add_argument(
         "--skip-grid",

@@ -36,11 +36,13 @@ from kvarn_math.log8 import decode_log8, encode_log8
 from kvarn_math.packing import pack, packed_size, unpack
 from kvarn_math.rtn import RowQuantized, dequantize_rows, quantize_rows
 from kvarn_math.tile import (
+    FRAME_QUERY_ROWS,
     TileFields,
     choose_key_frames,
     decode_tiles,
     dequantize_tiles,
     encode_tiles,
+    frame_query_rows,
     quantize_tiles,
     read_fields,
 )
@@ -64,6 +66,8 @@ __all__ = [
     "TileLayout",
     "__version__",
     "choose_key_frames",
+    "FRAME_QUERY_ROWS",
+    "frame_query_rows",
     "decode_log8",
     "decode_tiles",
     "dense_attention",

@@ -146,28 +146,29 @@ def _frame_estimates(
     GROUP: tl.constexpr,
 ):
     """kvarn_math.tile.key_frame_estimates of one tile: ``(rotated, raw)`` =
-    ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the query
-    rows ``[row0, row0 + num_rows)`` of the KV head's ``GROUP`` query heads."""
+    ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the KV
+    head's ``GROUP`` query heads at the rows ``row0 + frame_query_rows(num_rows)``
+    (kvarn_math.tile: all ``num_rows`` up to 16, else 16 spread evenly)."""
     spread_rot = tl.max(k, axis=0) - tl.min(k, axis=0)  # [D]
     spread_raw = tl.max(k_raw, axis=0) - tl.min(k_raw, axis=0)
     d = tl.arange(0, D)
     energy_rot = tl.zeros([D], dtype=tl.float32)
     energy_raw = tl.zeros([D], dtype=tl.float32)
-    # Rows in blocks of 16: a decode step has one, a prefill chunk up to G.
-    for r0 in range(0, num_rows, 16):
-        r = r0 + tl.arange(0, 16)
-        live = r < num_rows
-        row = (row0 + r).to(tl.int64)
-        for j in tl.static_range(GROUP):
-            head = (hkv * GROUP + j).to(tl.int64)
-            q = tl.load(
-                q_ptr + row[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=live[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            energy_raw += tl.sum(q * q, axis=0)
-            q = fwht_rows(q, 16, D) * rsqrt_d
-            energy_rot += tl.sum(q * q, axis=0)
+    # One block of 16 rows (FRAME_QUERY_ROWS): a decode step has one, a prefill chunk up to G.
+    m = tl.minimum(num_rows, 16)
+    r = tl.arange(0, 16)
+    live = r < m
+    row = (row0 + (r * num_rows) // m).to(tl.int64)
+    for j in tl.static_range(GROUP):
+        head = (hkv * GROUP + j).to(tl.int64)
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=live[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        energy_raw += tl.sum(q * q, axis=0)
+        q = fwht_rows(q, 16, D) * rsqrt_d
+        energy_rot += tl.sum(q * q, axis=0)
     rotated = tl.sum(energy_rot * spread_rot * spread_rot, axis=0)
     return rotated, tl.sum(energy_raw * spread_raw * spread_raw, axis=0)
 
@@ -266,8 +267,9 @@ def quantize_tiles_kernel(
 
     The keys' frame (``KEY_FRAME``): 0 rotated; 1 chosen per tile and KV head by the smaller
     estimated attention-score error over the queries ``q`` ``[num_tokens, Hq, D]`` (original
-    frame) of the tile's fresh rows, or of its first row ``fresh_index`` when all its tokens were
-    staged (kvarn_math.tile.choose_key_frames); 2 as ``frames`` ``[num_tiles, Hkv]`` int8 says
+    frame) of the tile's fresh rows (at most 16 of them, kvarn_math.tile.frame_query_rows), or
+    of its first row ``fresh_index`` when all its tokens were staged
+    (kvarn_math.tile.choose_key_frames); 2 as ``frames`` ``[num_tiles, Hkv]`` int8 says
     (1: the keys' own channels).
     """
     tile = tl.program_id(0)

@@ -38,15 +38,17 @@ of :func:`_num_warps`'s choice. For measurements (``python -m kvarn_kernels.benc
 
 
 def _num_warps(layout: TileLayout) -> int:
-    # The [G, D] fp32 tile lives in registers several times over during normalization; 16 warps
-    # for 128x128 tiles keep spills small and the compile time near 10 s.
+    # The [G, D] fp32 tile lives in registers several times over during normalization. 128x128
+    # tiles on an H200 (2026-12-03, 64-tile prefill chunk, 8 KV heads, key frames chosen, two
+    # sweeps): 0.788 ms with 8 warps, 0.915 with 16, 1.095 with 32; so 8 up to 128x128, 16
+    # past it (128x256: the largest tile, _MAX_TILE_ELEMENTS).
     raw = os.environ.get(STORE_WARPS_ENV, "").strip()
     if raw:
         if raw not in ("4", "8", "16", "32"):
             raise ValueError(f"{STORE_WARPS_ENV} must be 4, 8, 16 or 32, got {raw!r}")
         return int(raw)
     elems = layout.group_size * layout.head_dim
-    return 4 if elems <= 4096 else 8 if elems <= 8192 else 16
+    return 4 if elems <= 4096 else 8 if elems <= 16384 else 16
 
 
 # One program holds a whole tile (keys or values) in fp32; past 32768 elements its regrouping for
