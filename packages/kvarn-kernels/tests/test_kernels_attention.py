@@ -263,6 +263,34 @@ def test_exact_tokens_keep_fp16_precision_for_bf16_models(lens: list[int]) -> No
     _run_decode(case, torch.bfloat16, tol=TOL[torch.float16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tokens_at_fp16s_limit_stay_finite(dtype: torch.dtype) -> None:
+    """Tokens of +-65504 in every channel: rotated they reach sqrt(D) x 65504, past fp16's
+    range, which bf16 staging holds. The exact tokens' fp16 dot operands saturate instead of
+    becoming infinities (the H200 GPU test of this case gave NaN, 2026-12-03); the quantized
+    tile's record saturates its fp16 scales."""
+    from kernel_testing import nan_like_staging, unwritten_cache
+    from kvarn_math import tile_layout
+
+    preset, d, g = "kvarn_k4v2_g64", 64, 64
+    rng = np.random.default_rng(0)
+    x = rng.choice(np.array([-65504.0, 65504.0], np.float32), size=(g + 3, 1, d))
+    x[:, :, 0] = 65504.0
+    cache = unwritten_cache(3, 1, tile_layout(preset, d).tile_bytes, "cpu")
+    staging = nan_like_staging(kk.staging_shape(1, 1, d, preset), dtype, "cpu")
+    table = np.array([[2, 1]], dtype=np.int32)
+    plan = kk.plan_store([0], [g + 3], None, [0], table, preset)
+    kv = torch.from_numpy(x).to(dtype)
+    kk.store_kv(kv, kv.flip(0), cache, staging, plan, preset)  # one record, 3 tokens staged
+    q = torch.randn((1, 4, d), generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = kk.decode_attention(
+        q, cache, staging, torch.from_numpy(table), torch.tensor([g + 3], dtype=torch.int32),
+        torch.tensor([g], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), preset,
+        d**-0.5,
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
 def test_decode_staging_holds_an_uncommitted_full_tile() -> None:
     """S=2: a complete tile still unquantized (speculative) is read exactly from staging."""
     preset, d, h, g = "kvarn_k4v2_g64", 64, 1, 64

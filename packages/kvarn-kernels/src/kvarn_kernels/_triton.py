@@ -234,6 +234,20 @@ def pack_rows(codes, ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BIT
 
 
 @triton.jit
+def fp16_operand(x):
+    """``x`` as an fp16 dot operand, saturated to +-65504: bf16 staging and fresh K/V hold
+    values past fp16's range (a rotated token reaches ``sqrt(D)`` x its largest channel), which
+    a plain cast turns into infinities and the dot into NaN (H200, 2026-12-03: bf16 tokens of
+    +-65504 gave a NaN attention output)."""
+    if x.dtype == tl.float16:
+        return x
+    else:
+        # In fp32: a bf16 clamp would round 65504 up to 65536.
+        y = x.to(tl.float32)
+        return tl.minimum(tl.maximum(y, -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr):
     """fp32 ``x`` rounded to ``dtype``, nearest even (as the GPU's cast does); fp16 saturates.
 

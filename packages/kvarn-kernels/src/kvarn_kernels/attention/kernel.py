@@ -28,6 +28,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import (
     INTERPRET,
+    fp16_operand,
     fwht_rows,
     load_packed,
     log8_factor,
@@ -82,8 +83,8 @@ def _exact_step(q, qpos, window, pos, valid, m_i, l_i, acc, k_ptrs, v_ptrs, FP32
     else:
         # fp16 operands for bf16 models too: the rotated query keeps 11 significant bits, not
         # bf16's 8 (bf16 keys convert exactly within fp16's range, which the records' fp16
-        # scales assume anyway).
-        s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+        # scales assume anyway; past it they saturate).
+        s = tl.dot(q.to(tl.float16), tl.trans(fp16_operand(k)))
     vis = _visible(pos, qpos, window, 0, False) & valid[None, :]  # valid bounds the positions
     s = tl.where(vis, s, float("-inf"))
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
@@ -97,7 +98,7 @@ def _exact_values(p, acc, v_ptrs, valid, FP32):
     if FP32:
         acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        acc += tl.dot(p.to(tl.float16), v.to(tl.float16))  # p <= 1: 11 significant bits
+        acc += tl.dot(p.to(tl.float16), fp16_operand(v))  # p <= 1: 11 significant bits
     return acc
 
 
