@@ -34,6 +34,23 @@ def test_missing_package_names_pip_command(tmp_path: Path, monkeypatch: pytest.M
         models.resolve_model_dir("smollm2-135m")
 
 
+def test_missing_gguf_part_package_names_pip_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma-3's package imports the packages holding its GGUF parts: one missing (installed
+    with --no-deps) is reported with the model's install command, not as a missing extra."""
+    pkg = tmp_path / "fake_gguf_parts"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import fake_gguf_parts_part1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = models.BuiltinModel(
+        name="fake", package="fake_gguf_parts", pip="pip install fake-gguf-parts==1.0",
+        gguf_file="", description="",
+    )  # fmt: skip
+    with pytest.raises(MissingDependencyError, match=r"'fake_gguf_parts_part1'.*pip install fake"):
+        models._locate_gguf(spec, tmp_path)
+
+
 def test_flat_rope_theta(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}))

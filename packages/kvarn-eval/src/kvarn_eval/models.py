@@ -145,7 +145,13 @@ def _locate_gguf(spec: BuiltinModel, workdir: Path) -> Path:
         return path
     import importlib
 
-    module = importlib.import_module(spec.package)
+    try:
+        module = importlib.import_module(spec.package)
+    except ModuleNotFoundError as exc:  # its part packages (installed with --no-deps?)
+        raise MissingDependencyError(
+            f"model {spec.name!r}: {spec.package!r} could not import {exc.name!r} (one of the "
+            f"packages holding its GGUF parts); install them with: {spec.pip}"
+        ) from exc
     assemble = getattr(module, "assemble", None)
     if assemble is None:
         raise MissingDependencyError(
