@@ -61,6 +61,21 @@ def test_bad_values_return_2_before_loading(
     assert message in capsys.readouterr().out.replace("\n", "")
 
 
+def test_missing_module_names_the_models_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The install hint is printed as written: rich read ``[models]`` as a style tag and
+    dropped it, printing ``pip install 'kvarn-eval'``."""
+
+    def missing(*args: object) -> int:
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(cli, "_bench", missing)
+    assert cli.main(["bench", "--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "'transformers' is missing" in out and "pip install 'kvarn-eval[models]'" in out
+
+
 def test_quick_sizes_and_explicit_override() -> None:
     parser = cli.build_parser()
     quick = cli.options_from_args(parser.parse_args(["bench", "--quick"]))

@@ -697,12 +697,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args, console)
         return _bench(args, console)
     except (MissingDependencyError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]kvarn-eval {args.command}: {exc}[/]")
+        console.print(f"kvarn-eval {args.command}: {exc}", style="red", markup=False)
         return 2
     except ModuleNotFoundError as exc:
         console.print(
-            f"[red]kvarn-eval {args.command}: the module {exc.name!r} is missing; the accuracy "
-            "suites need the models extra: pip install 'kvarn-eval[models]'[/]"
+            f"kvarn-eval {args.command}: the module {exc.name!r} is missing; the accuracy "
+            "suites need the models extra: pip install 'kvarn-eval[models]'",
+            style="red",
+            markup=False,
         )
         return 2
 

@@ -145,20 +145,20 @@ def _locate_gguf(spec: BuiltinModel, workdir: Path) -> Path:
         return path
     import importlib
 
+    target = workdir / f"{spec.name}.gguf"
     try:
         module = importlib.import_module(spec.package)
+        assemble = getattr(module, "assemble", None)
+        if assemble is None:
+            raise MissingDependencyError(
+                f"{spec.package!r} has no assemble() to join its GGUF parts; reinstall: {spec.pip}"
+            )
+        result = assemble(str(target))
     except ModuleNotFoundError as exc:  # its part packages (installed with --no-deps?)
         raise MissingDependencyError(
             f"model {spec.name!r}: {spec.package!r} could not import {exc.name!r} (one of the "
             f"packages holding its GGUF parts); install them with: {spec.pip}"
         ) from exc
-    assemble = getattr(module, "assemble", None)
-    if assemble is None:
-        raise MissingDependencyError(
-            f"{spec.package!r} has no assemble() to join its GGUF parts; reinstall: {spec.pip}"
-        )
-    target = workdir / f"{spec.name}.gguf"
-    result = assemble(str(target))
     return Path(result) if isinstance(result, (str, os.PathLike)) else target
 
 
