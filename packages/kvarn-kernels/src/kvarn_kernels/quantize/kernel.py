@@ -34,27 +34,9 @@ def _std(x, AXIS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _imbalance(x, R: tl.constexpr, C: tl.constexpr):
-    """``(imbalance, column stds)``: the stds are reused by the next sweep, which starts from
-    the very tile just scored (bit-identical to recomputing them, as kvarn-math does)."""
-    std_c = _std(x, 0, R)
-    std_r = _std(x, 1, C)
-    ratio_c = tl.div_rn(tl.max(std_c, axis=0), tl.maximum(tl.min(std_c, axis=0), 1e-8))
-    ratio_r = tl.div_rn(tl.max(std_r, axis=0), tl.maximum(tl.min(std_r, axis=0), 1e-8))
-    return ratio_c + ratio_r, std_c
-
-
-@triton.jit
-def _apply(x, log_r, log_c, PRECISE: tl.constexpr):
-    scale = exp_f32(log_r, PRECISE)[:, None] * exp_f32(log_c, PRECISE)[None, :]
-    if PRECISE:
-        # GPU: the correctly rounded division expands to a long sequence per element, and the
-        # normalization applies it to the whole tile several times per iteration; libdevice's
-        # exp/log already differ from NumPy by an ulp, so the fast division changes nothing
-        # that matters (codes still agree >= 99.9%).  The final RTN division stays exact.
-        return x / scale
-    else:
-        return tl.div_rn(x, scale)
+def _ratio(std):
+    # max / min of a state's row or column stds (kvarn_math.varnorm.imbalance's terms)
+    return tl.div_rn(tl.max(std, axis=0), tl.maximum(tl.min(std, axis=0), 1e-8))
 
 
 @triton.jit
@@ -64,6 +46,12 @@ def _variance_normalize(
     """kvarn_math.varnorm.variance_normalize of one tile ``[R, C]`` fp32.
 
     Returns ``(row_scale [R], col_scale [C])`` of the least imbalanced state.
+
+    The state is ``x / (r c^T)``; its stds are taken from one-sided products instead of the
+    state itself: its rows are ``x / c`` scaled by ``1 / r``, so their stds are those of
+    ``x / c`` over ``r``, and its columns are ``x / r`` scaled by ``1 / c``. Each sweep then
+    makes two tile products and two std passes (one per axis), where kvarn-math's order makes
+    two full states and three passes: the same values in exact arithmetic, rounded differently.
     """
     ms = tl.div_rn(tl.sum(tl.sum(raw * raw, axis=1), axis=0), R * C * 1.0)
     rms = tl.sqrt_rn(ms)
@@ -71,16 +59,19 @@ def _variance_normalize(
     x = tl.div_rn(raw, rms)
     log_r = tl.zeros([R], dtype=tl.float32)
     log_c = tl.zeros([C], dtype=tl.float32)
-    best, std_c_cur = _imbalance(x, R, C)  # apply(x, 0, 0) == x exactly
+    std_c = _std(x, 0, R)  # the state's column stds (r = c = 1)
+    best = _ratio(std_c) + _ratio(_std(x, 1, C))
     best_r = log_r
     best_c = log_c
     for _ in range(ITERS):
-        std_c = tl.minimum(tl.maximum(std_c_cur, 1e-3), 1e3)
-        log_c = tl.minimum(tl.maximum(log_c + log_f32(std_c, PRECISE), -0.3), 10.0)
-        cur = _apply(x, log_r, log_c, PRECISE)
-        std_r = tl.minimum(tl.maximum(_std(cur, 1, C), 1e-3), 1e3)
-        log_r = tl.minimum(tl.maximum(log_r + log_f32(std_r, PRECISE), -0.3), 10.0)
-        score, std_c_cur = _imbalance(_apply(x, log_r, log_c, PRECISE), R, C)
+        clamped = tl.minimum(tl.maximum(std_c, 1e-3), 1e3)
+        log_c = tl.minimum(tl.maximum(log_c + log_f32(clamped, PRECISE), -0.3), 10.0)
+        std_y = _std(x * exp_f32(-log_c, PRECISE)[None, :], 1, C)  # rows of x / c
+        clamped = tl.minimum(tl.maximum(std_y * exp_f32(-log_r, PRECISE), 1e-3), 1e3)
+        log_r = tl.minimum(tl.maximum(log_r + log_f32(clamped, PRECISE), -0.3), 10.0)
+        # the new state x / (r c^T): rows from x / c again, columns from x / r
+        std_c = _std(x * exp_f32(-log_r, PRECISE)[:, None], 0, R) * exp_f32(-log_c, PRECISE)
+        score = _ratio(std_c) + _ratio(std_y * exp_f32(-log_r, PRECISE))
         better = score < best
         best = tl.where(better, score, best)
         best_r = tl.where(better, log_r, best_r)
