@@ -34,9 +34,22 @@ def _std(x, AXIS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _max_min(a_max, a_min, b_max, b_min):
+    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min)
+
+
+@triton.jit
+def _extremes(x, AXIS: tl.constexpr):
+    """``(max, min)`` of ``x`` along ``AXIS`` in one reduction (one pass through shared memory
+    and its barriers where the axis spans warps, instead of two)."""
+    return tl.reduce((x, x), AXIS, _max_min)
+
+
+@triton.jit
 def _ratio(std):
     # max / min of a state's row or column stds (kvarn_math.varnorm.imbalance's terms)
-    return tl.div_rn(tl.max(std, axis=0), tl.maximum(tl.min(std, axis=0), 1e-8))
+    hi, lo = _extremes(std, 0)
+    return tl.div_rn(hi, tl.maximum(lo, 1e-8))
 
 
 @triton.jit
@@ -96,8 +109,8 @@ def _balance(raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE
 def _rtn_rows(b, BITS: tl.constexpr, PRECISE: tl.constexpr):
     """kvarn_math.rtn.quantize_rows: returns ``(codes int32 [R, C], step [R], lo [R])``."""
     levels = (1 << BITS) - 1.0
-    lo = tl.min(b, axis=1)
-    step = tl.div_rn(tl.max(b, axis=1) - lo, levels)
+    hi, lo = _extremes(b, 1)
+    step = tl.div_rn(hi - lo, levels)
     safe = tl.where(step > 0, step, 1.0)
     scaled = tl.div_rn(b - lo[:, None], safe[:, None])
     codes = tl.minimum(tl.maximum(rint_f32(scaled, PRECISE), 0.0), levels)
@@ -140,8 +153,10 @@ def _frame_estimates(
     ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the KV
     head's ``GROUP`` query heads at the rows ``row0 + frame_query_rows(num_rows)``
     (kvarn_math.tile: all ``num_rows`` up to 16, else 16 spread evenly)."""
-    spread_rot = tl.max(k, axis=0) - tl.min(k, axis=0)  # [D]
-    spread_raw = tl.max(k_raw, axis=0) - tl.min(k_raw, axis=0)
+    hi, lo = _extremes(k, 0)
+    spread_rot = hi - lo  # [D]
+    hi, lo = _extremes(k_raw, 0)
+    spread_raw = hi - lo
     d = tl.arange(0, D)
     energy_rot = tl.zeros([D], dtype=tl.float32)
     energy_raw = tl.zeros([D], dtype=tl.float32)
