@@ -234,6 +234,24 @@ def pack_rows(codes, ptr, row_stride, ROWS: tl.constexpr, LEN: tl.constexpr, BIT
 
 
 @triton.jit
+def _max_min(a_max, a_min, b_max, b_min):
+    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min)
+
+
+@triton.jit
+def extremes(x, AXIS: tl.constexpr):
+    """``(max, min)`` of ``x`` along ``AXIS``. Compiled, in one reduction: one pass through
+    shared memory and its barriers where the axis spans warps, instead of two. Triton's
+    interpreter runs a custom combine element by element in Python (the store's CPU tests took
+    112 s instead of 10), so there it takes ``tl.max`` and ``tl.min``: the same values, both
+    being exact."""
+    if _INTERP:
+        return tl.max(x, axis=AXIS), tl.min(x, axis=AXIS)
+    else:
+        return tl.reduce((x, x), AXIS, _max_min)
+
+
+@triton.jit
 def fp16_operand(x):
     """``x`` as an fp16 dot operand, saturated to +-65504: bf16 staging and fresh K/V hold
     values past fp16's range (a rotated token reaches ``sqrt(D)`` x its largest channel), which

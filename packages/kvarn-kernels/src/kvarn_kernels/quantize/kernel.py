@@ -7,6 +7,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import (
     exp_f32,
+    extremes,
     fwht_rows,
     log8_encode,
     log8_factor,
@@ -34,21 +35,9 @@ def _std(x, AXIS: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _max_min(a_max, a_min, b_max, b_min):
-    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min)
-
-
-@triton.jit
-def _extremes(x, AXIS: tl.constexpr):
-    """``(max, min)`` of ``x`` along ``AXIS`` in one reduction (one pass through shared memory
-    and its barriers where the axis spans warps, instead of two)."""
-    return tl.reduce((x, x), AXIS, _max_min)
-
-
-@triton.jit
 def _ratio(std):
     # max / min of a state's row or column stds (kvarn_math.varnorm.imbalance's terms)
-    hi, lo = _extremes(std, 0)
+    hi, lo = extremes(std, 0)
     return tl.div_rn(hi, tl.maximum(lo, 1e-8))
 
 
@@ -109,7 +98,7 @@ def _balance(raw, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, PRECISE
 def _rtn_rows(b, BITS: tl.constexpr, PRECISE: tl.constexpr):
     """kvarn_math.rtn.quantize_rows: returns ``(codes int32 [R, C], step [R], lo [R])``."""
     levels = (1 << BITS) - 1.0
-    hi, lo = _extremes(b, 1)
+    hi, lo = extremes(b, 1)
     step = tl.div_rn(hi - lo, levels)
     safe = tl.where(step > 0, step, 1.0)
     scaled = tl.div_rn(b - lo[:, None], safe[:, None])
@@ -153,9 +142,9 @@ def _frame_estimates(
     ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the KV
     head's ``GROUP`` query heads at the rows ``row0 + frame_query_rows(num_rows)``
     (kvarn_math.tile: all ``num_rows`` up to 16, else 16 spread evenly)."""
-    hi, lo = _extremes(k, 0)
+    hi, lo = extremes(k, 0)
     spread_rot = hi - lo  # [D]
-    hi, lo = _extremes(k_raw, 0)
+    hi, lo = extremes(k_raw, 0)
     spread_raw = hi - lo
     d = tl.arange(0, D)
     energy_rot = tl.zeros([D], dtype=tl.float32)
