@@ -68,12 +68,14 @@ def _variance_normalize(
     for _ in range(ITERS):
         clamped = tl.minimum(tl.maximum(std_c, 1e-3), 1e3)
         log_c = tl.minimum(tl.maximum(log_c + log_f32(clamped, PRECISE), -0.3), 10.0)
-        std_y = _std(x * exp_f32(-log_c, PRECISE)[None, :], 1, C)  # rows of x / c
+        inv_c = exp_f32(-log_c, PRECISE)
+        std_y = _std(x * inv_c[None, :], 1, C)  # rows of x / c
         clamped = tl.minimum(tl.maximum(std_y * exp_f32(-log_r, PRECISE), 1e-3), 1e3)
         log_r = tl.minimum(tl.maximum(log_r + log_f32(clamped, PRECISE), -0.3), 10.0)
         # the new state x / (r c^T): rows from x / c again, columns from x / r
-        std_c = _std(x * exp_f32(-log_r, PRECISE)[:, None], 0, R) * exp_f32(-log_c, PRECISE)
-        score = _ratio(std_c) + _ratio(std_y * exp_f32(-log_r, PRECISE))
+        inv_r = exp_f32(-log_r, PRECISE)
+        std_c = _std(x * inv_r[:, None], 0, R) * inv_c
+        score = _ratio(std_c) + _ratio(std_y * inv_r)
         better = score < best
         best = tl.where(better, score, best)
         best_r = tl.where(better, log_r, best_r)
