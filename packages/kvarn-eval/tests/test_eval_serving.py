@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -614,8 +615,32 @@ def test_worker_timeout_keeps_finished_bursts(
     )[0]
     assert record["status"] == "timeout"
     assert list(record["bursts"]) == ["1024"]
+    # the error names where the run was killed: the second burst, a few seconds into it
+    where = re.search(
+        r"during the 2048-token burst \((\d+) requests\) \((\d+) s into it\)", record["error"]
+    )
+    assert where, record["error"]
+    assert int(where[1]) > 0 and 0 <= int(where[2]) <= 8
     rows = throughput_result([record], {})["rows"]
     assert [r["status"] for r in rows] == ["ok", "timeout"]
+
+
+def test_worker_timeout_in_start_up_says_so(
+    fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed while its engine starts (after vLLM sized the cache, as TurboQuant's did in
+    a CUDA graph capture on the H200) keeps the capacity vLLM logged and says where it was."""
+    monkeypatch.setenv("FAKE_VLLM_START_SLEEP", "60")
+    opts = _options(caches="bf16", run_timeout=5)
+    jobs = serving_jobs(opts, tmp_path / "models", "throughput")
+    record = run_jobs(
+        jobs, tmp_path / "runs", opts, Budget(min_run_seconds=1), echo=lambda s: None
+    )[0]
+    assert record["status"] == "timeout" and "bursts" not in record
+    assert re.search(
+        r"killed after 5 s during engine start-up \([1-5] s into it\)", record["error"]
+    )
+    assert record["kv_cache_tokens_logged"] == 64000
 
 
 def test_kvarn_checks_catch_a_silent_fallback() -> None:

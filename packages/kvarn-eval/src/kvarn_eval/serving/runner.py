@@ -310,6 +310,7 @@ def run_job(
         )
     relayed = 0
     completed_at: float | None = None
+    killed_at = 0.0
     with sigterm_raises():
         try:
             while True:
@@ -321,6 +322,7 @@ def run_job(
                 now = time.monotonic()
                 if now - start > timeout:
                     status = "timeout"
+                    killed_at = time.time()
                     break
                 if completed_at is None:
                     partial = _read_json(result_path)
@@ -347,7 +349,9 @@ def run_job(
     record.update(parse_log(log_text))
     if status != "ok":
         if status == "timeout":
-            record["error"] = f"killed after {timeout:.0f} s (kept what finished)"
+            record["error"] = (
+                f"killed after {timeout:.0f} s{_where(worker, killed_at)} (kept what finished)"
+            )
         elif not record.get("error"):
             record["error"] = _error_summary(log_text) or f"exit status {proc.returncode}"
         if _WRAPPER in str(record.get("error", "")):
@@ -360,6 +364,14 @@ def run_job(
         detail = "" if status == "ok" else f": {str(record.get('error', '')).splitlines()[0][:300]}"
         echo(f"[{status}] {job.name} ({seconds:.0f} s){detail}")
     return record
+
+
+def _where(worker: dict[str, Any], killed_at: float) -> str:
+    """`` during PHASE (N s into it)`` from the phase the worker last recorded, or ``""``."""
+    phase, started = worker.get("phase"), worker.get("phase_started_at")
+    if not phase or not isinstance(started, int | float):
+        return ""
+    return f" during {phase} ({max(0.0, killed_at - started):.0f} s into it)"
 
 
 def _relay(log_path: Path, offset: int, echo: Callable[[str], None] | None) -> int:

@@ -40,6 +40,13 @@ def _say(message: str) -> None:
     print(f"{PROGRESS_PREFIX} {message}", flush=True)
 
 
+def _phase(record: dict[str, Any], save: Callable[[], None], name: str) -> None:
+    """Record (and save) the phase now starting, so that a killed run says where it was."""
+    record["phase"] = name
+    record["phase_started_at"] = time.time()
+    save()
+
+
 def _write(path: Path, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1, default=str))
@@ -83,6 +90,7 @@ def _run_throughput(
     capacity = record["capacity"]
     tokens = capacity["kv_cache_tokens_config"] or 0
     block_size = capacity["block_size"] or 16
+    _phase(record, save, "warm-up")
     start = time.perf_counter()
     _generate_tokens(llm, random_token_prompts(4, 512, vocab, seed=2), 16)
     record["warmup_seconds"] = round(time.perf_counter() - start, 2)
@@ -107,6 +115,7 @@ def _run_throughput(
             save()
             continue
         _say(f"{job['name']}: burst of {n} x {prompt_len} tokens, {output_len} out")
+        _phase(record, save, f"the {prompt_len}-token burst ({n} requests)")
         prompts = random_token_prompts(n, prompt_len, vocab, seed=prompt_len)
         start = time.perf_counter()
         outs = _generate_tokens(llm, prompts, output_len)
@@ -178,6 +187,7 @@ def run(job: dict[str, Any], record: dict[str, Any], save: Callable[[], None]) -
 
     kind = job["workload"]["kind"]
     _say(f"{job['name']}: starting the engine ({job['cache']['label']})")
+    _phase(record, save, "engine start-up")
     start = time.perf_counter()
     llm = LLM(**job["llm_kwargs"])
     record["startup_seconds"] = round(time.perf_counter() - start, 1)
@@ -187,6 +197,8 @@ def run(job: dict[str, Any], record: dict[str, Any], save: Callable[[], None]) -
         f"{job['name']}: engine up in {record['startup_seconds']} s, "
         f"{record['capacity']['kv_cache_tokens_config']} KV cache tokens"
     )
+    if kind != "throughput":  # the throughput workload names its own phases
+        _phase(record, save, f"the {kind} workload")
     if kind == "capacity":
         _run_capacity(llm, job, record)
     elif kind == "throughput":

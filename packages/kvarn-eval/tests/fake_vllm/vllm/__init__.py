@@ -6,8 +6,9 @@ It mimics what the worker reads from vLLM 0.26: ``llm.llm_engine.vllm_config.cac
 (the fields of ``RequestStateStats``) and, with ``prompt_logprobs``, ``prompt_logprobs`` (None,
 then per position a dict token -> ``Logprob(logprob, rank)`` holding the prompt's token and the
 top-1; a kvarn cache scores 0.02 nats worse and changes the top-1 at every 8th position). Behaviour is steered by environment variables:
-``FAKE_VLLM_FAIL`` (raise at start-up), ``FAKE_VLLM_SLEEP`` (seconds per generate call after the
-first two), ``FAKE_VLLM_HANG_AT_EXIT`` (never exit after the worker is done).
+``FAKE_VLLM_FAIL`` (raise at start-up), ``FAKE_VLLM_START_SLEEP`` (seconds of start-up after the
+KV cache line), ``FAKE_VLLM_SLEEP`` (seconds per generate call after the first two),
+``FAKE_VLLM_HANG_AT_EXIT`` (never exit after the worker is done).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class LLM:
                 "INFO kvarn: staging for open tiles: 8 slots x 128 tokens x 2 layers = 1.500 GiB",
                 flush=True,
             )
+        time.sleep(float(os.environ.get("FAKE_VLLM_START_SLEEP", "0")))  # e.g. graph capture
         cache = SimpleNamespace(num_gpu_blocks=blocks, block_size=block)
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache))
         self.calls = 0
