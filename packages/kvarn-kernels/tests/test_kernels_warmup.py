@@ -59,6 +59,48 @@ def test_warmup_rejects_a_bad_head_split() -> None:
         kk.warmup("kvarn_k4v2_g128", 128, 8, 8, torch.float16, "cpu", key_frame="raw")
 
 
+def test_warmup_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvarn_kernels._triton import INTERPRET
+    from kvarn_kernels.warmup import WARMUP_THREADS_ENV, warmup_threads
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(WARMUP_THREADS_ENV, raising=False)
+    assert warmup_threads(None, cuda) == 1  # the default
+    assert warmup_threads(8, cpu) == 1  # off CUDA: one at a time
+    assert warmup_threads(8, cuda) == (1 if INTERPRET else 8)
+    monkeypatch.setenv(WARMUP_THREADS_ENV, "6")
+    assert warmup_threads(None, cuda) == (1 if INTERPRET else 6)
+    for bad in ("0", "-2", "many", "1.5"):
+        monkeypatch.setenv(WARMUP_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{WARMUP_THREADS_ENV} must be a positive.*{bad}"):
+            warmup_threads(None, cpu)
+    for bad_arg in (0, True, 2.0):
+        with pytest.raises(ValueError, match="warm-up threads must be a positive integer"):
+            warmup_threads(bad_arg, cpu)  # type: ignore[arg-type]
+
+
+def test_warmup_task_pool_runs_every_task_and_raises_errors() -> None:
+    """The pool behind ``threads > 1`` (here on the CPU, with plain tasks)."""
+    import threading
+
+    from kvarn_kernels.warmup import _run
+
+    seen: list[tuple[int, int]] = []
+    tasks = [lambda i=i: seen.append((i, threading.get_ident())) for i in range(12)]
+    _run(tasks, torch.device("cpu"), 3)
+    assert sorted(i for i, _ in seen) == list(range(12))
+    seen.clear()
+    _run(tasks, torch.device("cpu"), 1)
+    assert [i for i, _ in seen] == list(range(12))  # in order, in this thread
+    assert {t for _, t in seen} == {threading.get_ident()}
+
+    def fails() -> None:
+        raise RuntimeError("compile failed (fake)")
+
+    with pytest.raises(RuntimeError, match="compile failed"):
+        _run([*tasks, fails], torch.device("cpu"), 4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sink", [False, True])
 def test_nothing_compiles_after_warmup(sink: bool) -> None:
@@ -269,3 +311,38 @@ def test_warmup_compiles_into_compile_cache_and_a_new_process_reuses_it(tmp_path
     assert first, "nothing compiled into the stable folder"
     assert not engine.exists() or not any(engine.rglob("*.cubin"))
     assert run() == first  # the second process loaded every kernel from disk
+
+
+@pytest.mark.gpu
+def test_threaded_warmup_compiles_the_same_variants(tmp_path) -> None:
+    """A cold warm-up (empty Triton cache, fresh process) from 4 threads compiles exactly the
+    variants the one-thread warm-up does; both times are printed (``pytest -s``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    def run(threads: int) -> dict:
+        code = textwrap.dedent(
+            f"""
+            import json, torch, kvarn_kernels as kk
+            with kk.compile_cache({str(tmp_path / f"cache{threads}")!r}):
+                out = kk.warmup("kvarn_k4v2_g128", 128, 32, 8, torch.bfloat16, "cuda",
+                                staging_tiles=2, sink=True, key_tiles=1, key_frame="auto",
+                                sliding_window=700, threads={threads})
+            print(json.dumps({{"variants": kk.compiled_variants(), **out}}))
+            """
+        )
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=400, env=env
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    one, four = run(1), run(4)
+    print(f"cold warm-up: 1 thread {one['seconds']:.1f} s, 4 threads {four['seconds']:.1f} s")
+    assert four["threads"] == 4 and one["threads"] == 1
+    assert four["launches"] == one["launches"]
+    assert four["variants"] == one["variants"] and all(n >= 1 for n in one["variants"].values())

@@ -9,12 +9,19 @@ writes), decode, multi-query attention for every query block size (with and with
 step's own K/V), the combine kernel, dequantization and both rotations. Step-varying integers
 (split counts, window, row counts) and the alignment of the per-sequence metadata are not
 specialized by the kernels, so one launch covers every value.
+
+Compiling is most of its time on a cold Triton cache (55 s of an engine start on the H200,
+2026-12-03). Triton releases the GIL for its compiler passes and ``ptxas``, so with
+``threads > 1`` (``KVARN_KERNELS_WARMUP_THREADS``) the launches after the store run from a
+thread pool and their variants compile side by side.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,6 +29,7 @@ import torch
 from kvarn_math.tile import KEY_FRAMES
 
 from kvarn_kernels._guards import check_preset
+from kvarn_kernels._triton import INTERPRET
 from kvarn_kernels.attention import decode_attention, multi_query_attention
 from kvarn_kernels.attention.launch import (
     VERIFY_AS_DECODE_MAX_QUERY,
@@ -34,7 +42,23 @@ from kvarn_kernels.plan import plan_store
 from kvarn_kernels.quantize import store_kv
 from kvarn_kernels.rotation import rotate, unrotate
 
-__all__ = ["compiled_variants", "warmup"]
+__all__ = ["WARMUP_THREADS_ENV", "compiled_variants", "warmup", "warmup_threads"]
+
+WARMUP_THREADS_ENV = "KVARN_KERNELS_WARMUP_THREADS"
+
+
+def warmup_threads(threads: int | None, device: torch.device) -> int:
+    """The threads :func:`warmup` compiles with: ``threads``, else ``KVARN_KERNELS_WARMUP_THREADS``
+    (default 1); always 1 off CUDA and under Triton's interpreter, which patches ``tl`` for the
+    kernel it runs and so runs one kernel at a time."""
+    if threads is None:
+        raw = os.environ.get(WARMUP_THREADS_ENV, "1")
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ValueError(f"{WARMUP_THREADS_ENV} must be a positive integer, got {raw!r}")
+        threads = int(raw)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"warm-up threads must be a positive integer, got {threads!r}")
+    return 1 if INTERPRET or device.type != "cuda" else threads
 
 
 def warmup(
@@ -52,6 +76,7 @@ def warmup(
     own_kv: Sequence[bool] = (False, True),
     key_frame: str = "rotated",
     key_tiles: int | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Launch every kernel variant an engine with this shape uses, on scratch tensors.
 
@@ -77,9 +102,11 @@ def warmup(
         key_tiles: values-only exact windows (``plan_store(window_keys=False)``): the key
             ring's tiles, the engine's open tiles ``S - R`` (staging of
             ``staging_shape(key_tiles=)``); ``None``: windows keep keys too.
+        threads: threads that launch (and so compile) the variants after the store
+            (:func:`warmup_threads`).
 
     Returns:
-        ``{"launches": n, "seconds": s, "query_block_sizes": [...]}``.
+        ``{"launches": n, "seconds": s, "query_block_sizes": [...], "threads": t}``.
     """
     p, _ = check_preset(preset, head_dim)
     if not own_kv or any(not isinstance(x, bool) for x in own_kv):
@@ -89,6 +116,7 @@ def warmup(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     device = torch.device(device)
+    threads = warmup_threads(threads, device)
     start = time.perf_counter()
     g = p.group_size
     blocks = 3
@@ -134,6 +162,8 @@ def warmup(
     scale = head_dim**-0.5
     sizes = query_block_sizes(num_q_heads // num_kv_heads, batch_invariant)
     invariant = invariant_mode(batch_invariant)
+    # Each task launches one attention variant; inputs are made here, in order (one generator).
+    tasks: list[Callable[[], object]] = []
     for window in [None] if sliding_window is None else [None, int(sliding_window)]:
         common: dict[str, Any] = dict(
             sliding_window=window,
@@ -145,7 +175,11 @@ def warmup(
         if key_tiles is not None:
             common.update(key_lens=ints(g), key_tiles=key_tiles)
         query = randn(1, num_q_heads, head_dim)
-        decode_attention(query, cache, staging, table, lens, quant, slots, p, scale, **common)
+        tasks.append(
+            lambda query=query, common=common: decode_attention(
+                query, cache, staging, table, lens, quant, slots, p, scale, **common
+            )
+        )
         launches += 2
         for size in sizes:
             # Batch-invariant verify blocks may run as decode rows (warmed above); longer
@@ -158,26 +192,57 @@ def warmup(
                     if own
                     else None
                 )
-                multi_query_attention(
-                    q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
-                    max_query_len=n, fresh_kv=fresh, **common,
+                tasks.append(
+                    lambda q=q, qsl=ints(0, n), n=n, fresh=fresh, common=common: (
+                        multi_query_attention(
+                            q, qsl, cache, staging, table, lens, quant, slots, p, scale,
+                            max_query_len=n, fresh_kv=fresh, **common,
+                        )
+                    )
                 )  # fmt: skip
                 launches += 2
-    k, _ = dequantize(cache, table[0, :2].contiguous(), p, head_dim, dtype=dtype)
-    unrotate(rotate(k))
+    rows = table[0, :2].contiguous()
+    tasks.append(lambda: unrotate(rotate(dequantize(cache, rows, p, head_dim, dtype=dtype)[0])))
     launches += 3
+    _run(tasks, device, threads)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {
         "launches": launches,
         "seconds": time.perf_counter() - start,
         "query_block_sizes": sizes,
+        "threads": threads,
     }
 
 
-def compiled_variants() -> dict[str, int]:
-    """How many compiled variants each kernel holds (all devices), ``{}`` under Triton's
-    interpreter. An engine that compiles mid-serving shows it here: take it before and after."""
+def _run(tasks: list[Callable[[], object]], device: torch.device, threads: int) -> None:
+    """Run ``tasks`` in order, or from ``threads`` threads (an error in one is raised here)."""
+    if threads <= 1:
+        for task in tasks:
+            task()
+        return
+    index: int | None = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # The store's writes first: the tasks read its tiles, from the threads' default stream.
+        torch.cuda.synchronize(index)
+        # Triton keeps compiled variants per device in a defaultdict: create each kernel's
+        # entry here, so that two threads never both create it and one lose the other's work.
+        for kernel in _kernels():
+            _ = kernel.device_caches[index]
+
+    def in_thread(task: Callable[[], object]) -> None:
+        if index is not None:
+            torch.cuda.set_device(index)  # the current device is per thread
+        task()
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as pool:
+        for future in [pool.submit(in_thread, task) for task in tasks]:
+            future.result()
+
+
+def _kernels() -> list[Any]:
+    """Every Triton kernel an engine launches while serving."""
     from kvarn_kernels.attention.fast import fast_decode_partial_kernel
     from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
     from kvarn_kernels.attention.prep import prepare_queries_kernel
@@ -185,8 +250,7 @@ def compiled_variants() -> dict[str, int]:
     from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
     from kvarn_kernels.rotation.kernel import rotate_rows_kernel
 
-    counts = {}
-    for kernel in (
+    return [
         attention_partial_kernel,
         attention_combine_kernel,
         quantize_tiles_kernel,
@@ -195,7 +259,14 @@ def compiled_variants() -> dict[str, int]:
         rotate_rows_kernel,
         prepare_queries_kernel,  # the fast decode path: its query rows, then the Gluon kernel
         fast_decode_partial_kernel,
-    ):
+    ]
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each kernel holds (all devices), ``{}`` under Triton's
+    interpreter. An engine that compiles mid-serving shows it here: take it before and after."""
+    counts = {}
+    for kernel in _kernels():
         caches = getattr(kernel, "device_caches", None)
         if caches is None:
             return {}

@@ -126,10 +126,12 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
             key_tiles=config.key_tiles,
         )
     logger.info(
-        "kvarn: compiled the kernels before serving (%d launches, query blocks %s) in %.1f s, "
-        "Triton cache %s; %s=0 skips this and compiles them inside the first requests instead",
+        "kvarn: compiled the kernels before serving (%d launches, query blocks %s, %d "
+        "thread(s), KVARN_KERNELS_WARMUP_THREADS) in %.1f s, Triton cache %s; %s=0 skips this "
+        "and compiles them inside the first requests instead",
         summary["launches"],
         summary["query_block_sizes"],
+        summary.get("threads", 1),
         summary["seconds"],
         folder or "as vLLM set it (the stable folder is not writable)",
         WARMUP_ENV,
