@@ -70,6 +70,9 @@ def test_warmup_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert warmup_threads(8, cuda) == (1 if INTERPRET else 8)
     monkeypatch.setenv(WARMUP_THREADS_ENV, "6")
     assert warmup_threads(None, cuda) == (1 if INTERPRET else 6)
+    monkeypatch.setenv("KVARN_KERNELS_AUTOTUNE", "1")
+    assert warmup_threads(None, cuda) == 1  # autotuning times launches: one at a time
+    monkeypatch.delenv("KVARN_KERNELS_AUTOTUNE")
     for bad in ("0", "-2", "many", "1.5"):
         monkeypatch.setenv(WARMUP_THREADS_ENV, bad)
         with pytest.raises(ValueError, match=f"{WARMUP_THREADS_ENV} must be a positive.*{bad}"):

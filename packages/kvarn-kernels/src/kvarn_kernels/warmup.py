@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from kvarn_math.tile import KEY_FRAMES
 
 from kvarn_kernels._guards import check_preset
 from kvarn_kernels._triton import INTERPRET
-from kvarn_kernels.attention import decode_attention, multi_query_attention
+from kvarn_kernels.attention import autotune_enabled, decode_attention, multi_query_attention
 from kvarn_kernels.attention.launch import (
     VERIFY_AS_DECODE_MAX_QUERY,
     query_block_sizes,
@@ -49,8 +50,9 @@ WARMUP_THREADS_ENV = "KVARN_KERNELS_WARMUP_THREADS"
 
 def warmup_threads(threads: int | None, device: torch.device) -> int:
     """The threads :func:`warmup` compiles with: ``threads``, else ``KVARN_KERNELS_WARMUP_THREADS``
-    (default 1); always 1 off CUDA and under Triton's interpreter, which patches ``tl`` for the
-    kernel it runs and so runs one kernel at a time."""
+    (default 1); always 1 off CUDA, under Triton's interpreter (which patches ``tl`` for the
+    kernel it runs, so runs one kernel at a time) and with autotuning (its timings would
+    include the other threads' launches)."""
     if threads is None:
         raw = os.environ.get(WARMUP_THREADS_ENV, "1")
         if not raw.strip().isdigit() or int(raw) < 1:
@@ -58,7 +60,7 @@ def warmup_threads(threads: int | None, device: torch.device) -> int:
         threads = int(raw)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"warm-up threads must be a positive integer, got {threads!r}")
-    return 1 if INTERPRET or device.type != "cuda" else threads
+    return 1 if INTERPRET or device.type != "cuda" or autotune_enabled() else threads
 
 
 def warmup(
@@ -176,10 +178,9 @@ def warmup(
             common.update(key_lens=ints(g), key_tiles=key_tiles)
         query = randn(1, num_q_heads, head_dim)
         tasks.append(
-            lambda query=query, common=common: decode_attention(
-                query, cache, staging, table, lens, quant, slots, p, scale, **common
-            )
-        )
+            partial(decode_attention, query, cache, staging, table, lens, quant, slots, p, scale,
+                    **common)
+        )  # fmt: skip
         launches += 2
         for size in sizes:
             # Batch-invariant verify blocks may run as decode rows (warmed above); longer
@@ -193,11 +194,10 @@ def warmup(
                     else None
                 )
                 tasks.append(
-                    lambda q=q, qsl=ints(0, n), n=n, fresh=fresh, common=common: (
-                        multi_query_attention(
-                            q, qsl, cache, staging, table, lens, quant, slots, p, scale,
-                            max_query_len=n, fresh_kv=fresh, **common,
-                        )
+                    partial(
+                        multi_query_attention,
+                        q, ints(0, n), cache, staging, table, lens, quant, slots, p, scale,
+                        max_query_len=n, fresh_kv=fresh, **common,
                     )
                 )  # fmt: skip
                 launches += 2
