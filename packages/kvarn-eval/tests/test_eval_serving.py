@@ -608,19 +608,23 @@ def test_worker_timeout_keeps_finished_bursts(
     fake_vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_VLLM_SLEEP", "60")  # the second burst never finishes
-    opts = _options(caches="bf16", run_timeout=8)
+    opts = _options(caches="bf16", run_timeout=12)
     jobs = serving_jobs(opts, tmp_path / "models", "throughput")
     record = run_jobs(
         jobs, tmp_path / "runs", opts, Budget(min_run_seconds=1), echo=lambda s: None
     )[0]
     assert record["status"] == "timeout"
     assert list(record["bursts"]) == ["1024"]
-    # the error names where the run was killed: the second burst, a few seconds into it
+    # the error names where the run was killed: the second burst, a few seconds into it, and
+    # how many of its requests had finished (the fake's 60 s spread over them: a few)
     where = re.search(
-        r"during the 2048-token burst \((\d+) requests\) \((\d+) s into it\)", record["error"]
+        r"during the 2048-token burst \((\d+) requests\) \((\d+) s into it, "
+        r"(\d+) of (\d+) requests finished\)",
+        record["error"],
     )
     assert where, record["error"]
-    assert int(where[1]) > 0 and 0 <= int(where[2]) <= 8
+    assert int(where[1]) == int(where[4]) > int(where[3]) >= 1 and 0 <= int(where[2]) <= 12
+    assert record["phase_progress"] == {"done": int(where[3]), "total": int(where[4])}
     rows = throughput_result([record], {})["rows"]
     assert [r["status"] for r in rows] == ["ok", "timeout"]
 

@@ -371,7 +371,11 @@ def _where(worker: dict[str, Any], killed_at: float) -> str:
     phase, started = worker.get("phase"), worker.get("phase_started_at")
     if not phase or not isinstance(started, int | float):
         return ""
-    return f" during {phase} ({max(0.0, killed_at - started):.0f} s into it)"
+    done = ""
+    progress = worker.get("phase_progress")
+    if isinstance(progress, dict) and {"done", "total"} <= progress.keys():
+        done = f", {progress['done']} of {progress['total']} requests finished"
+    return f" during {phase} ({max(0.0, killed_at - started):.0f} s into it{done})"
 
 
 def _relay(log_path: Path, offset: int, echo: Callable[[str], None] | None) -> int:

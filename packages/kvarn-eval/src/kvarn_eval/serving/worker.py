@@ -44,7 +44,48 @@ def _phase(record: dict[str, Any], save: Callable[[], None], name: str) -> None:
     """Record (and save) the phase now starting, so that a killed run says where it was."""
     record["phase"] = name
     record["phase_started_at"] = time.time()
+    record.pop("phase_progress", None)
     save()
+
+
+def _progress_bar(
+    record: dict[str, Any],
+    save: Callable[[], None],
+    label: str,
+    save_every: float = 1.0,
+    say_every: float = 10.0,
+) -> Any:
+    """A tqdm class for ``LLM.generate(use_tqdm=...)`` that draws nothing: vLLM counts finished
+    requests on its "Processed prompts" bar, and this one keeps the count in
+    ``record["phase_progress"]``, saved at most every ``save_every`` seconds (so a killed run
+    keeps it, at the cost of a small file write) and said every ``say_every`` seconds."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    class Progress(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (closed in close())
+            super().__init__(*args, **kwargs)
+            self._saved = self._said = time.monotonic()
+
+        def update(self, n: float | None = 1) -> bool | None:
+            out = super().update(n)
+            if str(self.desc).startswith("Processed") and self.total:
+                record["phase_progress"] = {"done": int(self.n), "total": int(self.total)}
+                now, last = time.monotonic(), self.n >= self.total
+                if now - self._saved >= save_every or last:
+                    self._saved = now
+                    save()
+                if now - self._said >= say_every or last:
+                    self._said = now
+                    _say(f"{label}: {int(self.n)} of {int(self.total)} requests finished")
+            return out
+
+        def close(self) -> None:
+            file = self.fp
+            super().close()
+            file.close()
+
+    return Progress
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
@@ -63,13 +104,16 @@ def _capacity(llm: Any) -> dict[str, Any]:
     }
 
 
-def _generate_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+def _generate_tokens(
+    llm: Any, prompts: list[list[int]], max_tokens: int, progress: Any = False
+) -> list[Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
     )
-    return list(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return list(llm.generate(batch, params, use_tqdm=progress))
 
 
 def _run_capacity(llm: Any, job: dict[str, Any], record: dict[str, Any]) -> None:
@@ -117,8 +161,9 @@ def _run_throughput(
         _say(f"{job['name']}: burst of {n} x {prompt_len} tokens, {output_len} out")
         _phase(record, save, f"the {prompt_len}-token burst ({n} requests)")
         prompts = random_token_prompts(n, prompt_len, vocab, seed=prompt_len)
+        progress = _progress_bar(record, save, f"{job['name']}: {prompt_len} tokens")
         start = time.perf_counter()
-        outs = _generate_tokens(llm, prompts, output_len)
+        outs = _generate_tokens(llm, prompts, output_len, progress)
         seconds = time.perf_counter() - start
         summary = summarize_burst(
             [len(o.prompt_token_ids or []) for o in outs],

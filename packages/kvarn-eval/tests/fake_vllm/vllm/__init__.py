@@ -57,11 +57,21 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls += 1
-        if self.calls > 2:
-            time.sleep(float(os.environ.get("FAKE_VLLM_SLEEP", "0")))
+        sleep = float(os.environ.get("FAKE_VLLM_SLEEP", "0")) if self.calls > 2 else 0.0
+        # A tqdm class, as vLLM's _run_engine calls it: one update per finished request (the
+        # sleep spread over them), else the whole sleep first.
+        bar = None
+        if callable(use_tqdm):
+            prompts = list(use_tqdm(prompts, desc="Rendering prompts"))
+            bar = use_tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+        else:
+            time.sleep(sleep)
         outs = []
         now = time.monotonic()
         for i, prompt in enumerate(prompts):
+            if bar is not None:
+                time.sleep(sleep / max(1, len(prompts)))
+                bar.update(1)
             if isinstance(prompt, dict):
                 ids = list(prompt["prompt_token_ids"])
             else:
@@ -98,5 +108,7 @@ class LLM:
                     prompt_logprobs=prompt_logprobs,
                 )
             )
+        if bar is not None:
+            bar.close()
         print(f"fake generate: {len(prompts)} prompts", file=sys.stderr, flush=True)
         return outs
