@@ -259,7 +259,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch, tmp_path):
     def fake_warmup(*args, **kwargs):
         calls.append((args, kwargs))
         folders.append(os.environ["TRITON_CACHE_DIR"])
-        return {"launches": 17, "seconds": 0.5, "query_block_sizes": [1, 2, 4, 8, 16]}
+        return {"launches": 17, "seconds": 0.5, "query_block_sizes": [1, 2, 4, 8, 16], "threads": 1}
 
     monkeypatch.setattr(kernels, "warmup", fake_warmup)
     # vLLM points TRITON_CACHE_DIR at a folder per engine configuration after the plugin

@@ -165,8 +165,13 @@ def warmup(
     sizes = query_block_sizes(num_q_heads // num_kv_heads, batch_invariant)
     invariant = invariant_mode(batch_invariant)
     # Each task launches one attention variant; inputs are made here, in order (one generator).
-    tasks: list[Callable[[], object]] = []
+    # One wave of tasks per window: the window is a runtime value, so the second wave launches
+    # the variants the first compiled, and runs after it rather than compiling them again
+    # beside it.
+    waves: list[list[Callable[[], object]]] = []
     for window in [None] if sliding_window is None else [None, int(sliding_window)]:
+        tasks: list[Callable[[], object]] = []
+        waves.append(tasks)
         common: dict[str, Any] = dict(
             sliding_window=window,
             sink_lens=sink_lens,
@@ -202,9 +207,10 @@ def warmup(
                 )  # fmt: skip
                 launches += 2
     rows = table[0, :2].contiguous()
-    tasks.append(lambda: unrotate(rotate(dequantize(cache, rows, p, head_dim, dtype=dtype)[0])))
+    waves[0].append(lambda: unrotate(rotate(dequantize(cache, rows, p, head_dim, dtype=dtype)[0])))
     launches += 3
-    _run(tasks, device, threads)
+    for wave in waves:
+        _run(wave, device, threads)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {

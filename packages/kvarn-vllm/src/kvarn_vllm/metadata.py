@@ -131,7 +131,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         "and compiles them inside the first requests instead",
         summary["launches"],
         summary["query_block_sizes"],
-        summary.get("threads", 1),
+        summary["threads"],
         summary["seconds"],
         folder or "as vLLM set it (the stable folder is not writable)",
         WARMUP_ENV,
