@@ -12,7 +12,7 @@ specialized by the kernels, so one launch covers every value.
 
 Compiling is most of its time on a cold Triton cache (55 s of an engine start on the H200,
 2026-12-03). Triton releases the GIL for its compiler passes and ``ptxas``, so with
-``threads > 1`` (``KVARN_KERNELS_WARMUP_THREADS``) the launches after the store run from a
+``threads > 1`` (``KVARN_KERNELS_WARMUP_THREADS``, default 4: 21.5 s on the H200, 2026-12-04) the launches after the store run from a
 thread pool and their variants compile side by side.
 """
 
@@ -50,11 +50,11 @@ WARMUP_THREADS_ENV = "KVARN_KERNELS_WARMUP_THREADS"
 
 def warmup_threads(threads: int | None, device: torch.device) -> int:
     """The threads :func:`warmup` compiles with: ``threads``, else ``KVARN_KERNELS_WARMUP_THREADS``
-    (default 1); always 1 off CUDA, under Triton's interpreter (which patches ``tl`` for the
+    (default 4); always 1 off CUDA, under Triton's interpreter (which patches ``tl`` for the
     kernel it runs, so runs one kernel at a time) and with autotuning (its timings would
     include the other threads' launches)."""
     if threads is None:
-        raw = os.environ.get(WARMUP_THREADS_ENV, "1")
+        raw = os.environ.get(WARMUP_THREADS_ENV, "4")
         if not raw.strip().isdigit() or int(raw) < 1:
             raise ValueError(f"{WARMUP_THREADS_ENV} must be a positive integer, got {raw!r}")
         threads = int(raw)
