@@ -264,9 +264,9 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
 
 
 def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
-    """The Gluon decode kernel (kvarn_k4v2_g128, head_dim 128 only), as the launcher compiles
-    it: GQA 4 and 8, one frame and two (the key-frame flag read per tile), with a sink, and
-    the batch-invariant launch's fixed splits."""
+    """The Gluon decode kernel (kvarn_k4v2_g128 and kvarn_k4v4_g128, head_dim 128 only), as
+    the launcher compiles it: GQA 4 and 8, one frame and two (the key-frame flag read per
+    tile), with a sink, and the batch-invariant launch's fixed splits."""
     from kvarn_kernels.attention import fast
     from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
 
@@ -275,23 +275,33 @@ def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     ptrs = {"qs_ptr": "*fp16", "qa_ptr": "*fp32", "cache_u8_ptr": "*u8"}
     ptrs |= {"cache_u16_ptr": "*i16", "cache_u32_ptr": "*i32", "cache_f16_ptr": "*fp16"}
     ptrs |= {"acc_ptr": "*fp32", "ml_ptr": "*fp32"}
-    tile = offset_constants(tile_layout(fast.PRESET, fast.HEAD_DIM))
     rows = []
     # (the batch-invariant launch, FIXED splits, once: it changes only the split bounds; L2
-    # prefetch, KVARN_KERNELS_FAST_PREFETCH, 1 and 2 tiles ahead)
-    for group, frames, fixed, prefetch in (
-        (4, 2, False, 0),
-        (8, 2, False, 0),
-        (4, 1, False, 0),
-        (4, 2, True, 0),
-        (4, 2, False, 1),
-        (8, 2, True, 2),
+    # prefetch, KVARN_KERNELS_FAST_PREFETCH, 1 and 2 tiles ahead; 4-bit values with the
+    # default launch's settings and batch-invariant)
+    for group, frames, fixed, prefetch, vbits in (
+        (4, 2, False, 0, 2),
+        (8, 2, False, 0, 2),
+        (4, 1, False, 0, 2),
+        (4, 2, True, 0, 2),
+        (4, 2, False, 1, 2),
+        (8, 2, True, 2, 2),
+        (4, 2, False, 1, 4),
+        (8, 1, True, 1, 4),
     ):
+        preset = fast.PRESETS[vbits]
+        tile = offset_constants(tile_layout(preset, fast.HEAD_DIM))
         consts = dict(
-            tile, GROUP=group, NUM_FRAMES=frames, SINK=True, FIXED=fixed, PREFETCH=prefetch
+            tile,
+            GROUP=group,
+            NUM_FRAMES=frames,
+            SINK=True,
+            FIXED=fixed,
+            PREFETCH=prefetch,
+            VALUE_BITS=vbits,
         )
         opts = {"num_warps": fast.NUM_WARPS, "maxnreg": fast.MAX_REGISTERS}
-        label = f"fast decode {fast.PRESET} D{fast.HEAD_DIM} group {group} frames {frames}"
+        label = f"fast decode {preset} D{fast.HEAD_DIM} group {group} frames {frames}"
         label += " fixed splits" if fixed else ""
         label += f" prefetch {prefetch}" if prefetch else ""
         rows.append(

@@ -55,7 +55,10 @@ def test_prepare_queries_reads_strided_rows() -> None:
         ("kvarn_k4v2_g128", 128, 64, 8, torch.float16, None, True),  # GQA 8 (Qwen3-32B)
         ("kvarn_k4v2_g128", 128, 8, 8, torch.bfloat16, None, True),  # MHA
         ("kvarn_k4v2_g128", 128, 32, 2, torch.bfloat16, None, False),  # GQA 16
-        ("kvarn_k4v4_g128", 128, 32, 8, torch.bfloat16, None, False),  # another preset
+        ("kvarn_k4v4_g128", 128, 32, 8, torch.bfloat16, None, True),  # 4-bit values
+        ("kvarn_k4v4_g128", 128, 64, 8, torch.float16, None, True),
+        ("kvarn_k2v2_g128", 128, 32, 8, torch.bfloat16, None, False),  # 2-bit keys
+        ("kvarn_k3v2_g128", 128, 32, 8, torch.bfloat16, None, False),
         ("kvarn_k4v2_g64", 128, 32, 8, torch.bfloat16, None, False),  # 64-token tiles
         ("kvarn_k4v2_g128", 64, 32, 8, torch.bfloat16, None, False),  # head_dim 64
         ("kvarn_k4v2_g128", 128, 32, 8, torch.float32, None, False),  # fp32 queries

@@ -331,7 +331,9 @@ def test_batch_invariant_mode_bit_for_bit(
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (64, 8), (8, 8)])
 @pytest.mark.parametrize("raw_keys", [False, True])
 @pytest.mark.parametrize("invariant", ["0", "1"])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
 def test_fast_decode_matches_the_triton_kernel(
+    preset: str,
     dtype: torch.dtype,
     hq: int,
     hkv: int,
@@ -339,7 +341,7 @@ def test_fast_decode_matches_the_triton_kernel(
     invariant: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The Gluon kernel of the quantized tiles (kvarn_k4v2_g128, head_dim 128) against the
+    """The Gluon kernel of the quantized tiles (``preset``, head_dim 128) against the
     Triton kernel alone and the reference: sink rows, staging, half the tiles' keys in their
     own channels, sequences with no record at all; in the default launch and batch-invariant
     (``invariant``: the Gluon kernel's splits at fixed positions, 8 tiles each, so the
@@ -348,7 +350,7 @@ def test_fast_decode_matches_the_triton_kernel(
 
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
 
-    preset, d, g = "kvarn_k4v2_g128", 128, 128
+    d, g = 128, 128
     lens = [1, g - 1, g + 5, 2000, 5 * g, 9000]
     seqs = [
         (
@@ -395,16 +397,18 @@ def test_fast_decode_matches_the_triton_kernel(
 
 
 @pytest.mark.parametrize("invariant", ["0", "1"])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
 def test_fast_decode_prefetch_changes_no_bit(
-    invariant: str, monkeypatch: pytest.MonkeyPatch
+    preset: str, invariant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``KVARN_KERNELS_FAST_PREFETCH`` (L2 prefetch of the record 1-4 tiles ahead) only moves
     bytes into L2 earlier: the Gluon kernel's output is bit-for-bit the same as without it,
-    for splits that end before, at and after the prefetch distance (one tile to 70)."""
+    for splits that end before, at and after the prefetch distance (one tile to 70), also
+    where the record is longer than the 16 KiB one prefetch covers (``kvarn_k4v4_g128``)."""
     from kvarn_kernels.attention.launch import fast_decode_applies
 
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
-    preset, d, g, hq, hkv = "kvarn_k4v2_g128", 128, 128, 32, 8
+    d, g, hq, hkv = 128, 128, 32, 8
     lens = [g + 3, 2 * g, 3 * g + 1, 1000, 9000]
     seqs = [
         (

@@ -60,7 +60,8 @@ def test_fast_decode_kernel_compiles_for_sm90_at_128_registers() -> None:
     bad = [r for r in rows if "error" in r or r["shared"] > SM90_MAX_SHARED]
     assert not bad, "\n".join(json.dumps(r) for r in bad)
     gluon = [r for r in rows if r["kernel"].startswith("fast decode")]
-    assert len(gluon) == 6 and len(rows) == 7  # and the query preparation
+    assert len(gluon) == 8 and len(rows) == 9  # and the query preparation
+    assert sum("kvarn_k4v4_g128" in r["kernel"] for r in gluon) == 2
     assert all(r["registers"] <= fast.MAX_REGISTERS for r in gluon), gluon
     # The prefetch asm is not pure, so it survives: one per tile ahead (the prologue's and the
     # loop's), none without it.

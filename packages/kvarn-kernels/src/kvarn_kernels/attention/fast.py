@@ -1,4 +1,5 @@
-"""Fast decode attention over complete ``kvarn_k4v2_g128`` tiles at head_dim 128 (Gluon).
+"""Fast decode attention over complete ``kvarn_k4v2_g128`` and ``kvarn_k4v4_g128`` tiles at
+head_dim 128 (Gluon).
 
 :func:`kvarn_kernels.decode_attention` uses this kernel for a batch's quantized tiles when the
 shape allows it (:func:`kvarn_kernels.attention.launch.fast_decode_applies`) and the
@@ -25,7 +26,9 @@ Layout of the work (num_warps = 4, ``mma.sync`` m16n8k16, fp16 x fp16 -> fp32):
 * Only rows 0..7 of S are kept (GQA groups up to 8); their C registers are, element for
   element, the B fragment of ``P^T``, so ``O^T = V^T P^T`` (M = 128 channels, N = 8 heads,
   K = 32 tokens) takes P without any data movement. The value codes (the A operand) load
-  straight into their fragment too; logical channel ``m`` is physical ``16 (m % 8) + m // 8``.
+  straight into their fragment too; logical channel ``m`` is physical ``16 (m % 8) + m // 8``
+  at either value width: a lane's 16 channels of a token are one 32-bit word of 2-bit codes,
+  or two adjacent words of 4-bit codes.
 * Unpacking leaves ``1024 + code`` (and powers of two of it) in the fp16 codes, the
   ``0x6400`` mantissa trick without its subtraction; the powers of two go into the per-token and
   per-channel scale exponents, the zero points and ``-1024 * sum`` of the same fp16 operands
@@ -45,14 +48,16 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # type: ign
 
 from kvarn_kernels._format import offset_constants
 
-PRESET = "kvarn_k4v2_g128"
+# The presets this kernel reads, by value bits (4-bit keys, 128-token tiles, head_dim 128).
+PRESETS = {2: "kvarn_k4v2_g128", 4: "kvarn_k4v4_g128"}
 HEAD_DIM = 128
 MAX_GROUP = 8
 NUM_WARPS = 4
 # 4 CTAs of 4 warps per SM; uncapped (168 registers, 3 CTAs) ran 20-30% slower on the H200.
 MAX_REGISTERS = 128
 # Bytes per line of an L2 prefetch (``prefetch.global.L2``): one per thread, 128 threads cover a
-# record of up to 16 KiB (``kvarn_k4v2_g128`` at head_dim 128: 13,568 bytes).
+# record of up to 16 KiB (``kvarn_k4v2_g128`` at head_dim 128: 13,568 bytes; the first 16 KiB of
+# ``kvarn_k4v4_g128``'s 17,664).
 PREFETCH_LINE: gl.constexpr = gl.constexpr(128)
 LOG2E = 1.4426950408889634
 NEG_BIG: gl.constexpr = gl.constexpr(-1.0e30)
@@ -230,6 +235,25 @@ def _v_asm() -> str:
 _V_ASM = gl.constexpr(_v_asm())
 
 
+def _v4_asm() -> str:
+    """V at 4 bits, one of a lane's two words: inputs $8 (token k, 4 bytes = channels
+    8 u .. 8 u + 7 of its word u) and $9 (token k + 1); output 2a + e = nibble e of byte a of
+    both tokens (channel 8 u + 2 a + e) as fp16x2: one lop3 ``(d & (15 << 4e)) | 0x6400``,
+    i.e. 1024 + 16^e code (exact in fp16); 16^-e goes into the channel's scale exponent."""
+    lines = ["{", ".reg .b32 d, k;", "mov.b32 k, 0x64006400;"]
+    for a in range(4):
+        sel = a | ((4 + a) << 8)
+        lines.append(f"prmt.b32 d, $8, $9, {hex(sel)};")
+        for e in range(2):
+            mask = (15 << (4 * e)) | (15 << (16 + 4 * e))
+            lines.append(f"lop3.b32 ${2 * a + e}, d, {hex(mask)}, k, 0xEA;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_V4_ASM = gl.constexpr(_v4_asm())
+
+
 # One lane per line of an L2 prefetch: [128] over the CTA's 4 warps.
 PF_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
@@ -369,16 +393,38 @@ def _key_operand(kw):
 
 
 @gluon.jit
-def _value_operand(vw):
-    """uint32 words [4, 32 tokens, 8 groups] (VW_L) -> fp16 A operand [4, 128 channels, 32]."""
-    o = gl.inline_asm_elementwise(
-        asm=_V_ASM,
-        constraints="=r," * 16 + "r,r",
-        args=[vw],
-        dtype=(gl.float16,) * 16,
-        is_pure=True,
-        pack=2,
-    )
+def _value_operand(vw, vw_hi, VALUE_BITS: gl.constexpr):
+    """uint32 words [4, 32 tokens, 8 groups] (VW_L) -> fp16 A operand [4, 128 channels, 32].
+    At 2 bits ``vw`` holds group ``g``'s 16 channels (``vw_hi`` is unused); at 4 bits ``vw``
+    holds its channels 16 g .. 16 g + 7 and ``vw_hi`` the next 8."""
+    if VALUE_BITS == 2:
+        o = gl.inline_asm_elementwise(
+            asm=_V_ASM,
+            constraints="=r," * 16 + "r,r",
+            args=[vw],
+            dtype=(gl.float16,) * 16,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        lo = gl.inline_asm_elementwise(
+            asm=_V4_ASM,
+            constraints="=r," * 8 + "r,r",
+            args=[vw],
+            dtype=(gl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+        hi = gl.inline_asm_elementwise(
+            asm=_V4_ASM,
+            constraints="=r," * 8 + "r,r",
+            args=[vw_hi],
+            dtype=(gl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+        o = (lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7],
+             hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7])  # fmt: skip
     # o[q][w, k, g] = code of channel 16 g + q, token k.  Join tree: index q = i0 + 2 i1 + 4 i2 + 8 i3.
     j0 = gl.join(
         gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
@@ -458,6 +504,7 @@ def fast_decode_partial_kernel(
     OFF_VZ: gl.constexpr,
     OFF_FL: gl.constexpr,
     PREFETCH: gl.constexpr,
+    VALUE_BITS: gl.constexpr = 2,
 ):
     """Partial decode attention of one (sequence, KV head, split) over its complete quantized
     tiles ``[first, qlen / G)`` (``first`` = 1 where the sink rows replace tile 0), in the
@@ -467,7 +514,8 @@ def fast_decode_partial_kernel(
     sit at fixed positions (``split_tiles`` tiles each, from tile 0), so that a row's bits do
     not depend on the batch (batch-invariant mode). ``PREFETCH`` > 0: while tile ``t`` is
     read, the record of tile ``t + PREFETCH`` (the split's last, near its end) is prefetched
-    into L2, so that more of the cache is in flight than one tile per CTA."""
+    into L2, so that more of the cache is in flight than one tile per CTA. ``VALUE_BITS``: 2
+    (``kvarn_k4v2_g128``) or 4 (``kvarn_k4v4_g128``); the keys are 4-bit either way."""
     D: gl.constexpr = 128
     G: gl.constexpr = 128
     seq = gl.program_id(0)
@@ -488,7 +536,13 @@ def fast_decode_partial_kernel(
 
     # ---- per-tile offsets (loop invariant; each a per-thread base plus constants)
     kw_off = _offsets(KW6_L, (4, 8, 2, 4, 2, 8), (8, 128, 64, 1024, 32, 1))  # uint16 units
-    vw_off = _offsets(VW6_L, (4, 2, 2, 4, 2, 8), (256, 16, 8, 64, 32, 1))  # uint32 units
+    # Value words: a token's row is 8 words at 2 bits (group g: word g), 16 at 4 (group g:
+    # words 2 g and 2 g + 1, the second at offset + 1).
+    TW: gl.constexpr = 4 * VALUE_BITS  # uint32 words per token row
+    GW: gl.constexpr = VALUE_BITS // 2  # words per group
+    vw_off = _offsets(
+        VW6_L, (4, 2, 2, 4, 2, 8), (32 * TW, 2 * TW, TW, 8 * TW, 4 * TW, GW)
+    )  # uint32 units
     ks_off = _offsets(KS_L, (4, 4, 32), (0, 32, 1))  # channel 32 tig + j
     tk_off = _offsets(TOK_L, (4, 4, 8), (32, 8, 1))  # token 32 w + 8 tig + j
     vc_off = _offsets(VC_L, (4, 8, 16), (0, 16, 1))  # channel 16 g + q
@@ -497,14 +551,19 @@ def fast_decode_partial_kernel(
     n_s = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, ST_L)))
     m_v = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
     kt_shift = gl.expand_dims((4 * ((n_s >> 3) & 1)).to(gl.float32), 0)  # tokens j = 1, 3: 16 code
-    vc_shift = gl.expand_dims((2 * ((m_v >> 3) & 3)).to(gl.float32), 0)  # crumb e: 4^e code
+    if VALUE_BITS == 2:
+        vc_shift = gl.expand_dims((2 * ((m_v >> 3) & 3)).to(gl.float32), 0)  # crumb e: 4^e code
+    else:
+        vc_shift = gl.expand_dims((4 * ((m_v >> 3) & 1)).to(gl.float32), 0)  # nibble e: 16^e
     zero_c8 = gl.zeros([4, 16, 8], gl.float32, MMA)
     neg1024_b = gl.full([4, D, 8], -1024.0, gl.float16, B_OP)
     neg1024_a = gl.full([4, 16, 32], -1024.0, gl.float16, A_OP)
-    # 4 on rows 8..15 of the value zero-point sums, in fp32 (4 v_zero in fp16 could overflow:
-    # v_zero is an fp16 row minimum, saturated at +-65504).
+    # 4 (2-bit values) or 16 (4-bit) on rows 8..15 of the value zero-point sums, in fp32 (the
+    # factor times v_zero in fp16 could overflow: v_zero is an fp16 row minimum, saturated at
+    # +-65504).
     rr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
-    row4 = gl.expand_dims(gl.expand_dims(gl.where(rr >= 8, 4.0, 1.0), 0), 2)
+    ROW_F: gl.constexpr = 4.0 if VALUE_BITS == 2 else 16.0
+    row4 = gl.expand_dims(gl.expand_dims(gl.where(rr >= 8, ROW_F, 1.0), 0), 2)
 
     m_i = gl.full([4, 8], NEG_BIG, gl.float32, gl.SliceLayout(2, ST_L))
     l_i = gl.zeros([4, 8], gl.float32, gl.SliceLayout(2, ST_L))
@@ -536,6 +595,11 @@ def fast_decode_partial_kernel(
         kw = gl.convert_layout(gl.reshape(kw, [4, D, 8]), KW_L, assert_trivial=True)
         vw = gl.load(u32 + OFF_VC // 4 + vw_off)  # [4, 2, 2, 4, 2, 8] int32
         vw = gl.convert_layout(gl.reshape(vw, [4, 32, 8]), VW_L, assert_trivial=True)
+        if VALUE_BITS == 4:
+            vw_hi = gl.load(u32 + OFF_VC // 4 + 1 + vw_off)
+            vw_hi = gl.convert_layout(gl.reshape(vw_hi, [4, 32, 8]), VW_L, assert_trivial=True)
+        else:
+            vw_hi = vw
         ks = _key_channels(gl.load(f16 + OFF_KS // 2 + ks_off))  # [4, 128] fp16
         kz = _key_channels(gl.load(f16 + OFF_KZ // 2 + ks_off))
         kz = gl.convert_layout(kz, gl.SliceLayout(2, B_OP), assert_trivial=True)
@@ -590,13 +654,17 @@ def fast_decode_partial_kernel(
         vz_a = gl.convert_layout(
             gl.expand_dims(vz, 1).broadcast_to([4, 16, 32]), A_OP, assert_trivial=True
         )
-        # Codes stay 1024 + 4^e code (e = bits 3, 4 of the row m; the channel scale exponent
-        # is lowered by 2 e): start from -1024 sum_t pn plus 4^e sum_t p v_zero.  Rows 8..15
-        # of the sums get a factor 4, bit 4 a factor 16 on the result.
-        pz = mma_v2(vz_a, pt, zero_c8) * row4  # [4, 16, 8]: rows 4^(row >> 3) sum_t p v_zero
+        # 2-bit codes stay 1024 + 4^e code (e = bits 3, 4 of the row m; the channel scale
+        # exponent is lowered by 2 e): start from -1024 sum_t pn plus 4^e sum_t p v_zero.  Rows
+        # 8..15 of the sums get a factor 4, bit 4 a factor 16 on the result.  4-bit codes stay
+        # 1024 + 16^e code (e = bit 3 of m; exponent lowered by 4 e): rows 8..15 get 16.
+        pz = mma_v2(vz_a, pt, zero_c8) * row4  # [4, 16, 8]: rows ROW_F^(row >> 3) sum p v_zero
         corr = mma_v2(neg1024_a, pnt, zero_c8)
-        init = _bcast_rows8_pair(pz + corr, pz * 16.0 + corr)
-        va = _value_operand(vw)
+        if VALUE_BITS == 2:
+            init = _bcast_rows8_pair(pz + corr, pz * 16.0 + corr)
+        else:
+            init = _bcast_rows8_pair(pz + corr, pz + corr)
+        va = _value_operand(vw, vw_hi, VALUE_BITS)
         o = mma_v2(va, pnt, init)  # [4, 128, 8]
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))
         acc = acc * gl.expand_dims(alpha_o, 1) + o * gl.expand_dims(_log8_shift(vc, vc_shift), 2)
@@ -631,6 +699,7 @@ def launch_fast_decode(
     num_splits: int,
     split_tiles: int = 0,
     prefetch: int = 0,
+    value_bits: int = 2,
 ) -> None:
     """Write splits ``[split0, split0 + num_splits)`` of the partials ``acc`` / ``ml`` (the
     layout of ``attention_partial_kernel``'s) with the quantized tiles of each sequence: each
@@ -639,9 +708,12 @@ def launch_fast_decode(
     ``prepared``: the query rows from :func:`kvarn_kernels.attention.prep.prepare_queries`
     (two frames where tiles may hold their keys unrotated). ``prefetch``: tiles ahead of the
     one being read whose record is prefetched into L2 (0: none; the launcher passes
-    :func:`kvarn_kernels.attention.launch.fast_prefetch`, 1 by default)."""
+    :func:`kvarn_kernels.attention.launch.fast_prefetch`, 1 by default). ``value_bits``: the
+    preset's (2: ``kvarn_k4v2_g128``, 4: ``kvarn_k4v4_g128``, :data:`PRESETS`)."""
     if not 0 <= prefetch <= 4:
         raise ValueError(f"prefetch must be 0..4 tiles ahead, got {prefetch}")
+    if value_bits not in PRESETS:
+        raise ValueError(f"the fast decode kernel reads 2- or 4-bit values, got {value_bits}")
     qs, qa = prepared
     b, frames, hq, _ = qs.shape
     hkv = kv_cache.shape[1]
@@ -671,7 +743,8 @@ def launch_fast_decode(
         SINK=sink_lens is not None,
         FIXED=split_tiles > 0,
         PREFETCH=prefetch,
-        **offset_constants(tile_layout(PRESET, HEAD_DIM)),
+        VALUE_BITS=value_bits,
+        **offset_constants(tile_layout(PRESETS[value_bits], HEAD_DIM)),
         num_warps=NUM_WARPS,
         maxnreg=MAX_REGISTERS,
     )
@@ -680,7 +753,7 @@ def launch_fast_decode(
 __all__ = [
     "HEAD_DIM",
     "MAX_GROUP",
-    "PRESET",
+    "PRESETS",
     "fast_decode_partial_kernel",
     "launch_fast_decode",
 ]

@@ -175,8 +175,8 @@ def fast_decode_applies(
     sliding_window: int | None,
 ) -> bool:
     """Whether :func:`decode_attention` attends the quantized tiles with the Gluon kernel of
-    :mod:`kvarn_kernels.attention.fast`: ``kvarn_k4v2_g128`` at head_dim 128, GQA groups up to
-    8, fp16/bf16 queries on a GPU with ``mma.sync`` (compute capability 8.0 or newer), no
+    :mod:`kvarn_kernels.attention.fast`: ``kvarn_k4v2_g128`` and ``kvarn_k4v4_g128`` at head_dim
+    128, GQA groups up to 8, fp16/bf16 queries on a GPU with ``mma.sync`` (compute capability 8.0 or newer), no
     sliding window, not autotuned, not in Triton's interpreter, and not turned off
     (:func:`fast_decode_enabled`). Batch-invariant mode is served too: the kernel's splits
     then sit at fixed positions (:func:`fast_split_plan`)."""
@@ -197,11 +197,12 @@ def fast_decode_supported(
     dtype: torch.dtype,
     sliding_window: int | None,
 ) -> bool:
-    """The shapes the fast decode kernel serves: ``kvarn_k4v2_g128`` at head_dim 128, up to 8
-    query heads per KV head, fp16/bf16 queries, no sliding window."""
+    """The shapes the fast decode kernel serves: ``kvarn_k4v2_g128`` and ``kvarn_k4v4_g128``
+    at head_dim 128, up to 8 query heads per KV head, fp16/bf16 queries, no sliding window."""
     p = layout.preset
     return (
-        (p.key_bits, p.value_bits, p.group_size, layout.head_dim) == (4, 2, 128, 128)
+        (p.key_bits, p.group_size, layout.head_dim) == (4, 128, 128)
+        and p.value_bits in (2, 4)
         and num_q_heads // num_kv_heads <= 8
         and dtype in (torch.float16, torch.bfloat16)
         and sliding_window is None
@@ -744,6 +745,7 @@ def _run(
             fast_splits,
             split_tiles,
             fast_prefetch(),
+            p.value_bits,
         )
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
