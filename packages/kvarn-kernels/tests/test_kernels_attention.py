@@ -894,66 +894,6 @@ def test_batch_invariant_mode(
         kk.decode_attention(**args, num_splits=2, batch_invariant=invariant)
 
 
-def test_decode_splits_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVARN_KERNELS_DECODE_SPLITS: ``batch`` (default) or ``fixed``; anything else names the
-    variable and the value."""
-    from kvarn_kernels.attention.launch import DECODE_SPLITS_ENV, fixed_decode_splits
-
-    monkeypatch.delenv(DECODE_SPLITS_ENV, raising=False)
-    assert not fixed_decode_splits()
-    monkeypatch.setenv(DECODE_SPLITS_ENV, "fixed")
-    assert fixed_decode_splits()
-    monkeypatch.setenv(DECODE_SPLITS_ENV, "batch")
-    assert not fixed_decode_splits()
-    monkeypatch.setenv(DECODE_SPLITS_ENV, "fixd")
-    with pytest.raises(ValueError, match="KVARN_KERNELS_DECODE_SPLITS must be 'batch' or"):
-        fixed_decode_splits()
-
-
-def test_fixed_decode_splits_by_regime(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``fixed``: one split where the sequences fill the GPU, else batch-invariant mode's plan
-    (the Triton kernel's split_plan; the Gluon kernel's fast_split_plan beside one staged split
-    per staged tile); ``batch`` keeps choose_num_splits (1 on a CPU)."""
-    from kvarn_kernels.attention import launch
-
-    cpu = torch.device("cpu")
-    args = (8, 8, 64, 128, 128, cpu, False)  # 64 tiles of table
-    assert launch.launch_splits(*args) == (0, 1)  # batch: choose_num_splits, 1 on a CPU
-    invariant = launch.launch_splits(*args[:-1], True)  # split_plan in decode's steps
-    assert invariant[1] == 4  # 2048 positions per split
-    assert launch.launch_splits(*args, True) == invariant
-    staging = kk.allocate_staging(2, 8, 128, "kvarn_k4v2_g128", torch.float16, cpu, 3)
-    fast = launch.fast_path_splits(staging, 128, False, None, 8, 8, 64, cpu, False, True, True)
-    assert fast == (3, *reversed(launch.fast_split_plan(64, 3)))
-    assert fast[1:] == (8, 8)
-    monkeypatch.setattr(launch, "saturated", lambda programs, device: programs >= 64)
-    assert launch.launch_splits(*args, True) == (0, 1)  # 8 x 8 programs fill "the GPU"
-    assert launch.launch_splits(4, *args[1:], True) == invariant  # 32 do not
-    assert launch.fast_path_splits(staging, 128, False, None, 8, 8, 64, cpu, False, True, True)[
-        1:
-    ] == (1, 0)
-
-
-@pytest.mark.parametrize("sinks", [False, True])
-def test_fixed_decode_splits_share_bits_across_batches(
-    monkeypatch: pytest.MonkeyPatch, sinks: bool
-) -> None:
-    """KVARN_KERNELS_DECODE_SPLITS=fixed below the GPU-filling threshold (always on a CPU):
-    a decode row has the same bits alone and beside another sequence, with several splits,
-    and the attention of the default launch within fp16 rounding."""
-    from kvarn_kernels.attention import launch
-
-    monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 64)  # several splits at these lengths
-    monkeypatch.setenv("KVARN_KERNELS_DECODE_SPLITS", "fixed")
-    assert launch.launch_splits(1, 2, 4, 64, 64, torch.device("cpu"), False, True)[1] == 4
-    _, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, None, False)
-    monkeypatch.setenv("KVARN_KERNELS_DECODE_SPLITS", "batch")
-    _, ref, _ = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, None, False)
-    for j, (a, b) in enumerate(zip(alone, both, strict=True)):
-        assert _bits_equal(a, b), j
-        assert_close_rms(a.float().numpy(), ref[j].float().numpy(), 2e-3, what=f"row {j}")
-
-
 @pytest.mark.parametrize("sinks", [False, True])
 def test_verify_rows_as_decode_rows_share_their_bits(
     monkeypatch: pytest.MonkeyPatch, sinks: bool

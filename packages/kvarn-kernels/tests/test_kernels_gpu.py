@@ -327,24 +327,6 @@ def test_batch_invariant_mode_bit_for_bit(
         assert torch.equal(a.view(torch.int16), mqa[j : j + 1].view(torch.int16)), ("verify", j)
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-@pytest.mark.parametrize(("d", "h", "group"), [(128, 8, 4), (64, 3, 3)])
-def test_fixed_decode_splits_bit_for_bit(
-    monkeypatch: pytest.MonkeyPatch, d: int, h: int, group: int, sinks: bool
-) -> None:
-    """KVARN_KERNELS_DECODE_SPLITS=fixed in the default launch on the GPU (head_dim 128: the
-    Gluon kernel; 64: Triton), batches too small to fill the GPU: a decode row has the same
-    bits alone and beside another sequence."""
-    from kvarn_kernels.attention import launch
-    from test_kernels_attention import batch_invariance_case
-
-    monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 1024)  # two splits of the Triton kernel
-    monkeypatch.setenv("KVARN_KERNELS_DECODE_SPLITS", "fixed")
-    _, alone, both = batch_invariance_case(DEV, d, h, group, [2000, 700], sinks, None, False)
-    for j, (a, b) in enumerate(zip(alone, both, strict=True)):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), ("batch", j)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (64, 8), (8, 8)])
 @pytest.mark.parametrize("raw_keys", [False, True])

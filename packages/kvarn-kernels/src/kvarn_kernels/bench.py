@@ -739,26 +739,20 @@ def _fast(case: _Case) -> bool:
 def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
     the fast path, the Gluon kernel's splits plus the Triton kernel's, one per staged tile)."""
-    from kvarn_kernels.attention.launch import (
-        batch_invariant,
-        fast_path_splits,
-        fixed_decode_splits,
-        launch_splits,
-    )
+    from kvarn_kernels.attention.launch import batch_invariant, fast_path_splits, launch_splits
     from kvarn_kernels.cache import staging_view
 
     g = case.layout.group_size
     invariant = batch_invariant()
-    fixed = not invariant and fixed_decode_splits()
     if _fast(case):
         staged, fast_splits, _ = fast_path_splits(
             case.staging, g, case.sink_lens is not None, case.key_tiles, case.b, case.hkv,
-            case.block_table.shape[1], case.device, invariant, True, fixed,
+            case.block_table.shape[1], case.device, invariant,
         )  # fmt: skip
         return staged + fast_splits
     sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
     chunks = case.block_table.shape[1] + (sv.ring + sv.sink) // g  # as the launcher counts
-    return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, invariant, fixed)[1]
+    return launch_splits(case.b, case.hkv, chunks, case.d, g, case.device, invariant)[1]
 
 
 def _fmt(x: object, spec: str) -> str:

@@ -34,7 +34,6 @@ from kvarn_kernels._triton import INTERPRET
 from kvarn_kernels.attention import autotune_enabled, decode_attention, multi_query_attention
 from kvarn_kernels.attention.launch import (
     VERIFY_AS_DECODE_MAX_QUERY,
-    fixed_decode_splits,
     query_block_sizes,
 )
 from kvarn_kernels.attention.launch import batch_invariant as invariant_mode
@@ -188,24 +187,6 @@ def warmup(
                     **common)
         )  # fmt: skip
         launches += 2
-        if fixed_decode_splits() and not invariant and device.type == "cuda":
-            # KVARN_KERNELS_DECODE_SPLITS=fixed: the row above split at fixed positions; rows
-            # that fill the GPU take one split, the default launch's variants (one sequence
-            # repeated).
-            m = -(-2 * torch.cuda.get_device_properties(device).multi_processor_count
-                  // num_kv_heads)  # fmt: skip
-            many = {
-                k: v.repeat(m)
-                if k in ("sink_lens", "sink_slots", "key_lens") and v is not None
-                else v
-                for k, v in common.items()
-            }
-            tasks.append(
-                partial(decode_attention, randn(m, num_q_heads, head_dim), cache, staging,
-                        table.repeat(m, 1), lens.repeat(m), quant.repeat(m), slots.repeat(m),
-                        p, scale, **many)
-            )  # fmt: skip
-            launches += 2
         for size in sizes:
             # Batch-invariant verify blocks may run as decode rows (warmed above); longer
             # blocks take the multi-query kernel, whose variant this launch compiles.

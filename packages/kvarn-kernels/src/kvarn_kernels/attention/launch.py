@@ -86,36 +86,6 @@ def batch_invariant(override: bool | None = None) -> bool:
     return os.environ.get("KVARN_KERNELS_BATCH_INVARIANT", "0") == "1"
 
 
-DECODE_SPLITS_ENV = "KVARN_KERNELS_DECODE_SPLITS"
-"""Environment variable: how the default launch splits decode rows. ``batch`` (default): a split
-count sized for the batch (:func:`split_sizing`), each sequence divided evenly, so a token's
-bits follow the batch it is decoded in. ``fixed``: one split where the sequences alone fill the
-GPU (:func:`saturated`), else batch-invariant mode's splits at fixed positions; a token's bits
-then follow the batch only across that one threshold, and never for a sequence short enough to
-be one split either way. Batch-invariant mode ignores it."""
-
-
-def fixed_decode_splits() -> bool:
-    """:data:`DECODE_SPLITS_ENV`: ``True`` for ``fixed``, ``False`` for ``batch`` (default).
-
-    Raises:
-        ValueError: any other value.
-    """
-    raw = os.environ.get(DECODE_SPLITS_ENV, "batch").strip() or "batch"
-    if raw not in ("batch", "fixed"):
-        raise ValueError(f"{DECODE_SPLITS_ENV} must be 'batch' or 'fixed', got {raw!r}")
-    return raw == "fixed"
-
-
-def saturated(programs: int, device: torch.device | None) -> bool:
-    """Whether ``programs`` (sequences x KV heads) fill two per SM of the GPU ``device`` without
-    splitting (never on a CPU): the threshold of :func:`staged_splits` and of
-    :data:`DECODE_SPLITS_ENV` ``fixed``."""
-    if device is None or device.type != "cuda":
-        return False
-    return programs >= 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_plan(max_steps: int, sub: int, group_size: int) -> tuple[int, int]:
     """``(split_steps, num_splits)`` of the batch-invariant mode: splits of whole tiles, at
     least ``_MIN_SPLIT_TOKENS`` positions each (doubled until at most ``_MAX_SPLITS`` cover
@@ -167,16 +137,11 @@ def launch_splits(
     group_size: int,
     device: torch.device,
     invariant: bool,
-    fixed: bool = False,
 ) -> tuple[int, int]:
     """``(split_steps, num_splits)`` the launcher picks when not given ``num_splits``: in
     batch-invariant mode :func:`split_plan` over the table with decode's step size, else
-    :func:`choose_num_splits` (``split_steps`` 0: the kernel divides the sequence). ``fixed``
-    (decode rows with :data:`DECODE_SPLITS_ENV` ``fixed``): one split where the sequences fill
-    the GPU (:func:`saturated`), else :func:`split_plan`'s."""
-    if fixed and not invariant and saturated(num_seqs * num_kv_heads, device):
-        return 0, 1
-    if invariant or fixed:
+    :func:`choose_num_splits` (``split_steps`` 0: the kernel divides the sequence)."""
+    if invariant:
         sub = untuned_launch(True, head_dim, group_size)["SUB"]
         return split_plan(max_chunks * group_size // sub, sub, group_size)
     return 0, choose_num_splits(num_seqs, num_kv_heads, max_chunks, device, group_size)
@@ -299,22 +264,18 @@ def fast_path_splits(
     device: torch.device,
     invariant: bool,
     fast: bool = True,
-    fixed: bool = False,
 ) -> tuple[int, int, int]:
     """``(staged, fast_splits, split_tiles)`` of the fast decode path: the Triton kernel's
     staged splits (:func:`staged_splits`; batch-invariant, one per staged tile whatever the
     batch), and for the Gluon kernel (``fast``) its split count and, batch-invariant, the
     tiles per split (:func:`fast_split_plan`; else 0: :func:`fast_decode_splits` divides each
     sequence). ``fast=False`` (the staged pass alone) never asks the GPU for its SMs beyond
-    :func:`staged_splits`. ``fixed`` (:data:`DECODE_SPLITS_ENV` ``fixed``): one Gluon split
-    where the sequences fill the GPU (:func:`saturated`), else :func:`fast_split_plan`'s."""
+    :func:`staged_splits`."""
     programs = 0 if invariant else num_seqs * num_kv_heads
     staged = staged_splits(staging, group_size, sink, key_tiles, programs, device)
     if not fast:
         return staged, 0, 0
-    if fixed and not invariant and saturated(programs, device):
-        return staged, 1, 0
-    if invariant or fixed:
+    if invariant:
         split_tiles, splits = fast_split_plan(table_width, staged)
         return staged, splits, split_tiles
     return staged, fast_decode_splits(num_seqs, num_kv_heads, table_width, device, staged), 0
@@ -348,8 +309,10 @@ def staged_splits(
     """
     sv = staging_view(staging, group_size, sink, key_tiles)
     splits = max(1, (sv.ring + sv.sink) // group_size)
-    if saturated(programs, device):
-        splits = 1
+    if device is not None and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if programs >= 2 * sms:
+            splits = 1
     raw = os.environ.get(STAGED_SPLITS_ENV, "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
@@ -668,13 +631,10 @@ def _run(
         and fast_decode_applies(query, layout, num_kv_heads, sliding_window)
     )
     fast_splits = split_tiles = 0
-    # DECODE_SPLITS_ENV=fixed: decode rows (verify blocks run as decode rows among them) split
-    # at fixed positions unless the sequences fill the GPU.
-    fixed = decode and num_splits is None and not invariant and fixed_decode_splits()
     if fast or staged_only:
         num_splits, fast_splits, split_tiles = fast_path_splits(
             staging, g, sink_lens is not None, key_tiles, sizing, num_kv_heads,
-            block_table.shape[1], query.device, invariant, fast, fixed,
+            block_table.shape[1], query.device, invariant, fast,
         )  # fmt: skip
         if kernel is attention_partial_kernel:
             # Each staged split walks one tile: software pipelining has nothing to overlap and
@@ -683,7 +643,7 @@ def _run(
             launch = {**launch, "num_stages": 1, **launch_override()}
     if num_splits is None:
         split_steps, num_splits = launch_splits(
-            sizing, num_kv_heads, max_chunks, d, g, query.device, invariant, fixed
+            sizing, num_kv_heads, max_chunks, d, g, query.device, invariant
         )
     if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
