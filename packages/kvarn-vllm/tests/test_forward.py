@@ -256,22 +256,28 @@ def test_query_runs():
     assert query_runs([0], 16) == []
 
 
-@pytest.mark.parametrize("invariant", ["0", "1"])
+@pytest.mark.parametrize("invariant", ["0", "1", "as_decode"])
 def test_invariant_context_runs_verify_blocks_apart(vllm_config_factory, monkeypatch, invariant):
     """Batch-invariant mode: a context group holding a short block (3 tokens, a verify's size)
     and a 30-token chunk goes to the multi-query kernel as two calls, each with its own longest
     block, so that the short one may run as decode rows; both rows' outputs stay kvarn-math's.
-    The default launch makes one call for the group."""
+    ``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the default launch splits the group alike: the short
+    block as decode rows, the chunk with its own K/V, both sized for the step's 2 requests. The
+    default launch alone makes one call for the group."""
     from kvarn_vllm import kernels
-    from kvarn_vllm.config import INVARIANT_ENV
+    from kvarn_vllm.config import INVARIANT_ENV, VERIFY_AS_DECODE_ENV
 
-    monkeypatch.setenv(INVARIANT_ENV, invariant)
+    monkeypatch.setenv(INVARIANT_ENV, "1" if invariant == "1" else "0")
+    monkeypatch.setenv(VERIFY_AS_DECODE_ENV, "1" if invariant == "as_decode" else "0")
     seen = []
     real = kernels.multi_query_attention
 
     def spy(*args, **kwargs):
         seen.append((kwargs["max_query_len"], int(args[0].shape[0]), kwargs.get("fresh_kv")))
+        flags.append((kwargs.get("verify_as_decode"), kwargs.get("split_batch")))
         return real(*args, **kwargs)
+
+    flags = []
 
     monkeypatch.setattr(kernels, "multi_query_attention", spy)
     h = Harness(vllm_config_factory, monkeypatch)
@@ -280,6 +286,10 @@ def test_invariant_context_runs_verify_blocks_apart(vllm_config_factory, monkeyp
     assert meta.context is not None and meta.context.max_query_len == 30
     if invariant == "1":
         assert seen == [(3, 3, None), (30, 30, None)]
+    elif invariant == "as_decode":
+        assert [x[:2] for x in seen] == [(3, 3), (30, 30)]
+        assert seen[0][2] is None and seen[1][2] is not None  # the chunk's own K/V
+        assert flags == [(True, 2), (None, 2)]
     else:
         assert [x[:2] for x in seen] == [(30, 33)]
     _near_quantized(h, out[0:3], 0, q[0:3])

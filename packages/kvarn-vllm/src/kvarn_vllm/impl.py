@@ -289,7 +289,7 @@ def _make_impl_class() -> type:
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
-            runs = None if md.context is None else self._verify_runs(md.context)
+            runs = None if md.context is None else self._verify_runs(md.context, md.causal)
             if (
                 md.context is not None
                 and md.causal
@@ -297,7 +297,10 @@ def _make_impl_class() -> type:
             ):
                 self._context_dense(md.context, query, key, value, kv_cache, staging, output, n)
             elif md.context is not None and runs is not None:
-                self._context_runs(md.context, runs, query, kv_cache, staging, output, n, md.causal)
+                self._context_runs(
+                    md.context, runs, query, key, value, kv_cache, staging, output, n, md.causal,
+                    md.num_reqs,
+                )  # fmt: skip
             elif md.context is not None:
                 g = md.context
                 q = group_rows(g, query, n)
@@ -401,13 +404,14 @@ def _make_impl_class() -> type:
                 and g.max_query_len <= kernels.verify_as_decode_max_query()
             )
 
-        def _verify_runs(self, g):
-            """Batch-invariant mode, a context group with rows of at most
-            ``VERIFY_AS_DECODE_MAX_QUERY`` query tokens (verify blocks) and longer ones (chunks):
-            the runs of rows of each kind, so that the short ones may run as decode rows
+        def _verify_runs(self, g, causal=True):
+            """Batch-invariant mode, or ``KVARN_VLLM_VERIFY_AS_DECODE=1`` for a causal group: a
+            context group with rows of at most ``VERIFY_AS_DECODE_MAX_QUERY`` query tokens
+            (verify blocks) and longer ones (chunks): the runs of rows of each kind, so that the
+            short ones may run as decode rows
             (:func:`kvarn_kernels.attention.launch.verify_as_decode`) whatever else the step
             holds; else None (one multi-query call)."""
-            if not self.config.batch_invariant:
+            if not (self.config.batch_invariant or (self.config.verify_as_decode and causal)):
                 return None
             limit = kernels.verify_as_decode_max_query()
             if g.max_query_len <= limit:
@@ -415,15 +419,32 @@ def _make_impl_class() -> type:
             runs = query_runs(g.query_start_loc_host, limit)
             return runs if len(runs) > 1 else None
 
-        def _context_runs(self, g, runs, query, kv_cache, staging, output, n, causal=True):
-            """A batch-invariant context group in ``runs`` of verify blocks and of longer
-            chunks (:meth:`_verify_runs`), each through :meth:`_context_mqa`."""
+        def _context_runs(
+            self, g, runs, query, key, value, kv_cache, staging, output, n, causal, num_reqs
+        ):
+            """A context group in ``runs`` of verify blocks and of longer chunks
+            (:meth:`_verify_runs`), each through :meth:`_context_mqa`. Batch-invariant: every
+            run reads its own tokens from the cache. ``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the
+            default launch: the verify runs as decode rows, splits sized for the step's
+            ``num_reqs``, the chunks with their own K/V from this step."""
             q = group_rows(g, query, n)
             res = torch.empty_like(q)
             qs = [int(x) for x in g.query_start_loc_host]
+            invariant = self.config.batch_invariant
+            own = None if invariant else self._own_kv(g, key, value, n)
+            limit = kernels.verify_as_decode_max_query()
             for lo, hi in runs:
-                self._context_mqa(g, q[qs[lo] : qs[hi]], kv_cache, staging, lo, hi,
-                                  res[qs[lo] : qs[hi]], None, causal)  # fmt: skip
+                a, b = qs[lo], qs[hi]
+                short = max(qs[i + 1] - qs[i] for i in range(lo, hi)) <= limit
+                if invariant:
+                    self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], None, causal)
+                elif short:
+                    self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], None,
+                                      causal, verify_as_decode=True, split_batch=num_reqs)  # fmt: skip
+                else:
+                    rows = None if own is None else (own[0][a:b], own[1][a:b])
+                    self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], rows,
+                                      causal, split_batch=num_reqs)  # fmt: skip
             write_group_rows(g, output, res, n)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
@@ -565,10 +586,13 @@ def _make_impl_class() -> type:
                 res[q_lo:q_hi] = kernels.unrotate(o_rot)
             write_group_rows(g, output, res, n)
 
-        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own, causal=True):
+        def _context_mqa(
+            self, g, q, kv_cache, staging, lo, hi, out, own, causal=True,
+            verify_as_decode=None, split_batch=None,
+        ):  # fmt: skip
             """Rows ``lo:hi`` of a context group through the multi-query kernel (``own``: their
             tokens' K/V from this step, rotated; ``causal=False``: each row's tokens attend its
-            whole sequence)."""
+            whole sequence; ``verify_as_decode``, ``split_batch``: the kernel's)."""
             qs = g.query_start_loc_host
             max_query_len = int(max(int(qs[i + 1]) - int(qs[i]) for i in range(lo, hi)))
             kernels.multi_query_attention(
@@ -593,6 +617,8 @@ def _make_impl_class() -> type:
                 key_lens=None if g.key_lens is None else g.key_lens[lo:hi],
                 key_tiles=self.config.key_tiles,
                 causal=causal,
+                verify_as_decode=verify_as_decode,
+                split_batch=split_batch,
             )
 
         def _fresh(self, g, query, key, value, output, n):
