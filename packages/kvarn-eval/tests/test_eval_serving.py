@@ -641,9 +641,11 @@ def test_worker_timeout_in_start_up_says_so(
         jobs, tmp_path / "runs", opts, Budget(min_run_seconds=1), echo=lambda s: None
     )[0]
     assert record["status"] == "timeout" and "bursts" not in record
-    assert re.search(
-        r"killed after 5 s during engine start-up \([1-5] s into it\)", record["error"]
+    where = re.search(
+        r"killed after 5 s during engine start-up \((\d+) s into it\)", record["error"]
     )
+    # measured when the record is written, after the kill: a loaded 2-core CI machine read 6 s
+    assert where and 1 <= int(where[1]) <= 15, record["error"]
     assert record["kv_cache_tokens_logged"] == 64000
 
 

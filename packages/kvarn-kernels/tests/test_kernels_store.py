@@ -387,9 +387,9 @@ def _frame_case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def test_store_kv_chooses_each_tiles_key_frame_from_the_queries() -> None:
-    """key_frame="auto": a prefill chunk's tile is judged by the queries of its positions, a
-    tile completed by a one-token step by that token's queries, a tile whose tokens were all
-    staged by its request's first row (kvarn_math.choose_key_frames on the same queries)."""
+    """key_frame="auto": a tile is judged by the queries of its last position, whether a
+    prefill chunk or a one-token step brings it (kvarn_math.choose_key_frames on the same
+    queries)."""
     from kvarn_math import choose_key_frames
 
     preset, g, d = "kvarn_k2v2_g128", 128, 64
@@ -425,8 +425,8 @@ def test_store_kv_chooses_each_tiles_key_frame_from_the_queries() -> None:
         queries = q[rows].reshape(-1, 2, 2, d).transpose(1, 0, 2, 3).reshape(2, -1, d)
         return choose_key_frames(keys, queries)
 
-    store(0, g + 5)  # tile 0 from the chunk: its own G positions' queries
-    np.testing.assert_array_equal(frames_of(2), want(0, slice(0, g)))
+    store(0, g + 5)  # tile 0 from the chunk: its last position's queries
+    np.testing.assert_array_equal(frames_of(2), want(0, slice(g - 1, g)))
     np.testing.assert_array_equal(frames_of(2), [True, False])
     store(g + 5, g - 6, quantized=g)  # tile 1 stays open at 2G - 1 tokens
     store(2 * g - 1, 1, quantized=g)  # one token completes it: that token's queries decide
@@ -444,12 +444,12 @@ def test_store_kv_chooses_each_tiles_key_frame_from_the_queries() -> None:
 
 
 @pytest.mark.parametrize("staged", [0, 5])
-def test_store_kv_judges_a_chunks_tile_by_sixteen_spread_positions(staged: int) -> None:
-    """A tile completed by a prefill chunk is judged by the queries of at most 16 of its fresh
-    positions (kvarn_math.frame_query_rows): here those weigh the keys' small channels (raw
-    wins) and the other positions' queries, 100x larger, the large ones (the rotation would
-    win over all positions), so the record's frame shows which positions the kernel read."""
-    from kvarn_math import choose_key_frames, frame_query_rows
+def test_store_kv_judges_a_chunks_tile_by_its_last_position(staged: int) -> None:
+    """A tile completed by a prefill chunk is judged by the queries of its last position
+    (kvarn_math.frame_query_rows): here that one weighs the keys' small channels (raw wins) and
+    every other position's query, 100x larger, the large ones (the rotation would win over the
+    chunk's positions), so the record's frame shows which position the kernel read."""
+    from kvarn_math import choose_key_frames
 
     preset, g, d = "kvarn_k2v2_g128", 128, 64
     rng = np.random.default_rng(11)
@@ -457,13 +457,11 @@ def test_store_kv_judges_a_chunks_tile_by_sixteen_spread_positions(staged: int) 
     k = (rng.standard_normal((g, 1, d)) * scales).astype(np.float32)
     v = rng.standard_normal((g, 1, d)).astype(np.float32)
     q = (100 * rng.standard_normal((g, 1, d)) * scales).astype(np.float32)
-    fresh = g - staged
-    picked = staged + frame_query_rows(fresh)
-    q[picked] = rng.standard_normal((len(picked), 1, d)) * scales[::-1]
+    q[g - 1] = rng.standard_normal((1, d)) * scales[::-1]
     keys = k.transpose(1, 0, 2)  # [Hkv, G, D]
-    by_picked = choose_key_frames(keys, q[picked].transpose(1, 0, 2))
+    by_last = choose_key_frames(keys, q[g - 1 :].transpose(1, 0, 2))
     by_all = choose_key_frames(keys, q[staged:].transpose(1, 0, 2))
-    assert by_picked.tolist() == [True] and by_all.tolist() == [False]  # the case discriminates
+    assert by_last.tolist() == [True] and by_all.tolist() == [False]  # the case discriminates
     lay = tile_layout(preset, d)
     cache = unwritten_cache(2, 1, lay.tile_bytes, "cpu")
     staging = nan_like_staging(
@@ -471,7 +469,7 @@ def test_store_kv_judges_a_chunks_tile_by_sixteen_spread_positions(staged: int) 
     )
     table = np.array([[1]], dtype=np.int32)
     kt, vt, qt = (torch.from_numpy(x) for x in (k, v, q))
-    for start, n in ((0, staged), (staged, fresh)):
+    for start, n in ((0, staged), (staged, g - staged)):
         if n:
             plan = kk.plan_store([start], [n], None, [0], table, preset, staging_tiles=2)
             rows = slice(start, start + n)
@@ -479,6 +477,56 @@ def test_store_kv_judges_a_chunks_tile_by_sixteen_spread_positions(staged: int) 
                 kt[rows], vt[rows], cache, staging, plan, preset, key_frame="auto", query=qt[rows]
             )
     assert read_fields(cache[1].numpy(), preset, d).raw_keys.tolist() == [True]
+
+
+@pytest.mark.parametrize(
+    "chunks", [[127, 1, 127, 1, 1], [64, 130, 63], [3, 200, 54], [128, 128, 1], [1, 256]]
+)
+def test_auto_frame_records_do_not_depend_on_chunking(chunks: list[int]) -> None:
+    """key_frame="auto" without speculation: every tile is stored in the step that writes its
+    last token, whose queries choose the frame, so any chunking of the same tokens (and
+    queries) stores the records of one chunk, frames included. The case makes the frame
+    depend on the position read: the tiles' last positions favour the keys' own channels,
+    every other position (100x larger queries) the rotation."""
+
+    preset, d, g = "kvarn_k2v2_g128", 64, 128
+    rng = np.random.default_rng(13)
+    t = 2 * g + 1
+    scales = np.geomspace(0.01, 10, d)
+    k = (rng.standard_normal((t, 1, d)) * scales).astype(np.float32)
+    v = rng.standard_normal((t, 1, d)).astype(np.float32)
+    q = (100 * rng.standard_normal((t, 1, d)) * scales).astype(np.float32)
+    q[[g - 1, 2 * g - 1]] = rng.standard_normal((2, 1, d)) * scales[::-1]
+    table = np.array([[2, 0, 3]], dtype=np.int32)
+    lay = tile_layout(preset, d)
+
+    def records(schedule: list[int]) -> torch.Tensor:
+        cache = unwritten_cache(4, 1, lay.tile_bytes, "cpu")
+        staging = nan_like_staging(
+            kk.staging_shape(1, 1, d, preset, staging_tiles=3), torch.float32, "cpu"
+        )
+        pos = 0
+        for n in schedule:
+            plan = kk.plan_store(
+                [pos], [n], None, [0], table, preset, staging_tiles=3,
+                num_quantized=[pos // g * g],
+            )  # fmt: skip
+            rows = slice(pos, pos + n)
+            kk.store_kv(
+                torch.from_numpy(k[rows]), torch.from_numpy(v[rows]), cache, staging, plan,
+                preset, key_frame="auto", query=torch.from_numpy(q[rows]),
+            )  # fmt: skip
+            pos += n
+        assert pos == t
+        return cache
+
+    want, got = records([t]), records(chunks)
+    assert [read_fields(want[b].numpy(), preset, d).raw_keys.tolist() for b in (2, 0)] == [
+        [True],
+        [True],
+    ]  # the last positions chose, not the chunk's other 127
+    for blk in (2, 0):
+        torch.testing.assert_close(got[blk], want[blk], rtol=0, atol=0)
 
 
 def test_store_kv_key_frame_checks() -> None:

@@ -216,16 +216,13 @@ def test_raw_keys_must_be_bool_per_tile() -> None:
         quantize_tiles(k, k, "kvarn_k4v2_g64", raw_keys=np.array([True, False, True]))
 
 
-def test_frame_query_rows_spreads_at_most_sixteen_positions() -> None:
+def test_frame_query_rows_is_the_last_fresh_position() -> None:
     from kvarn_math.tile import FRAME_QUERY_ROWS, frame_query_rows
 
-    assert FRAME_QUERY_ROWS == 16
-    for n in (1, 5, 16):  # up to 16 fresh positions: all of them
-        np.testing.assert_array_equal(frame_query_rows(n), np.arange(n))
-    np.testing.assert_array_equal(frame_query_rows(128), np.arange(0, 128, 8))
-    np.testing.assert_array_equal(frame_query_rows(17), [*range(16)])  # floor(j * 17 / 16)
-    rows = frame_query_rows(100)
-    assert len(rows) == 16 and rows[0] == 0 and rows[-1] == 93 and (np.diff(rows) >= 6).all()
+    assert FRAME_QUERY_ROWS == 1
+    for n in (1, 5, 16, 17, 100, 128):
+        np.testing.assert_array_equal(frame_query_rows(n), [n - 1])
+    assert frame_query_rows(np.int64(7)).dtype == np.int64
     for bad in (0, -3, 2.0, True, None):
         with pytest.raises(ValueError, match="num_rows must be an int >= 1"):
             frame_query_rows(bad)  # type: ignore[arg-type]

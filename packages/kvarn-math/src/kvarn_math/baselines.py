@@ -226,8 +226,8 @@ class KVarN(Method):
     """A KVarN preset through the real record format (quantize, write records, read back).
 
     ``key_frame="auto"`` stores each tile's keys in the frame
-    :func:`kvarn_math.tile.choose_key_frames` picks from the queries of the tile's positions
-    (:func:`kvarn_math.tile.frame_query_rows` of them), as kvarn-vllm's store does by default;
+    :func:`kvarn_math.tile.choose_key_frames` picks from the queries of the tile's last
+    position (:func:`kvarn_math.tile.frame_query_rows`), as kvarn-vllm's store does by default;
     the method then asks for them (``reads_queries``) and, given none, keeps the keys rotated
     (``"rotated"``, the default here).
     """
@@ -286,8 +286,8 @@ class KVarN(Method):
                     f"queries must be [{t}, a multiple of {h}, {d}], got {list(qa.shape)}"
                 )
             g = self.group_size
-            # per tile and KV head: the queries of the positions a store judges a tile stored
-            # from a prefill chunk by (frame_query_rows of its G), in the head's query group
+            # per tile and KV head: the queries of the position a store judges a tile by
+            # (frame_query_rows of its G: the last), in the head's query group
             q_tiles = qa.reshape(t // g, g, h, -1, d).transpose(0, 2, 1, 3, 4)
             q_tiles = q_tiles[:, :, frame_query_rows(g)]
             raw = choose_key_frames(k_tiles, q_tiles.reshape(t // g, h, -1, d))

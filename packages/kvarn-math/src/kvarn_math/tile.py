@@ -440,37 +440,38 @@ def key_frame_estimates(k: npt.ArrayLike, q: npt.ArrayLike) -> tuple[F32, F32]:
     return rotated, estimate(k_arr, q_arr)
 
 
-FRAME_QUERY_ROWS = 16
-"""At most this many of a tile's fresh positions lend their queries to its key-frame choice
-in a store (:func:`frame_query_rows`). A tile stored from a prefill chunk has ``G`` fresh
-positions; estimating from all of them took half of the store's time on an H200 (2026-12-03:
-0.565 against 0.106 ms per 64-tile chunk of Llama-3.1-8B's eight KV heads, with no
-normalization sweeps), while 16 positions spread over the tile already give each channel's
-query energy from 16 x (query heads per KV head) vectors."""
+FRAME_QUERY_ROWS = 1
+"""A store judges a tile's key frame by the queries of this many of its fresh positions
+(:func:`frame_query_rows`): one, the last. A tile is stored in the step that commits its last
+token, so without speculative decoding that step holds the token at the tile's last position
+whatever the chunking or batching, and the record then depends on the tile's own tokens only.
+Until 2026-12-04 a prefill chunk's tile was judged by 16 of its fresh positions spread evenly
+(before 2026-12-03, by all of them), while a decode step had only its one: the same tokens
+could then be stored in different frames by a chunk and by decode steps. On CPU the last
+position alone gave the accuracy of the 16 (docs/results/cpu-2026-12-04/)."""
 
 
 def frame_query_rows(num_rows: int) -> npt.NDArray[np.int64]:
     """Which of a tile's ``num_rows`` fresh positions (``0 .. num_rows - 1``, in order) a store
-    takes the queries of to choose the tile's key frame (:func:`choose_key_frames`): all of
-    them up to :data:`FRAME_QUERY_ROWS`, else that many spread evenly,
-    ``floor(j * num_rows / FRAME_QUERY_ROWS)`` for ``j = 0 .. FRAME_QUERY_ROWS - 1``.
+    takes the queries of to choose the tile's key frame (:func:`choose_key_frames`): the last,
+    ``[num_rows - 1]`` (:data:`FRAME_QUERY_ROWS`). When none of the tile's positions is fresh
+    (under speculative decoding, a tile whose last token was an accepted draft of an earlier
+    step), the store takes its request's first query of the step instead.
 
     Raises:
         ValueError: ``num_rows`` is not an int >= 1.
     """
     if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 1:
         raise ValueError(f"num_rows must be an int >= 1, got {num_rows!r}")
-    m = min(int(num_rows), FRAME_QUERY_ROWS)
-    return (np.arange(m, dtype=np.int64) * int(num_rows)) // m
+    return np.array([int(num_rows) - 1], dtype=np.int64)
 
 
 def choose_key_frames(k: npt.ArrayLike, q: npt.ArrayLike) -> npt.NDArray[np.bool_]:
     """Which tiles store their keys in their own channels: those whose estimated
     attention-score error (:func:`key_frame_estimates`) is smaller unrotated than rotated. No
     calibration: the queries are those at hand when the tile is stored (a serving engine's
-    store takes the step's queries at the tile's fresh positions, at most
-    :data:`FRAME_QUERY_ROWS` of them as :func:`frame_query_rows` picks, or the request's first
-    query of the step when none is fresh). :func:`key_frame_errors` is the exact error it
+    store takes the query at the tile's last position, :func:`frame_query_rows`, or the
+    request's first query of the step when none of the tile's positions is fresh). :func:`key_frame_errors` is the exact error it
     estimates.
 
     Args:

@@ -142,8 +142,8 @@ def _frame_estimates(
 ):
     """kvarn_math.tile.key_frame_estimates of one tile: ``(rotated, raw)`` =
     ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the KV
-    head's ``GROUP`` query heads at the rows ``row0 + frame_query_rows(num_rows)``
-    (kvarn_math.tile: all ``num_rows`` up to 16, else 16 spread evenly)."""
+    head's ``GROUP`` query heads at the row ``row0 + frame_query_rows(num_rows)``
+    (kvarn_math.tile: the last of the ``num_rows`` fresh rows)."""
     hi, lo = extremes(k, 0)
     spread_rot = hi - lo  # [D]
     hi, lo = extremes(k_raw, 0)
@@ -151,11 +151,10 @@ def _frame_estimates(
     d = tl.arange(0, D)
     energy_rot = tl.zeros([D], dtype=tl.float32)
     energy_raw = tl.zeros([D], dtype=tl.float32)
-    # One block of 16 rows (FRAME_QUERY_ROWS): a decode step has one, a prefill chunk up to G.
-    m = tl.minimum(num_rows, 16)
+    # One live row in a block of 16 (the transform's smallest row block): the last fresh one.
     r = tl.arange(0, 16)
-    live = r < m
-    row = (row0 + (r * num_rows) // m).to(tl.int64)
+    live = r < 1
+    row = (row0 + num_rows - 1 + r * 0).to(tl.int64)
     for j in tl.static_range(GROUP):
         head = (hkv * GROUP + j).to(tl.int64)
         q = tl.load(
@@ -264,8 +263,8 @@ def quantize_tiles_kernel(
 
     The keys' frame (``KEY_FRAME``): 0 rotated; 1 chosen per tile and KV head by the smaller
     estimated attention-score error over the queries ``q`` ``[num_tokens, Hq, D]`` (original
-    frame) of the tile's fresh rows (at most 16 of them, kvarn_math.tile.frame_query_rows), or
-    of its first row ``fresh_index`` when all its tokens were staged
+    frame) of the tile's last fresh row (its last position; kvarn_math.tile.frame_query_rows),
+    or of its first row ``fresh_index`` when all its tokens were staged
     (kvarn_math.tile.choose_key_frames); 2 as ``frames`` ``[num_tiles, Hkv]`` int8 says
     (1: the keys' own channels).
     """
