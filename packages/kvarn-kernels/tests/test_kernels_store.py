@@ -488,7 +488,6 @@ def test_auto_frame_records_do_not_depend_on_chunking(chunks: list[int]) -> None
     queries) stores the records of one chunk, frames included. The case makes the frame
     depend on the position read: the tiles' last positions favour the keys' own channels,
     every other position (100x larger queries) the rotation."""
-
     preset, d, g = "kvarn_k2v2_g128", 64, 128
     rng = np.random.default_rng(13)
     t = 2 * g + 1

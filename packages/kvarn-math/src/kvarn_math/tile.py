@@ -471,8 +471,8 @@ def choose_key_frames(k: npt.ArrayLike, q: npt.ArrayLike) -> npt.NDArray[np.bool
     attention-score error (:func:`key_frame_estimates`) is smaller unrotated than rotated. No
     calibration: the queries are those at hand when the tile is stored (a serving engine's
     store takes the query at the tile's last position, :func:`frame_query_rows`, or the
-    request's first query of the step when none of the tile's positions is fresh). :func:`key_frame_errors` is the exact error it
-    estimates.
+    request's first query of the step when none of the tile's positions is fresh).
+    :func:`key_frame_errors` is the exact error it estimates.
 
     Args:
         k: ``[..., G, D]`` original-frame keys of tiles.
