@@ -435,16 +435,13 @@ def _make_impl_class() -> type:
             limit = kernels.verify_as_decode_max_query()
             for lo, hi in runs:
                 a, b = qs[lo], qs[hi]
-                short = max(qs[i + 1] - qs[i] for i in range(lo, hi)) <= limit
-                if invariant:
-                    self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], None, causal)
-                elif short:
-                    self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], None,
-                                      causal, verify_as_decode=True, split_batch=num_reqs)  # fmt: skip
-                else:
-                    rows = None if own is None else (own[0][a:b], own[1][a:b])
-                    self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], rows,
-                                      causal, split_batch=num_reqs)  # fmt: skip
+                short = qs[lo + 1] - qs[lo] <= limit  # a run's rows are all short or all long
+                rows = None if own is None or short else (own[0][a:b], own[1][a:b])
+                self._context_mqa(
+                    g, q[a:b], kv_cache, staging, lo, hi, res[a:b], rows, causal,
+                    verify_as_decode=True if short and not invariant else None,
+                    split_batch=None if invariant else num_reqs,
+                )  # fmt: skip
             write_group_rows(g, output, res, n)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
