@@ -117,6 +117,7 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
 
     rows = []
     ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "stage_ptr": "*bf16", "q_ptr": "*bf16"}
+    ptrs |= {"fq_ptr": "*bf16"}
     ptrs |= {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16", "frames_ptr": "*i8"}
     for name in PRESETS:
         g = get_preset(name).group_size
@@ -132,13 +133,14 @@ def store_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
                 ITERS=DEFAULT_ITERATIONS,
                 FRESH_ROTATED=False,
                 PRECISE=True,
+                STAGED_QUERIES=True,  # speculative decoding's variant: the query's two sources
             )
             opts = {"num_warps": _num_warps(tile_layout(name, d))}  # as launched: default stages
             rows.append(
                 compile_kernel(quantize_tiles_kernel, ptrs, consts, opts, f"store {name} D{d}")
             )
     for d in head_dims:
-        consts = {"D": d, "BLOCK_T": 16}
+        consts = {"D": d, "BLOCK_T": 16, "G": 128, "GROUP": 4, "STAGED_QUERIES": True}
         rows.append(
             compile_kernel(
                 stage_tokens_kernel, ptrs, consts, {"num_warps": 4}, f"stage_tokens D{d}"

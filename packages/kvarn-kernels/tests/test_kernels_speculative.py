@@ -60,9 +60,16 @@ def run_accept_reject(
     dtype: torch.dtype,
     device: str,
     window_keys: bool = True,
+    key_frame: str = "rotated",
+    staged_queries: bool = True,
 ) -> None:
     """Drive ``run`` through plan -> store_kv and compare with storing the accepted tokens once
-    (``window_keys=False``: with the key ring of values-only windows apart)."""
+    (``window_keys=False``: with the key ring of values-only windows apart).
+
+    ``key_frame="auto"``: each position has a real query too (two query heads per KV head;
+    rejected drafts carry garbage ones), and the tiles' key frames must come out as the one-shot
+    store chose them from the tiles' last positions; ``staged_queries`` passes the store its
+    frame queries (``frame_queries=``), which tiles completed by accepted drafts need."""
     p = get_preset(preset)
     g = p.group_size
     s_tiles = 2  # kvarn-vllm's S for up to G/2 drafts
@@ -80,6 +87,12 @@ def run_accept_reject(
         )
         for i in range(n)
     ]
+    auto = key_frame == "auto"
+    hq = 2 * h
+    queries = [
+        torch.from_numpy(make_kv((max_len, hq, d), "outlier_channels", seed + 97 + i)).to(dtype)
+        for i in range(n)
+    ]
     rng = np.random.default_rng(seed)
     perm = rng.permutation(n * max_blocks).astype(np.int32)
     table = perm.reshape(n, max_blocks)
@@ -93,6 +106,11 @@ def run_accept_reject(
         dtype,
         device,
     )
+    frame_queries = None
+    if auto and staged_queries:
+        frame_queries = kk.allocate_frame_queries(
+            num_slots, hq, d, p, dtype, device, staging_tiles=s_tiles, key_tiles=key_tiles
+        ).fill_(float("nan"))
     dev_table = torch.from_numpy(table).to(device)
     length = [0] * n
     quant = [0] * n
@@ -100,17 +118,21 @@ def run_accept_reject(
 
     def step(rows: list[tuple[int, int, int | None]]) -> None:
         """rows: (request, num_new, num_accepted_drafts or None for a committed chunk)."""
-        keys, vals, cached, new, drafts = [], [], [], [], []
+        keys, vals, qs, cached, new, drafts = [], [], [], [], [], []
         for i, num, acc in rows:
             c = length[i]
             k, v = real[i][0][c : c + num], real[i][1][c : c + num]
+            q = queries[i][c : c + num]
             if acc is not None:  # tokens past 1 + acc are rejected drafts: garbage
                 bad = num - 1 - acc
                 noise = torch.from_numpy(make_kv((bad, h, d), "gaussian", seed + c + 7) * 100)
                 k = torch.cat([k[: 1 + acc], noise.to(dtype)])
                 v = torch.cat([v[: 1 + acc], -noise.to(dtype)])
+                q_noise = make_kv((bad, hq, d), "gaussian", seed + c + 11)
+                q = torch.cat([q[: 1 + acc], torch.from_numpy(q_noise).to(dtype)])
             keys.append(k)
             vals.append(v)
+            qs.append(q)
             cached.append(c)
             new.append(num)
             drafts.append(0 if acc is None else num - 1)
@@ -150,7 +172,18 @@ def run_accept_reject(
                 window_keys=window_keys,
             )
         key, val = torch.cat(keys).to(device), torch.cat(vals).to(device)
-        kk.store_kv(key, val, cache, staging, plan, p)
+        query = torch.cat(qs).to(device) if auto else None
+        kk.store_kv(
+            key,
+            val,
+            cache,
+            staging,
+            plan,
+            p,
+            key_frame=key_frame,
+            query=query,
+            frame_queries=frame_queries,
+        )
         got = plan.quantized_lens.cpu().tolist()
         for (i, num, acc), q in zip(rows, got, strict=True):
             quant[i] = q
@@ -176,6 +209,8 @@ def run_accept_reject(
             ref_staging,
             once,
             p,
+            key_frame=key_frame,
+            query=queries[i][: length[i]].to(device) if auto else None,
         )
         want_q = length[i] // g * g
         # A tile completed by the last accepted tokens waits for the next step's commit.
@@ -208,10 +243,19 @@ PINNED = {
     "reqs": [{"prompt": 60, "steps": [(6, 0), (8, 1), (3, 0)], "length": 64}],
     "seed": 3,
 }
+SEED_ACCEPTED_LAST = 14  # one whose two queries pick different frames
 # The same on 128-token tiles.
 PINNED_128 = {
     "reqs": [{"prompt": 124, "steps": [(6, 0), (8, 1), (3, 0)], "length": 128}],
     "seed": 5,
+}
+
+
+# Accepted drafts complete tile 0 (position 63 is the fourth of six drafts); the next step
+# commits it with every token staged, so its key frame is judged by the staged query.
+ACCEPTED_LAST = {
+    "reqs": [{"prompt": 60, "steps": [(6, 4), (2, 0)], "length": 66}],
+    "seed": SEED_ACCEPTED_LAST,
 }
 
 
@@ -223,13 +267,46 @@ PINNED_128 = {
     preset=st.sampled_from(["kvarn_k4v2_g64", "kvarn_k4v4_g64"]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     window_keys=st.booleans(),
+    key_frame=st.sampled_from(["rotated", "auto"]),
 )
-@example(run=PINNED, preset="kvarn_k4v2_g64", dtype=torch.bfloat16, window_keys=True)
-@example(run=PINNED, preset="kvarn_k4v2_g64", dtype=torch.bfloat16, window_keys=False)
+@example(
+    run=PINNED, preset="kvarn_k4v2_g64", dtype=torch.bfloat16, window_keys=True, key_frame="auto"
+)
+@example(
+    run=PINNED,
+    preset="kvarn_k4v2_g64",
+    dtype=torch.bfloat16,
+    window_keys=False,
+    key_frame="rotated",
+)
+@example(
+    run=ACCEPTED_LAST,
+    preset="kvarn_k4v2_g64",
+    dtype=torch.bfloat16,
+    window_keys=True,
+    key_frame="auto",
+)
 def test_accept_reject_records_equal_accepted_tokens_once(
-    planner: str, run: dict[str, object], preset: str, dtype: torch.dtype, window_keys: bool
+    planner: str,
+    run: dict[str, object],
+    preset: str,
+    dtype: torch.dtype,
+    window_keys: bool,
+    key_frame: str,
 ) -> None:
-    run_accept_reject(run, preset, planner, 1, 64, dtype, "cpu", window_keys)
+    run_accept_reject(run, preset, planner, 1, 64, dtype, "cpu", window_keys, key_frame)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window_keys", [True, False])
+def test_tiles_completed_by_accepted_drafts_need_the_staged_query(window_keys: bool) -> None:
+    """Without ``frame_queries`` the store judges a tile committed from staging by the step's
+    first query, not its last position's; on this schedule that picks another key frame than
+    writing the accepted tokens once does. With them the records match."""
+    args = (ACCEPTED_LAST, "kvarn_k4v2_g64", "device", 1, 64, torch.bfloat16, "cpu")
+    run_accept_reject(*args, window_keys, "auto")
+    with pytest.raises(AssertionError, match="tile 0 differs"):
+        run_accept_reject(*args, window_keys, "auto", staged_queries=False)
 
 
 @pytest.mark.interpreter

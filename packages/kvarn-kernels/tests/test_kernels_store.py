@@ -545,6 +545,22 @@ def test_store_kv_key_frame_checks() -> None:
         kk.store_kv(**args, key_frame="auto")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="a multiple of 2 heads"):
         kk.store_kv(**args, key_frame="auto", query=torch.zeros(3, 3, d))  # type: ignore[arg-type]
+    q = torch.zeros(3, 4, d)
+    fq = kk.allocate_frame_queries(2, 4, d, preset, torch.float32, "cpu")
+    assert fq.shape == (2, 1, 4, d) == kk.frame_query_shape(2, 4, d, preset)
+    with pytest.raises(ValueError, match='only with key_frame="auto"'):
+        kk.store_kv(**args, query=q, frame_queries=fq)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"frame_queries must be \[2, 1, 4, 64\].*got \[2, 2, 4"):
+        bad = kk.allocate_frame_queries(2, 4, d, preset, torch.float32, "cpu", staging_tiles=2)
+        kk.store_kv(**args, key_frame="auto", query=q, frame_queries=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="frame_queries must have dtype torch.float32"):
+        kk.store_kv(**args, key_frame="auto", query=q, frame_queries=fq.half())  # type: ignore[arg-type]
+    kk.store_kv(**args, key_frame="auto", query=q, frame_queries=fq)  # type: ignore[arg-type]
+    # Shapes of the staging layouts: the key rows' tiles (sink, values-only windows).
+    assert kk.frame_query_shape(3, 8, 128, "kvarn_k4v2_g128", 3, sink=True) == (3, 4, 8, 128)
+    assert kk.frame_query_shape(3, 8, 128, "kvarn_k4v2_g128", 3, True, key_tiles=2)[1] == 2
+    with pytest.raises(ValueError, match="key_tiles must be an int in"):
+        kk.frame_query_shape(3, 8, 128, "kvarn_k4v2_g128", 1, key_tiles=2)
 
 
 def test_store_warps_override(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -233,13 +233,15 @@ def test_fast_decode_kernel_does_not_specialize_on_the_split_layout(
 def test_nothing_compiles_after_warmup_on_row_slices(invariant: bool) -> None:
     """kvarn-vllm's engine settings for SmolLM2 (head_dim 64, 9 query / 3 KV heads: the
     multi-query kernel, no Gluon), values-only exact windows, a sink, two open tiles (speculative
-    decoding): after warmup, calls on row slices that start at any row (batch-invariant runs of
-    verify blocks) with their ``key_lens`` sliced too compile nothing."""
+    decoding, so the store stages frame queries): after warmup, the store and calls on row
+    slices that start at any row (batch-invariant runs of verify blocks) with their
+    ``key_lens`` sliced too compile nothing."""
     preset, d, hq, hkv, dtype, dev = "kvarn_k4v2_g128", 64, 9, 3, torch.bfloat16, "cuda"
     s_tiles, recent = 3, 1
     kk.warmup(
         preset, d, hq, hkv, dtype, dev, staging_tiles=s_tiles, sink=True,
         batch_invariant=invariant, own_kv=(False,), key_frame="auto", key_tiles=s_tiles - recent,
+        frame_queries=True,
     )  # fmt: skip
     before = kk.compiled_variants()
     g, batch, max_blocks = 128, 13, 9
@@ -256,7 +258,12 @@ def test_nothing_compiles_after_warmup_on_row_slices(invariant: bool) -> None:
         [0] * batch, lens_host, None, np.arange(batch), table_host, preset,
         staging_tiles=s_tiles, sink=True, recent_tiles=recent, window_keys=False,
     ).to(dev)  # fmt: skip
-    kk.store_kv(k, k.clone(), cache, staging, plan, preset, key_frame="auto", query=q_all)
+    fq = kk.allocate_frame_queries(
+        batch, hq, d, preset, dtype, dev, s_tiles, True, s_tiles - recent
+    )
+    kk.store_kv(
+        k, k.clone(), cache, staging, plan, preset, key_frame="auto", query=q_all, frame_queries=fq
+    )
     table = torch.as_tensor(table_host, device=dev)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
     sink_lens = torch.where(plan.seq_lens >= g, g, 0).to(torch.int32)

@@ -224,8 +224,9 @@ def test_verify_and_draft_steps_with_rejections(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
     )
     meta = h.builder.build(0, h.cam([slot], [0], [prompt], [0]))
-    h.run(meta, [(slot, 0, (k0, v0))])
+    q0, _ = h.run(meta, [(slot, 0, (k0, v0))])
     h.kv[slot] = (k0, v0)
+    accepted_q = [q0]  # the queries of the accepted tokens, which key frames are chosen from
     cached = prompt
     checked_quantized = set()
     completing = set()
@@ -271,6 +272,7 @@ def test_verify_and_draft_steps_with_rejections(
                 None if meta.context.key_lens is None else int(meta.context.key_lens[0]),
             )
         h.kv[slot] = (step_k[: cached + 1 + accepted], step_v[: cached + 1 + accepted])
+        accepted_q.append(q[: 1 + accepted])
         cached += 1 + accepted
         # A drafter decode step: one draft token per row at the next position.
         dk, dv = h.rand(1, HKV, D), h.rand(1, HKV, D)
@@ -297,6 +299,65 @@ def test_verify_and_draft_steps_with_rejections(
     assert {0, g, 2 * g} <= checked_quantized  # the walk crossed two tile boundaries
     assert completing or recent == "0"  # a verify completed a tile and kept its window
     assert len(as_rows) == (len(schedule) if as_decode else 0)  # every verify, as decode rows
+    # Key frames as without speculation: every record equals the one-shot store of the
+    # accepted tokens with their queries (each tile judged by its last position's query).
+    assert_records_as_one_shot(h, slot, torch.cat(accepted_q), max(checked_quantized))
+
+
+@pytest.mark.parametrize(("sink", "window_keys"), [("0", "1"), ("1", "0")])
+def test_a_tile_completed_by_accepted_drafts_keeps_its_key_frame(
+    vllm_config_factory, monkeypatch, sink, window_keys
+):
+    """Accepted drafts complete tile 0 (its last position is the second of three accepted
+    drafts); the next verify step commits it with all its tokens staged. The store judges its
+    key frame by the query staged with its last position (the layer's ``frame_queries``), so
+    the records equal the one-shot store of the accepted tokens, as without speculation."""
+    monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", sink)
+    monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", window_keys)
+    monkeypatch.setenv("KVARN_VLLM_KEY_FRAME", "auto")
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    g, slot = h.g, 1
+    assert h.layer.impl.frame_queries is not None
+    prompt = g - 3
+    k0, v0 = h.rand(prompt, HKV, D), h.rand(prompt, HKV, D)
+    md.STEP.report_added([slot])
+    report = SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]))
+    md.STEP.report_real(SimpleNamespace(**vars(report), num_draft_tokens_per_req=None))
+    q, _ = h.run(h.builder.build(0, h.cam([slot], [0], [prompt], [0])), [(slot, 0, (k0, v0))])
+    h.kv[slot], accepted_q, cached = (k0, v0), [q], prompt
+    for accepted in (3, 0, 1):  # positions g-2, g-1, g accepted drafts; then g + 1 sampled
+        real_k, real_v = h.rand(1 + K, HKV, D), h.rand(1 + K, HKV, D)
+        drafts = np.array([K], dtype=np.int32)
+        md.STEP.report_real(SimpleNamespace(**vars(report), num_draft_tokens_per_req=drafts))
+        meta = h.builder.build(0, h.cam([slot], [cached], [1 + K], [0]))
+        q, _ = h.run(meta, [(slot, cached, (real_k, real_v))])
+        ak, av = h.kv[slot]
+        h.kv[slot] = (
+            torch.cat([ak, real_k[: 1 + accepted]]),
+            torch.cat([av, real_v[: 1 + accepted]]),
+        )
+        accepted_q.append(q[: 1 + accepted])
+        cached += 1 + accepted
+    assert int(meta.plan.quantized_lens[0]) == g  # tile 0 committed from staging
+    assert_records_as_one_shot(h, slot, torch.cat(accepted_q), g)
+
+
+def assert_records_as_one_shot(h, slot, q, committed):
+    """The cache's records of ``slot``'s tiles below ``committed`` are byte-identical to
+    storing its accepted K/V (with queries ``q``) once, ``key_frame="auto"``."""
+    import kvarn_kernels as kk
+
+    k, v = h.kv[slot]
+    n = q.shape[0]
+    assert k.shape[0] == n
+    once = torch.zeros_like(h.kv_cache)
+    staging = kk.allocate_staging(1, HKV, D, h.preset, k.dtype, "cpu")
+    table = h.block_table[slot : slot + 1].numpy()
+    plan = kk.plan_store([0], [n], None, [0], table, h.preset)
+    kk.store_kv(k, v, once, staging, plan, h.preset, key_frame="auto", query=q)
+    for t in range(committed // h.g):
+        blk = int(h.block_table[slot, t])
+        assert torch.equal(h.kv_cache[blk], once[blk]), f"tile {t} differs"
 
 
 @pytest.mark.parametrize(("sink", "invariant"), [("0", "0"), ("1", "0"), ("1", "1")])

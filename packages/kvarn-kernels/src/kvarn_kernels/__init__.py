@@ -9,8 +9,10 @@ from kvarn_kernels.attention import choose_num_splits, decode_attention, multi_q
 from kvarn_kernels.attention.launch import VERIFY_AS_DECODE_MAX_QUERY
 from kvarn_kernels.cache import (
     allocate_cache,
+    allocate_frame_queries,
     allocate_staging,
     cache_shape,
+    frame_query_shape,
     staging_bytes,
     staging_rows,
     staging_shape,
@@ -36,6 +38,7 @@ __all__ = [
     "VERIFY_AS_DECODE_MAX_QUERY",
     "__version__",
     "allocate_cache",
+    "allocate_frame_queries",
     "allocate_staging",
     "cache_shape",
     "check_format_version",
@@ -47,6 +50,7 @@ __all__ = [
     "dequantize",
     "dequantize_tiles",
     "encode_tiles",
+    "frame_query_shape",
     "key_window_start",
     "multi_query_attention",
     "plan_draft_device",

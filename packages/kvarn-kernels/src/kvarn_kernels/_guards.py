@@ -15,6 +15,7 @@ from kvarn_kernels._triton import INTERPRET
 __all__ = [
     "MODEL_DTYPES",
     "check_cache",
+    "check_frame_queries",
     "check_preset",
     "check_same_device",
     "check_staging",
@@ -123,4 +124,30 @@ def check_staging(
         raise ValueError(
             f"staging dim 2 must be a positive multiple of G={g} (S*G), got {t.shape[2]}"
         )
+    return t
+
+
+def check_frame_queries(
+    frame_queries: object,
+    staging: torch.Tensor,
+    query: torch.Tensor,
+    group_size: int,
+    sink: bool,
+    key_tiles: int | None,
+) -> torch.Tensor:
+    """``frame_queries`` ``[num_slots, T, num_q_heads, head_dim]`` contiguous, ``query``'s dtype
+    and device, one slot per staging slot and one tile per tile of the staging's key rows
+    (:func:`kvarn_kernels.frame_query_shape`)."""
+    t = check_tensor("frame_queries", frame_queries, dtype=(query.dtype,), ndim=4, contiguous=True)
+    if key_tiles is not None:
+        tiles = key_tiles
+    else:
+        tiles = staging.shape[2] // group_size
+    want = (staging.shape[0], tiles, query.shape[1], query.shape[2])
+    if tuple(t.shape) != want:
+        raise ValueError(
+            f"frame_queries must be {list(want)} (staging slots, the staging's key tiles, the "
+            f"query's heads and head_dim; kvarn_kernels.frame_query_shape), got {list(t.shape)}"
+        )
+    check_same_device(query=query, frame_queries=t)
     return t

@@ -395,15 +395,15 @@ def _store_cost(
     """store_kv time for a decode step of ``batch`` requests: typical (batch/G tiles complete),
     worst (every request completes a tile), and per completed tile; and for a prefill chunk of
     ``8 G`` tokens of each of 8 requests (per tile). ``key_frame="auto"``: each tile's key frame
-    chosen from ``num_q_heads`` random queries per token. ``iterations``: normalization sweeps
-    (default kvarn-math's)."""
+    chosen from ``num_q_heads`` random queries per token, plus a speculative commit step
+    (:func:`_commit_cost`). ``iterations``: normalization sweeps (default kvarn-math's)."""
     from kvarn_kernels.cache import allocate_cache, allocate_staging
     from kvarn_kernels.plan import StorePlan, plan_store
     from kvarn_kernels.quantize import store_kv
 
     p = get_preset(preset)
     g = p.group_size
-    sweeps = {} if iterations is None else {"iterations": iterations}
+    sweeps: dict[str, Any] = {} if iterations is None else {"iterations": iterations}
     cache = allocate_cache(batch * 2, num_kv_heads, head_dim, p, device)
     staging = allocate_staging(batch, num_kv_heads, head_dim, p, dtype, device)
     staging.normal_()
@@ -430,6 +430,10 @@ def _store_cost(
         * 1e3
         / (batch * num_kv_heads)
     )
+    if auto:
+        result.update(
+            _commit_cost(key, value, cache, query, table, p, batch, sweeps, quick, device)
+        )
     # A prefill chunk: 8 requests x 8 tiles, every tile quantized from the batch's own rows.
     reqs, tiles = 8, 8
     n = reqs * tiles * g
@@ -460,6 +464,45 @@ STORE_VARIANTS = (
     ("auto", 2, "16"),
     ("auto", 2, "32"),
 )
+
+
+def _commit_cost(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    query: torch.Tensor,
+    table: np.ndarray,
+    p: Any,
+    batch: int,
+    sweeps: dict[str, Any],
+    quick: bool,
+    device: torch.device,
+) -> dict[str, float]:
+    """A speculative step in which every request commits a tile whose tokens were all staged
+    (``key_frame="auto"``): judged by the step's first query, and by the query staged with the
+    tile's last position (``frame_queries``, what kvarn-vllm passes under speculation)."""
+    from kvarn_kernels.cache import allocate_frame_queries, allocate_staging
+    from kvarn_kernels.plan import plan_store
+    from kvarn_kernels.quantize import store_kv
+
+    g, num_q_heads, head_dim = p.group_size, query.shape[1], query.shape[2]
+    staging = allocate_staging(batch, key.shape[1], head_dim, p, key.dtype, device, 2)
+    staging.normal_()
+    fq = allocate_frame_queries(batch, num_q_heads, head_dim, p, key.dtype, device, 2).normal_()
+    # Tile 0's G tokens are staged; one new token is committed with it.
+    plan = plan_store(
+        [g] * batch, [1] * batch, [g + 1] * batch, list(range(batch)), table, p,
+        staging_tiles=2, num_quantized=[0] * batch,
+    ).to(device)  # fmt: skip
+    out = {}
+    for label, staged in (("", None), ("_frame_queries", fq)):
+
+        def step(staged: torch.Tensor | None = staged) -> None:
+            store_kv(key, value, cache, staging, plan, p, key_frame="auto", query=query,
+                     frame_queries=staged, **sweeps)  # fmt: skip
+
+        out[f"store_step_commit{label}_ms"] = _best_ms(step, quick, device)["ms"]
+    return out
 
 
 def _store_sweep(
@@ -801,6 +844,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{s['store_step_typical_tiles']} | {1e3 * s['store_step_worst_ms']:.1f} | "
             f"{s['store_per_tile_us']:.2f} | {s.get('store_prefill_per_tile_us', float('nan')):.2f} |"
         )
+        if "store_step_commit_ms" in s:
+            lines.append(
+                f"|  | speculative commit step, every request a staged tile: "
+                f"{1e3 * s['store_step_commit_ms']:.1f} us with the step's first queries, "
+                f"{1e3 * s['store_step_commit_frame_queries_ms']:.1f} us with frame queries "
+                "| | | | |"
+            )
         fr = {k: v for k, v in s.items() if k.startswith("typical_fraction")}
         if fr:
             lines.append(

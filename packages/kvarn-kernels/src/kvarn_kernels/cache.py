@@ -24,8 +24,10 @@ _Pos = TypeVar("_Pos", np.ndarray, torch.Tensor)
 
 __all__ = [
     "allocate_cache",
+    "allocate_frame_queries",
     "allocate_staging",
     "cache_shape",
+    "frame_query_shape",
     "staging_bytes",
     "staging_rows",
     "staging_shape",
@@ -126,6 +128,49 @@ def allocate_staging(
 ) -> torch.Tensor:
     """A zeroed staging area of :func:`staging_shape`."""
     shape = staging_shape(num_slots, num_kv_heads, head_dim, preset, staging_tiles, sink, key_tiles)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def frame_query_shape(
+    num_slots: int,
+    num_q_heads: int,
+    head_dim: int,
+    preset: str | Preset,
+    staging_tiles: int = 1,
+    sink: bool = False,
+    key_tiles: int | None = None,
+) -> tuple[int, int, int, int]:
+    """``(num_slots, T, num_q_heads, head_dim)``: the frame queries that go with a staging area of
+    ``staging_shape(num_slots, ..., staging_tiles, sink, key_tiles)``.
+
+    Entry ``[slot, r // G]`` holds the query (original frame, model dtype) of the position whose
+    key sits at key row ``r = r // G * G + G - 1``, the last position of a tile, as
+    ``store_kv(frame_queries=)`` staged it with the key. ``T`` is the key rows' tiles:
+    ``key_tiles``, else ``staging_tiles + sink``. A speculative step can commit a tile all of
+    whose tokens were staged (accepted drafts); ``key_frame="auto"`` then judges it by this
+    query, the same query a step that writes the tile's last token directly judges it by.
+    """
+    # Checks the preset, head_dim, slots and tiles as the staging area's shape does.
+    staging_shape(num_slots, 1, head_dim, preset, staging_tiles, sink, key_tiles)
+    tiles = key_tiles if key_tiles is not None else staging_tiles + int(bool(sink))
+    return (num_slots, tiles, _positive("num_q_heads", num_q_heads), head_dim)
+
+
+def allocate_frame_queries(
+    num_slots: int,
+    num_q_heads: int,
+    head_dim: int,
+    preset: str | Preset,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    staging_tiles: int = 1,
+    sink: bool = False,
+    key_tiles: int | None = None,
+) -> torch.Tensor:
+    """A zeroed frame-query area of :func:`frame_query_shape` (``dtype``: the queries')."""
+    shape = frame_query_shape(
+        num_slots, num_q_heads, head_dim, preset, staging_tiles, sink, key_tiles
+    )
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -37,7 +37,7 @@ from kvarn_kernels.attention.launch import (
     query_block_sizes,
 )
 from kvarn_kernels.attention.launch import batch_invariant as invariant_mode
-from kvarn_kernels.cache import allocate_cache, allocate_staging
+from kvarn_kernels.cache import allocate_cache, allocate_frame_queries, allocate_staging
 from kvarn_kernels.dequantize import dequantize
 from kvarn_kernels.plan import plan_store
 from kvarn_kernels.quantize import store_kv
@@ -78,6 +78,7 @@ def warmup(
     own_kv: Sequence[bool] = (False, True),
     key_frame: str = "rotated",
     key_tiles: int | None = None,
+    frame_queries: bool = False,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Launch every kernel variant an engine with this shape uses, on scratch tensors.
@@ -104,6 +105,8 @@ def warmup(
         key_tiles: values-only exact windows (``plan_store(window_keys=False)``): the key
             ring's tiles, the engine's open tiles ``S - R`` (staging of
             ``staging_shape(key_tiles=)``); ``None``: windows keep keys too.
+        frame_queries: whether the engine passes ``store_kv(frame_queries=)`` (speculative
+            decoding with ``key_frame="auto"``).
         threads: threads that launch (and so compile) the variants after the store
             (:func:`warmup_threads`).
 
@@ -150,8 +153,25 @@ def warmup(
     if key_frame not in KEY_FRAMES:
         raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {key_frame!r}")
     auto = key_frame == "auto"
+    if frame_queries and not auto:
+        raise ValueError('frame_queries are read only with key_frame="auto"')
     query_all = randn(seq_len, num_q_heads, head_dim) if auto else None
-    store_kv(key, value, cache, staging, plan.to(device), p, key_frame=key_frame, query=query_all)
+    fq = None
+    if frame_queries:
+        fq = allocate_frame_queries(
+            2, num_q_heads, head_dim, p, dtype, device, staging_tiles, sink, key_tiles
+        )
+    store_kv(
+        key,
+        value,
+        cache,
+        staging,
+        plan.to(device),
+        p,
+        key_frame=key_frame,
+        query=query_all,
+        frame_queries=fq,
+    )
     launches += 2
 
     def ints(*values: int) -> torch.Tensor:

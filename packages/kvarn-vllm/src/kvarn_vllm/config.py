@@ -130,6 +130,14 @@ class KvarnConfig:
         return self.key_frame == "auto"
 
     @property
+    def frame_queries(self) -> bool:
+        """The store stages the query of each tile's last position (``store_kv(frame_queries=)``):
+        with ``auto`` key frames under speculative decoding, where a step can commit a tile
+        whose tokens were all staged (accepted drafts), so that it is judged by the same query
+        as without speculation."""
+        return self.mixed_key_frames and self.staging_tiles > 1
+
+    @property
     def name(self) -> str:
         """The ``kv_cache_dtype`` string, e.g. ``kvarn_k4v2_g128``."""
         return self.preset.name

@@ -50,6 +50,7 @@ _STAGING: dict[str, Any] = {
     "batch_invariant": False,
     "cache_bytes_per_token": 0.0,
     "shared_layers": 0,
+    "frame_query_bytes": 0,
     "logged": False,
 }
 
@@ -115,6 +116,13 @@ def log_staging_once() -> None:
             _STAGING["staging_tiles"],
             _STAGING["staging_tiles"] * _STAGING["group_size"],
         )
+        if _STAGING.get("frame_query_bytes"):
+            logger.info(
+                "kvarn: with auto key frames the staging also keeps each open tile's "
+                "last-position query (%.3f GiB of the total above), so a tile committed from "
+                "accepted drafts is judged by the same query as without speculation.",
+                _STAGING["frame_query_bytes"] / 2**30,
+            )
         if not _STAGING.get("batch_invariant"):
             logger.info(
                 "kvarn: attention runs in the default launch, where verify rows and decode rows "
@@ -183,6 +191,7 @@ def _make_impl_class() -> type:
                 )
             self.config.check_head_dim(head_size)
             self.staging = None
+            self.frame_queries = None
             if kv_sharing_target_layer_name is not None:
                 _STAGING["shared_layers"] += 1  # attends without K/V of its own
             else:
@@ -205,6 +214,21 @@ def _make_impl_class() -> type:
                     key_tiles=self.config.key_tiles,
                 )
                 _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
+                if self.config.frame_queries:
+                    self.frame_queries = kernels.allocate_frame_queries(
+                        num_slots,
+                        self.num_heads,
+                        head_size,
+                        self.preset,
+                        dtype,
+                        torch.get_default_device(),
+                        staging_tiles=self.config.ring_tiles,
+                        sink=self.config.sink,
+                        key_tiles=self.config.key_tiles,
+                    )
+                    fq = self.frame_queries
+                    _STAGING["bytes"] += fq.numel() * fq.element_size()
+                    _STAGING["frame_query_bytes"] += fq.numel() * fq.element_size()
                 _STAGING["layers"] += 1
                 _STAGING["slots"] = num_slots
                 _STAGING["tokens"] = self.config.staging_tokens
@@ -257,6 +281,7 @@ def _make_impl_class() -> type:
                     self.preset,
                     key_frame=self.config.key_frame,
                     query=query[:n] if auto else None,
+                    frame_queries=self.frame_queries,
                 )
             window = self.sliding_window
             if md.decode is not None:

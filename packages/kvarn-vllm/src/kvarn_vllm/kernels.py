@@ -10,6 +10,7 @@ import functools
 from types import ModuleType
 
 __all__ = [
+    "allocate_frame_queries",
     "allocate_staging",
     "compile_cache",
     "decode_attention",
@@ -38,6 +39,7 @@ _REQUIRED = (
     "decode_attention",
     "multi_query_attention",
     "allocate_staging",
+    "allocate_frame_queries",
     "staging_bytes",
     "dequantize",
     "rotate",
@@ -107,6 +109,12 @@ def multi_query_attention(*args, **kwargs):
 def allocate_staging(*args, **kwargs):
     """``kvarn_kernels.allocate_staging`` (once per layer, at model build)."""
     return kernels_module().allocate_staging(*args, **kwargs)
+
+
+def allocate_frame_queries(*args, **kwargs):
+    """``kvarn_kernels.allocate_frame_queries`` (once per layer, at model build, with
+    speculative decoding and ``auto`` key frames)."""
+    return kernels_module().allocate_frame_queries(*args, **kwargs)
 
 
 def staging_bytes(*args, **kwargs):

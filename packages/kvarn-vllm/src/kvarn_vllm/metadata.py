@@ -102,6 +102,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
         own_kv,
         config.key_frame,
         config.key_tiles,
+        config.frame_queries,
     )
     if key in _WARMED:
         return None
@@ -124,6 +125,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
             own_kv=own_kv,
             key_frame=config.key_frame,
             key_tiles=config.key_tiles,
+            frame_queries=config.frame_queries,
         )
     logger.info(
         "kvarn: compiled the kernels before serving (%d launches, query blocks %s, %d "

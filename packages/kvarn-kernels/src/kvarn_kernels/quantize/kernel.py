@@ -129,11 +129,8 @@ def _quantize_keys(
 def _frame_estimates(
     k,
     k_raw,
-    q_ptr,
-    stride_qt,
+    q_row,
     stride_qh,
-    row0,
-    num_rows,
     hkv,
     rsqrt_d,
     G: tl.constexpr,
@@ -142,8 +139,8 @@ def _frame_estimates(
 ):
     """kvarn_math.tile.key_frame_estimates of one tile: ``(rotated, raw)`` =
     ``sum_d (sum_i q_i[d]^2) (max_t k[t, d] - min_t k[t, d])^2`` in each frame, over the KV
-    head's ``GROUP`` query heads at the row ``row0 + frame_query_rows(num_rows)``
-    (kvarn_math.tile: the last of the ``num_rows`` fresh rows)."""
+    head's ``GROUP`` query heads of the query row at ``q_row`` (heads ``stride_qh`` apart): the
+    tile's last position's (kvarn_math.tile.frame_query_rows)."""
     hi, lo = extremes(k, 0)
     spread_rot = hi - lo  # [D]
     hi, lo = extremes(k_raw, 0)
@@ -151,14 +148,13 @@ def _frame_estimates(
     d = tl.arange(0, D)
     energy_rot = tl.zeros([D], dtype=tl.float32)
     energy_raw = tl.zeros([D], dtype=tl.float32)
-    # One live row in a block of 16 (the transform's smallest row block): the last fresh one.
+    # One live row in a block of 16 (the transform's smallest row block).
     r = tl.arange(0, 16)
     live = r < 1
-    row = (row0 + num_rows - 1 + r * 0).to(tl.int64)
     for j in tl.static_range(GROUP):
         head = (hkv * GROUP + j).to(tl.int64)
         q = tl.load(
-            q_ptr + row[:, None] * stride_qt + head * stride_qh + d[None, :],
+            q_row + head * stride_qh + (r * 0)[:, None] + d[None, :],
             mask=live[:, None],
             other=0.0,
         ).to(tl.float32)
@@ -229,6 +225,10 @@ def quantize_tiles_kernel(
     stride_qt,
     stride_qh,
     frames_ptr,
+    fq_ptr,
+    stride_fs,
+    stride_ft,
+    stride_fh,
     rsqrt_d,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -252,6 +252,7 @@ def quantize_tiles_kernel(
     OFF_FL: tl.constexpr,
     FRESH_ROTATED: tl.constexpr,
     PRECISE: tl.constexpr,
+    STAGED_QUERIES: tl.constexpr = False,
 ):
     """One program = keys or values of one tile of one KV head: gather, rotate, normalize,
     round, pack, store (grid: tiles x KV heads x 2).
@@ -263,8 +264,10 @@ def quantize_tiles_kernel(
 
     The keys' frame (``KEY_FRAME``): 0 rotated; 1 chosen per tile and KV head by the smaller
     estimated attention-score error over the queries ``q`` ``[num_tokens, Hq, D]`` (original
-    frame) of the tile's last fresh row (its last position; kvarn_math.tile.frame_query_rows),
-    or of its first row ``fresh_index`` when all its tokens were staged
+    frame) of the tile's last position (kvarn_math.tile.frame_query_rows): its last fresh row;
+    when all its tokens were staged, with ``STAGED_QUERIES`` the query staged with that
+    position's key (``fq`` ``[num_slots, T, Hq, D]``, :func:`kvarn_kernels.frame_query_shape`),
+    without it the row ``fresh_index`` (its request's first of the step)
     (kvarn_math.tile.choose_key_frames); 2 as ``frames`` ``[num_tiles, Hkv]`` int8 says
     (1: the keys' own channels).
     """
@@ -295,11 +298,19 @@ def quantize_tiles_kernel(
             raw = head < 0  # False: the rotated frame
             if KEY_FRAME == 1:
                 k_raw = fwht_rows(k, G, D) * rsqrt_d  # H / sqrt(D) is its own inverse
-                num_rows = tl.maximum(G - num_staged, 1)
+                last = fresh_index + tl.maximum(G - num_staged, 1) - 1
+                q_row = q_ptr + last.to(tl.int64) * stride_qt
+                q_hs = stride_qh
+                if STAGED_QUERIES:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                    if num_staged >= G:
+                        ring = staging_rows(start + G - 1, KSG, KSINK) // G
+                        q_row = (
+                            fq_ptr + slot.to(tl.int64) * stride_fs + ring.to(tl.int64) * stride_ft
+                        )
+                        q_hs = stride_fh
                 est_rot, est_raw = _frame_estimates(
-                    k, k_raw, q_ptr, stride_qt, stride_qh, fresh_index, num_rows, head,
-                    rsqrt_d, G, D, GROUP,
-                )  # fmt: skip
+                    k, k_raw, q_row, q_hs, head, rsqrt_d, G, D, GROUP
+                )
                 raw = est_raw < est_rot
                 k = tl.where(raw, k_raw, k)
             if KEY_FRAME == 2:
@@ -341,15 +352,28 @@ def stage_tokens_kernel(
     stride_sh,
     writes_ptr,
     num_rows,
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    fq_ptr,
+    stride_fs,
+    stride_ft,
+    stride_fh,
     rsqrt_d,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    G: tl.constexpr = 1,
+    GROUP: tl.constexpr = 1,
+    STAGED_QUERIES: tl.constexpr = False,
 ):
     """Rotate ``BLOCK_T`` fresh tokens of one KV head and write them to their staging positions.
 
     ``writes`` rows: ``token_index, slot, staging_pos, key_pos`` (token -1: skip; the value
     goes to row ``staging_pos`` of the value rows, ``stride_skv`` after the key rows, the key to
-    row ``key_pos``; a row of -1 is not written).
+    row ``key_pos``; a row of -1 is not written). With ``STAGED_QUERIES``, a token whose key
+    row is the last of a tile's (``key_pos % G == G - 1``: the tile's last position) also copies
+    its ``GROUP`` query heads of this KV head from ``q`` ``[num_tokens, Hq, D]`` to
+    ``fq[slot, key_pos // G]`` (:func:`kvarn_kernels.frame_query_shape`), unchanged.
     """
     pid = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -376,3 +400,10 @@ def stage_tokens_kernel(
     v = fwht_rows(v.to(tl.float32), BLOCK_T, D) * rsqrt_d
     dst = base + stride_skv + pos[:, None] * stride_sp
     tl.store(dst, round_to(v, stage_ptr.dtype.element_ty), mask=mask)
+    if STAGED_QUERIES:
+        last = ((kpos >= 0) & (kpos % G == G - 1))[:, None]
+        fq = fq_ptr + slot[:, None] * stride_fs + (kpos // G)[:, None] * stride_ft + d[None, :]
+        for j in tl.static_range(GROUP):
+            hq = head * GROUP + j
+            q = tl.load(q_ptr + tok[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=last)
+            tl.store(fq + hq * stride_fh, q, mask=last)

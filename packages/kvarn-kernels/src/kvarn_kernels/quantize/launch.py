@@ -16,6 +16,7 @@ from kvarn_kernels._format import offset_constants
 from kvarn_kernels._guards import (
     MODEL_DTYPES,
     check_cache,
+    check_frame_queries,
     check_preset,
     check_same_device,
     check_staging,
@@ -101,6 +102,7 @@ def _launch_quantize(
     key_frame: str = "rotated",
     query: torch.Tensor | None = None,
     frames: torch.Tensor | None = None,
+    frame_queries: torch.Tensor | None = None,
 ) -> None:
     if tiles.shape[0] == 0:
         return
@@ -114,6 +116,7 @@ def _launch_quantize(
         assert query is not None
         group = query.shape[1] // num_kv_heads
         q_arg, stride_qt, stride_qh = query, query.stride(0), query.stride(1)
+    fq, fq_strides = _frame_query_args(q_arg, frame_queries)
     grid = (tiles.shape[0], num_kv_heads, 2)  # (tile, KV head, keys|values)
     quantize_tiles_kernel[grid](
         key,
@@ -136,6 +139,8 @@ def _launch_quantize(
         stride_qt,
         stride_qh,
         tiles if frames is None else frames,
+        fq,
+        *fq_strides,
         float(np.float32(1.0 / math.sqrt(d))),
         G=p.group_size,
         D=d,
@@ -151,8 +156,20 @@ def _launch_quantize(
         **offset_constants(layout),
         FRESH_ROTATED=fresh_rotated,
         PRECISE=PRECISE_MATH,
+        STAGED_QUERIES=frame_queries is not None,
         num_warps=_num_warps(layout),
     )
+
+
+def _frame_query_args(
+    query: torch.Tensor, frame_queries: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The kernels' ``fq`` operand and its slot, tile and head strides (``query``, unread,
+    when there are none)."""
+    if frame_queries is None:
+        return query, (0, 0, 0)
+    st = frame_queries.stride()
+    return frame_queries, (st[0], st[1], st[2])
 
 
 def store_kv(
@@ -166,6 +183,7 @@ def store_kv(
     *,
     key_frame: str = "rotated",
     query: torch.Tensor | None = None,
+    frame_queries: torch.Tensor | None = None,
 ) -> None:
     """Store one layer's fresh K/V of a step: quantize completed tiles, stage the rest.
 
@@ -182,11 +200,18 @@ def store_kv(
         iterations: variance-normalization sweeps (kvarn-math's default).
         key_frame: ``"rotated"`` (every tile's keys Hadamard-rotated) or ``"auto"``: per tile
             and KV head, keys in the rotated frame or in their own channels, whichever loses
-            less of the attention scores of ``query``'s rows at the tile's fresh positions (its
-            request's first row of the step when all its tokens were staged); the record's
-            ``KEYS_UNROTATED`` flag says which (kvarn_math.tile.choose_key_frames).
+            less of the attention scores of the query at the tile's last position
+            (kvarn_math.tile.frame_query_rows); the record's ``KEYS_UNROTATED`` flag says which
+            (kvarn_math.tile.choose_key_frames).
         query: ``[num_tokens, num_q_heads, head_dim]`` the step's queries, original frame
             (after RoPE), rows as ``key``'s; needed with ``key_frame="auto"``.
+        frame_queries: with ``key_frame="auto"``, the area of :func:`frame_query_shape` for
+            ``staging`` (``query``'s dtype), written in place: each staged token at a tile's
+            last position leaves its query there, and a tile all of whose tokens were staged
+            (a speculative step committing accepted drafts) is judged by it. Without it such a
+            tile is judged by its request's first query of the step, a different query than
+            when the step writes the tile's last token itself; plans without speculative
+            commits (``num_committed`` of every row its total) make no such tiles.
 
     Launch order: tiles are quantized first (they may read staged tokens whose positions the
     fresh tokens of this step reuse), then the fresh tokens are written to staging.
@@ -229,6 +254,13 @@ def store_kv(
                 f"{head_dim}], got {list(query.shape)}"
             )
         check_same_device(key=key, query=query)
+    if frame_queries is not None:
+        if key_frame != "auto":
+            raise ValueError(
+                f'frame_queries are read only with key_frame="auto", got key_frame={key_frame!r}'
+            )
+        assert query is not None
+        check_frame_queries(frame_queries, staging, query, p.group_size, plan.sink, plan.key_tiles)
     _launch_quantize(
         key,
         value,
@@ -242,10 +274,15 @@ def store_kv(
         plan.key_tiles,
         key_frame=key_frame,
         query=query,
+        frame_queries=frame_queries,
     )
     rows = plan.writes.shape[0]
     if rows:
         sv = staging_view(staging, p.group_size, plan.sink, plan.key_tiles)
+        # Without frame queries the kernel reads no query: the variant launched is as before.
+        q_arg = key if query is None or frame_queries is None else query
+        fq, fq_strides = _frame_query_args(q_arg, frame_queries)
+        staged_q = frame_queries is not None
         grid = (triton.cdiv(rows, _STAGE_BLOCK_T), num_kv_heads)
         stage_tokens_kernel[grid](
             key,
@@ -261,9 +298,17 @@ def store_kv(
             sv.head,
             plan.writes,
             rows,
+            q_arg,
+            q_arg.stride(0),
+            q_arg.stride(1),
+            fq,
+            *fq_strides,
             float(np.float32(1.0 / math.sqrt(head_dim))),
             D=head_dim,
             BLOCK_T=_STAGE_BLOCK_T,
+            G=p.group_size if staged_q else 1,
+            GROUP=q_arg.shape[1] // num_kv_heads if staged_q else 1,
+            STAGED_QUERIES=staged_q,
             num_warps=4,
         )
 
