@@ -113,3 +113,38 @@ def test_window_layouts_read_what_they_stage() -> None:
         bench._Case(preset, 4, hkv, d, 1, 2 * g, torch.bfloat16, cpu, template, False, "sink")
     with pytest.raises(ValueError, match="needs a context of 2 tiles"):
         bench._Case(preset, 4, hkv, d, 1, g, torch.bfloat16, cpu, template, False, "keys")
+
+
+def test_store_variants_table_shows_the_speculative_commit_step() -> None:
+    """Rows of ``auto`` key frames carry the speculative commit step with and without frame
+    queries; rotated rows have none and print a dash."""
+    common = {"preset": "kvarn_k4v2_g128", "shape": "llama3-8b", "iterations": 2}
+    times = {
+        "store_step_typical_ms": 0.010,
+        "store_step_worst_ms": 0.030,
+        "store_prefill_ms": 0.200,
+        "store_prefill_per_tile_us": 0.39,
+    }
+    report = {
+        "gpu": "test",
+        "hbm_copy_gbps": 4000.0,
+        "git_sha": "abc",
+        "versions": {},
+        "attention": [],
+        "store": [],
+        "notes": [],
+        "store_sweep": [
+            {**common, **times, "key_frame": "rotated", "warps": "default"},
+            {
+                **common,
+                **times,
+                "key_frame": "auto",
+                "warps": "default",
+                "store_step_commit_ms": 0.0251,
+                "store_step_commit_frame_queries_ms": 0.0262,
+            },
+        ],
+    }
+    text = bench.markdown(report)
+    assert "| rotated | 2 | default | 10.0 | 30.0 | 200.0 | 0.39 | - | - |" in text
+    assert "| auto | 2 | default | 10.0 | 30.0 | 200.0 | 0.39 | 25.1 | 26.2 |" in text

@@ -329,8 +329,10 @@ def test_accept_reject_low_bit_keys(run: dict[str, object], preset: str, window_
     run=accept_reject_runs(128, 6),
     preset=st.sampled_from(sorted(PRESETS)),
     window_keys=st.booleans(),
+    key_frame=st.sampled_from(["rotated", "auto"]),
 )
+@example(run=ACCEPTED_LAST, preset="kvarn_k4v2_g64", window_keys=False, key_frame="auto")
 def test_accept_reject_records_equal_accepted_tokens_once_gpu(
-    run: dict[str, object], preset: str, window_keys: bool
+    run: dict[str, object], preset: str, window_keys: bool, key_frame: str
 ) -> None:
-    run_accept_reject(run, preset, "device", 8, 128, torch.bfloat16, "cuda", window_keys)
+    run_accept_reject(run, preset, "device", 8, 128, torch.bfloat16, "cuda", window_keys, key_frame)

@@ -178,6 +178,15 @@ def test_staging_tiles_for_speculation():
         staging_tiles_for(-1, 128)
 
 
+def test_frame_queries_with_auto_key_frames_under_speculation_only():
+    """The store stages last-position queries only where a step can commit a tile from
+    staging (speculative decoding) and the key frame is chosen from the queries."""
+    preset = PRESETS["kvarn_k4v2_g128"]
+    assert KvarnConfig(preset=preset, staging_tiles=2, key_frame="auto").frame_queries
+    assert not KvarnConfig(preset=preset, staging_tiles=1, key_frame="auto").frame_queries
+    assert not KvarnConfig(preset=preset, staging_tiles=2, key_frame="rotated").frame_queries
+
+
 def test_config_validation():
     preset = PRESETS["kvarn_k4v2_g128"]
     with pytest.raises(ValueError, match="staging_tiles"):

@@ -882,8 +882,9 @@ def markdown(report: dict[str, Any]) -> str:
             "Store variants:",
             "",
             "| preset | shape | key frame | sweeps | warps | typical step (us) | worst step (us) "
-            "| prefill chunk (us) | prefill per tile (us) |",
-            "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
+            "| prefill chunk (us) | prefill per tile (us) | spec. commit step (us) | with frame "
+            "queries (us) |",
+            "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in report["store_sweep"]:
             head = (
@@ -891,12 +892,16 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['warps']} | "
             )
             if "error" in r:
-                lines.append(head + f"{r['error']} | | | |")
+                lines.append(head + f"{r['error']} | | | | | |")
                 continue
+            commit = " | ".join(
+                f"{1e3 * r[k]:.1f}" if k in r else "-"
+                for k in ("store_step_commit_ms", "store_step_commit_frame_queries_ms")
+            )
             lines.append(
                 head + f"{1e3 * r['store_step_typical_ms']:.1f} | "
                 f"{1e3 * r['store_step_worst_ms']:.1f} | {1e3 * r['store_prefill_ms']:.1f} | "
-                f"{r['store_prefill_per_tile_us']:.2f} |"
+                f"{r['store_prefill_per_tile_us']:.2f} | {commit} |"
             )
     if report["notes"]:
         lines += ["", *[f"- {n}" for n in report["notes"]]]
