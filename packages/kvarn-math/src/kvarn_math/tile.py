@@ -456,7 +456,8 @@ def frame_query_rows(num_rows: int) -> npt.NDArray[np.int64]:
     takes the queries of to choose the tile's key frame (:func:`choose_key_frames`): the last,
     ``[num_rows - 1]`` (:data:`FRAME_QUERY_ROWS`). When none of the tile's positions is fresh
     (under speculative decoding, a tile whose last token was an accepted draft of an earlier
-    step), the store takes its request's first query of the step instead.
+    step), a store keeps that position's query from the step that wrote it
+    (kvarn-kernels' ``store_kv(frame_queries=)``), so the tile is judged by the same query.
 
     Raises:
         ValueError: ``num_rows`` is not an int >= 1.
@@ -470,8 +471,8 @@ def choose_key_frames(k: npt.ArrayLike, q: npt.ArrayLike) -> npt.NDArray[np.bool
     """Which tiles store their keys in their own channels: those whose estimated
     attention-score error (:func:`key_frame_estimates`) is smaller unrotated than rotated. No
     calibration: the queries are those at hand when the tile is stored (a serving engine's
-    store takes the query at the tile's last position, :func:`frame_query_rows`, or the
-    request's first query of the step when none of the tile's positions is fresh).
+    store takes the query at the tile's last position, :func:`frame_query_rows`, kept from the
+    step that wrote it when that step was an earlier one).
     :func:`key_frame_errors` is the exact error it estimates.
 
     Args:

@@ -47,9 +47,11 @@ VERIFY_AS_DECODE_ENV = "KVARN_VLLM_VERIFY_AS_DECODE"
 """Environment variable: ``1`` runs the verify blocks of speculative decoding (at most 16 query
 tokens per request) as decode rows, one per token, in the default launch: a verify token is
 then computed by the kernel and launch that decode it without speculation, instead of the
-multi-query kernel (only the split layout still follows the batch). Default ``0``: on the H200
-it left n-gram agreement with no speculation at 91.9% (92.6% without it, twenty-fourth run);
-batch-invariant mode does this where the Gluon kernel decodes."""
+multi-query kernel (only the split layout still follows the batch). Default ``0``. On the H200
+(thirty-second run, commit 2406c7e, SmolLM2) n-gram agreement with no speculation was 96.4% with
+it, 87.4-88.7% without, bf16 93.5-95.8%; it stays opt-in until its cost at long contexts is
+measured (a verify block of ``1 + k`` tokens reads its context ``1 + k`` times). Batch-invariant
+mode does this where the Gluon kernel decodes."""
 KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
 """Environment variable: ``auto`` (default) stores each tile's keys Hadamard-rotated or in their
 own channels, whichever loses less of the attention scores of the step's queries (the record
