@@ -148,3 +148,39 @@ def test_store_variants_table_shows_the_speculative_commit_step() -> None:
     text = bench.markdown(report)
     assert "| rotated | 2 | default | 10.0 | 30.0 | 200.0 | 0.39 | - | - |" in text
     assert "| auto | 2 | default | 10.0 | 30.0 | 200.0 | 0.39 | 25.1 | 26.2 |" in text
+
+
+def test_verify_table_compares_the_two_verify_launches() -> None:
+    """``--verify K`` rows: the decode step, the verify block through the multi-query kernel
+    and as decode rows, and their ratio."""
+    row = {
+        "preset": "kvarn_k4v2_g128",
+        "shape": "llama3-8b",
+        "batch": 64,
+        "context": 16384,
+        "time_us": 600.0,
+        "gbps": 3000.0,
+        "hbm_fraction": 0.75,
+        "num_splits": 1,
+        "verify_multi_query_us": 800.0,
+        "verify_as_decode_us": 2000.0,
+        "verify_tokens": 5,
+    }
+    report = {
+        "gpu": "test",
+        "hbm_copy_gbps": 4000.0,
+        "git_sha": "abc",
+        "versions": {},
+        "attention": [row],
+        "store": [],
+        "notes": [],
+    }
+    text = bench.markdown(report)
+    assert "Speculative verify step, 5 tokens per sequence:" in text
+    assert "| kvarn_k4v2_g128 | llama3-8b | 64 | 16384 | 600.0 | 800.0 | 2000.0 | 2.50x |" in text
+
+
+@pytest.mark.parametrize("raw", ["-1", "16"])
+def test_verify_drafts_out_of_range_are_refused(raw: str) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "/tmp/x.json", "--dry-run", "--verify", raw])

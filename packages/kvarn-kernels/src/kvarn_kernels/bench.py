@@ -273,6 +273,49 @@ class _Case:
             key_tiles=self.key_tiles,
         )
 
+    def verify(self, num_spec: int, as_decode: bool) -> torch.Tensor:
+        """A speculative verify step: every sequence's last ``1 + num_spec`` positions as one
+        block of queries. ``as_decode=False``: the multi-query kernel with the block's own K/V
+        (``fresh_kv``), as kvarn-vllm's default launch runs it; ``True``: the block as decode
+        rows, one per token, reading its own tokens from staging
+        (``KVARN_VLLM_VERIFY_AS_DECODE=1``)."""
+        from kvarn_kernels.attention import multi_query_attention
+
+        n = 1 + num_spec
+        if getattr(self, "_verify_n", None) != n:
+            rows = self.b * n
+            self._verify_n = n
+            self.v_query = torch.randn(
+                (rows, self.hq, self.d), dtype=self.dtype, device=self.device
+            )
+            self.v_out = torch.empty_like(self.v_query)
+            self.v_own = (
+                torch.randn((rows, self.hkv, self.d), dtype=self.dtype, device=self.device),
+                torch.randn((rows, self.hkv, self.d), dtype=self.dtype, device=self.device),
+            )
+            self.v_qsl = torch.arange(0, rows + 1, n, dtype=torch.int32, device=self.device)
+        return multi_query_attention(
+            self.v_query,
+            self.v_qsl,
+            self.kv_cache,
+            self.staging,
+            self.block_table,
+            self.seq_lens,
+            self.qlens,
+            self.slots,
+            self.preset,
+            self.scale,
+            out=self.v_out,
+            max_query_len=n,
+            sink_lens=self.sink_lens,
+            fresh_kv=None if as_decode else self.v_own,
+            raw_keys=self.raw_keys,
+            key_lens=self.key_lens,
+            key_tiles=self.key_tiles,
+            verify_as_decode=as_decode,
+            split_batch=self.b,
+        )
+
     def staged_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sequence 0's staged keys and values, ``[T, Hkv, D]`` each over positions
         ``[0, seq_len)`` (zeros where not staged), and the masks ``[T]`` of the positions
@@ -623,6 +666,19 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _verify_drafts(raw: str) -> int:
+    """``--verify K``: drafts per verify block, so that ``1 + K`` tokens run as decode rows."""
+    from kvarn_kernels.attention.launch import VERIFY_AS_DECODE_MAX_QUERY
+
+    k = int(raw)
+    if not 0 <= k < VERIFY_AS_DECODE_MAX_QUERY:
+        raise argparse.ArgumentTypeError(
+            f"--verify takes 0 to {VERIFY_AS_DECODE_MAX_QUERY - 1} drafts (blocks of at most "
+            f"{VERIFY_AS_DECODE_MAX_QUERY} tokens run as decode rows), got {k}"
+        )
+    return k
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     quick = args.quick
@@ -734,6 +790,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         report["notes"].append(
                             f"no fp16 baseline for {shape_name} b={b} ctx={ctx}: memory"
                         )
+                    if args.verify:
+                        for key, as_decode in (("multi_query", False), ("as_decode", True)):
+
+                            def step(c: _Case = case, a: bool = as_decode) -> torch.Tensor:
+                                return c.verify(args.verify, a)
+
+                            row[f"verify_{key}_us"] = _best_ms(step, quick, device)["ms"] * 1e3
+                        row["verify_tokens"] = 1 + args.verify
                     report["attention"].append(row)
                     print(_row_line(row), flush=True)
                     del case
@@ -858,6 +922,22 @@ def markdown(report: dict[str, Any]) -> str:
                 + ", ".join(f"{k[-8:]} {100 * v:.2f}%" for k, v in fr.items())
                 + " | | | | |"
             )
+    verify = [r for r in report["attention"] if "verify_multi_query_us" in r]
+    if verify:
+        lines += [
+            "",
+            f"Speculative verify step, {verify[0]['verify_tokens']} tokens per sequence:",
+            "",
+            "| preset | shape | batch | context | decode step (us) | multi-query, own K/V (us) "
+            "| as decode rows (us) | as decode / multi-query |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in verify:
+            mq, dec = r["verify_multi_query_us"], r["verify_as_decode_us"]
+            lines.append(
+                f"| {r['preset']} | {r['shape']} | {r['batch']} | {r['context']} | "
+                f"{r['time_us']:.1f} | {mq:.1f} | {dec:.1f} | {dec / mq:.2f}x |"
+            )
     if report.get("sweep"):
         lines += [
             "",
@@ -961,6 +1041,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the store (decode step and prefill chunk) with each key frame, 0 and 2 "
         "normalization sweeps, and 16 or 32 warps per program besides the default (KVARN_KERNELS_STORE_WARPS)",
+    )
+    parser.add_argument(
+        "--verify",
+        type=_verify_drafts,
+        default=0,
+        metavar="K",
+        help="also time a speculative verify step of 1 + K tokens per sequence at each grid "
+        "size: the multi-query kernel with the block's own K/V (the default launch) and the "
+        "block as decode rows (KVARN_VLLM_VERIFY_AS_DECODE=1)",
     )
     parser.add_argument(
         "--skip-grid",
