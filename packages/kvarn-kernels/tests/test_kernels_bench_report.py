@@ -165,6 +165,8 @@ def test_verify_table_compares_the_two_verify_launches() -> None:
         "verify_multi_query_us": 800.0,
         "verify_as_decode_us": 2000.0,
         "verify_tokens": 5,
+        "verify_rel_diff": 1.5e-3,
+        "verify_differing": 0.125,
     }
     report = {
         "gpu": "test",
@@ -177,7 +179,8 @@ def test_verify_table_compares_the_two_verify_launches() -> None:
     }
     text = bench.markdown(report)
     assert "Speculative verify step, 5 tokens per sequence:" in text
-    assert "| kvarn_k4v2_g128 | llama3-8b | 64 | 16384 | 600.0 | 800.0 | 2000.0 | 2.50x |" in text
+    want = "| kvarn_k4v2_g128 | llama3-8b | 64 | 16384 | 600.0 | 800.0 | 2000.0 | 2.50x | 1.5e-03 | 12.5% |"
+    assert want in text
 
 
 @pytest.mark.parametrize("raw", ["-1", "16"])

@@ -276,10 +276,11 @@ class _Case:
     def verify(self, num_spec: int, as_decode: bool) -> torch.Tensor:
         """A speculative verify step: every sequence's last ``1 + num_spec`` positions as one
         block of queries. ``as_decode=False``: the multi-query kernel with the block's own K/V
-        (``fresh_kv``), as kvarn-vllm's default launch runs it; ``True``: the block as decode
-        rows, one per token, reading its own tokens from staging
-        (``KVARN_VLLM_VERIFY_AS_DECODE=1``)."""
+        (``fresh_kv``, the block's staged tokens), as kvarn-vllm's default launch runs it;
+        ``True``: the block as decode rows, one per token, reading its own tokens from staging
+        (``KVARN_VLLM_VERIFY_AS_DECODE=1``). Both compute the same attention."""
         from kvarn_kernels.attention import multi_query_attention
+        from kvarn_kernels.cache import staging_rows
 
         n = 1 + num_spec
         if getattr(self, "_verify_n", None) != n:
@@ -289,9 +290,21 @@ class _Case:
                 (rows, self.hq, self.d), dtype=self.dtype, device=self.device
             )
             self.v_out = torch.empty_like(self.v_query)
+            # The block's own K/V: what staging holds at its positions (the store put it there).
+            g = self.layout.group_size
+            pos = torch.arange(self.seq_len - n, self.seq_len, device=self.device)
+            sink = 0 if self.sink_lens is None else g
+            if self.key_tiles is None:
+                ks, vs = self.staging[:, 0], self.staging[:, 1]
+                key_rows = value_rows = staging_rows(pos, ks.shape[1] - sink, sink)
+            else:
+                key_ring = self.key_tiles * g
+                ks, vs = self.staging[:, :key_ring], self.staging[:, key_ring:]
+                key_rows = pos % key_ring
+                value_rows = staging_rows(pos, vs.shape[1] - sink, sink)
             self.v_own = (
-                torch.randn((rows, self.hkv, self.d), dtype=self.dtype, device=self.device),
-                torch.randn((rows, self.hkv, self.d), dtype=self.dtype, device=self.device),
+                ks[:, key_rows].reshape(rows, self.hkv, self.d).contiguous(),
+                vs[:, value_rows].reshape(rows, self.hkv, self.d).contiguous(),
             )
             self.v_qsl = torch.arange(0, rows + 1, n, dtype=torch.int32, device=self.device)
         return multi_query_attention(
@@ -797,6 +810,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 return c.verify(args.verify, a)
 
                             row[f"verify_{key}_us"] = _best_ms(step, quick, device)["ms"] * 1e3
+                        # How far apart the two launches' outputs are (the same attention).
+                        mq = case.verify(args.verify, False).float()
+                        dec = case.verify(args.verify, True).float()
+                        row["verify_rel_diff"] = float((mq - dec).norm() / dec.norm())
+                        row["verify_differing"] = float((mq != dec).float().mean())
                         row["verify_tokens"] = 1 + args.verify
                     report["attention"].append(row)
                     print(_row_line(row), flush=True)
@@ -929,14 +947,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"Speculative verify step, {verify[0]['verify_tokens']} tokens per sequence:",
             "",
             "| preset | shape | batch | context | decode step (us) | multi-query, own K/V (us) "
-            "| as decode rows (us) | as decode / multi-query |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| as decode rows (us) | as decode / multi-query | outputs: rel. diff | differing |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in verify:
             mq, dec = r["verify_multi_query_us"], r["verify_as_decode_us"]
             lines.append(
                 f"| {r['preset']} | {r['shape']} | {r['batch']} | {r['context']} | "
-                f"{r['time_us']:.1f} | {mq:.1f} | {dec:.1f} | {dec / mq:.2f}x |"
+                f"{r['time_us']:.1f} | {mq:.1f} | {dec:.1f} | {dec / mq:.2f}x | "
+                f"{r['verify_rel_diff']:.1e} | {100 * r['verify_differing']:.1f}% |"
             )
     if report.get("sweep"):
         lines += [
