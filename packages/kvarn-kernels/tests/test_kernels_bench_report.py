@@ -187,3 +187,23 @@ def test_verify_table_compares_the_two_verify_launches() -> None:
 def test_verify_drafts_out_of_range_are_refused(raw: str) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--out", "/tmp/x.json", "--dry-run", "--verify", raw])
+
+
+@pytest.mark.parametrize("windows", bench.WINDOWS)
+def test_verify_case_launches_compute_the_same_attention(windows: str) -> None:
+    """The bench's verify step in Triton's interpreter: the multi-query launch with the block's
+    staged tokens as its own K/V and the block as decode rows give the same attention up to
+    rounding, for each window layout (so the bench times two ways of one computation); with
+    other own K/V the multi-query launch is far off (the check can fail)."""
+    cpu = torch.device("cpu")
+    preset, d, hkv = "kvarn_k4v2_g128", 64, 2
+    template = bench._template_records(preset, d, hkv, torch.bfloat16, cpu, mixed=True)
+    case = bench._Case(preset, 4, hkv, d, 2, 256, torch.bfloat16, cpu, template, True, windows)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    as_decode = case.verify(1, True).clone()
+    assert rel(case.verify(1, False), as_decode) < 1e-4  # bf16 rounding of a few elements
+    case.v_own = (case.v_own[0].flip(0).contiguous(), case.v_own[1])
+    assert rel(case.verify(1, False), as_decode) > 1e-2

@@ -280,7 +280,6 @@ class _Case:
         ``True``: the block as decode rows, one per token, reading its own tokens from staging
         (``KVARN_VLLM_VERIFY_AS_DECODE=1``). Both compute the same attention."""
         from kvarn_kernels.attention import multi_query_attention
-        from kvarn_kernels.cache import staging_rows
 
         n = 1 + num_spec
         if getattr(self, "_verify_n", None) != n:
@@ -291,17 +290,8 @@ class _Case:
             )
             self.v_out = torch.empty_like(self.v_query)
             # The block's own K/V: what staging holds at its positions (the store put it there).
-            g = self.layout.group_size
             pos = torch.arange(self.seq_len - n, self.seq_len, device=self.device)
-            sink = 0 if self.sink_lens is None else g
-            if self.key_tiles is None:
-                ks, vs = self.staging[:, 0], self.staging[:, 1]
-                key_rows = value_rows = staging_rows(pos, ks.shape[1] - sink, sink)
-            else:
-                key_ring = self.key_tiles * g
-                ks, vs = self.staging[:, :key_ring], self.staging[:, key_ring:]
-                key_rows = pos % key_ring
-                value_rows = staging_rows(pos, vs.shape[1] - sink, sink)
+            ks, vs, key_rows, value_rows = self._staging_rows(pos)
             self.v_own = (
                 ks[:, key_rows].reshape(rows, self.hkv, self.d).contiguous(),
                 vs[:, value_rows].reshape(rows, self.hkv, self.d).contiguous(),
@@ -329,27 +319,34 @@ class _Case:
             split_batch=self.b,
         )
 
+    def _staging_rows(
+        self, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every slot's key and value rows of the staging (``[slots, rows, Hkv, D]`` each) and
+        the rows that hold positions ``pos`` in them."""
+        from kvarn_kernels.cache import staging_rows
+
+        g = self.layout.group_size
+        sink = 0 if self.windows == "open" else g
+        if self.key_tiles is None:
+            ks, vs = self.staging[:, 0], self.staging[:, 1]
+            rows = staging_rows(pos, ks.shape[1] - sink, sink)
+            return ks, vs, rows, rows
+        key_ring = self.key_tiles * g
+        ks, vs = self.staging[:, :key_ring], self.staging[:, key_ring:]
+        return ks, vs, pos % key_ring, staging_rows(pos, vs.shape[1] - sink, sink)
+
     def staged_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sequence 0's staged keys and values, ``[T, Hkv, D]`` each over positions
         ``[0, seq_len)`` (zeros where not staged), and the masks ``[T]`` of the positions
         attention reads keys and values from staging."""
-        from kvarn_kernels.cache import staging_rows
-
         g = self.layout.group_size
         pos = torch.arange(self.seq_len, device=self.device)
         sink = 0 if self.windows == "open" else g
-        if self.key_tiles is None:
-            ks, vs = self.staging[0, 0], self.staging[0, 1]
-            ring = ks.shape[0] - sink
-            key_rows = value_rows = staging_rows(pos, ring, sink)
-        else:
-            key_ring = self.key_tiles * g
-            ks, vs = self.staging[0, :key_ring], self.staging[0, key_ring:]
-            key_rows = pos % key_ring
-            value_rows = staging_rows(pos, vs.shape[0] - sink, sink)
+        ks, vs, key_rows, value_rows = self._staging_rows(pos)
         from_values = (pos >= self.read_len) | (pos < sink)
         from_keys = from_values if self.key_lens is None else pos >= self.read_len + g
-        return ks[key_rows].float(), vs[value_rows].float(), from_keys, from_values
+        return ks[0, key_rows].float(), vs[0, value_rows].float(), from_keys, from_values
 
 
 def _check_against_dequantized(case: _Case) -> float:
