@@ -128,22 +128,14 @@ def check_staging(
 
 
 def check_frame_queries(
-    frame_queries: object,
-    staging: torch.Tensor,
-    query: torch.Tensor,
-    group_size: int,
-    sink: bool,
-    key_tiles: int | None,
+    frame_queries: object, query: torch.Tensor, num_slots: int, key_rows: int, group_size: int
 ) -> torch.Tensor:
     """``frame_queries`` ``[num_slots, T, num_q_heads, head_dim]`` contiguous, ``query``'s dtype
-    and device, one slot per staging slot and one tile per tile of the staging's key rows
+    and device: the staging's slots, one entry ``T = key_rows / G`` per tile of its ``key_rows``
+    key rows per slot (its view's key ring and key sink), ``query``'s heads and head_dim
     (:func:`kvarn_kernels.frame_query_shape`)."""
     t = check_tensor("frame_queries", frame_queries, dtype=(query.dtype,), ndim=4, contiguous=True)
-    if key_tiles is not None:
-        tiles = key_tiles
-    else:
-        tiles = staging.shape[2] // group_size
-    want = (staging.shape[0], tiles, query.shape[1], query.shape[2])
+    want = (num_slots, key_rows // group_size, query.shape[1], query.shape[2])
     if tuple(t.shape) != want:
         raise ValueError(
             f"frame_queries must be {list(want)} (staging slots, the staging's key tiles, the "

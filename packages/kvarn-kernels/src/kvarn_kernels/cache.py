@@ -143,8 +143,8 @@ def frame_query_shape(
     """``(num_slots, T, num_q_heads, head_dim)``: the frame queries that go with a staging area of
     ``staging_shape(num_slots, ..., staging_tiles, sink, key_tiles)``.
 
-    Entry ``[slot, r // G]`` holds the query (original frame, model dtype) of the position whose
-    key sits at key row ``r = r // G * G + G - 1``, the last position of a tile, as
+    Entry ``[slot, t]`` holds the query (original frame, model dtype) of the position whose key
+    sits at key row ``t * G + G - 1`` (the last position of a tile), as
     ``store_kv(frame_queries=)`` staged it with the key. ``T`` is the key rows' tiles:
     ``key_tiles``, else ``staging_tiles + sink``. A speculative step can commit a tile all of
     whose tokens were staged (accepted drafts); ``key_frame="auto"`` then judges it by this

@@ -153,8 +153,6 @@ def warmup(
     if key_frame not in KEY_FRAMES:
         raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {key_frame!r}")
     auto = key_frame == "auto"
-    if frame_queries and not auto:
-        raise ValueError('frame_queries are read only with key_frame="auto"')
     query_all = randn(seq_len, num_q_heads, head_dim) if auto else None
     fq = None
     if frame_queries:

@@ -234,9 +234,9 @@ def _make_impl_class() -> type:
                         sink=self.config.sink,
                         key_tiles=self.config.key_tiles,
                     )
-                    fq = self.frame_queries
-                    _STAGING["bytes"] += fq.numel() * fq.element_size()
-                    _STAGING["frame_query_bytes"] += fq.numel() * fq.element_size()
+                    fq_bytes = self.frame_queries.numel() * self.frame_queries.element_size()
+                    _STAGING["bytes"] += fq_bytes
+                    _STAGING["frame_query_bytes"] += fq_bytes
                 _STAGING["layers"] += 1
                 _STAGING["slots"] = num_slots
                 _STAGING["tokens"] = self.config.staging_tokens

@@ -254,13 +254,15 @@ def store_kv(
                 f"{head_dim}], got {list(query.shape)}"
             )
         check_same_device(key=key, query=query)
+    sv = staging_view(staging, p.group_size, plan.sink, plan.key_tiles)
     if frame_queries is not None:
         if key_frame != "auto":
             raise ValueError(
                 f'frame_queries are read only with key_frame="auto", got key_frame={key_frame!r}'
             )
         assert query is not None
-        check_frame_queries(frame_queries, staging, query, p.group_size, plan.sink, plan.key_tiles)
+        key_rows = sv.key_ring + sv.key_sink
+        check_frame_queries(frame_queries, query, staging.shape[0], key_rows, p.group_size)
     _launch_quantize(
         key,
         value,
@@ -278,7 +280,6 @@ def store_kv(
     )
     rows = plan.writes.shape[0]
     if rows:
-        sv = staging_view(staging, p.group_size, plan.sink, plan.key_tiles)
         # Without frame queries the kernel reads no query: the variant launched is as before.
         q_arg = key if query is None or frame_queries is None else query
         fq, fq_strides = _frame_query_args(q_arg, frame_queries)
