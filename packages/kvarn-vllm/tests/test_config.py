@@ -117,10 +117,17 @@ def test_recent_env(monkeypatch):
 
 
 def test_verify_as_decode_env(monkeypatch):
+    """Unset: verify blocks as decode rows with speculative tokens (off without: there are no
+    verify blocks); 0 and 1 decide alone."""
     monkeypatch.delenv("KVARN_VLLM_VERIFY_AS_DECODE", raising=False)
+    assert parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).verify_as_decode
+    assert not parse_kv_cache_dtype("kvarn_k4v2_g128").verify_as_decode
+    assert not parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=0).verify_as_decode
+    monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "0")
     assert not parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).verify_as_decode
     monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "1")
     assert parse_kv_cache_dtype("kvarn_k4v2_g128", num_speculative_tokens=4).verify_as_decode
+    assert parse_kv_cache_dtype("kvarn_k4v2_g128").verify_as_decode
     monkeypatch.setenv("KVARN_VLLM_VERIFY_AS_DECODE", "yes")
     with pytest.raises(ValueError, match="KVARN_VLLM_VERIFY_AS_DECODE must be 0 or 1"):
         parse_kv_cache_dtype("kvarn_k4v2_g128")

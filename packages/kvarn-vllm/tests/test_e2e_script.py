@@ -133,19 +133,24 @@ def test_staging_log_says_what_it_costs_in_cache_tokens(caplog):
     assert "about 316,178 tokens of this KV cache (1,235 per request slot)" in text
 
 
-@pytest.mark.parametrize(("invariant", "as_decode"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("invariant", "as_decode"), [(False, False), (True, False), (False, True), (True, True)]
+)
 def test_speculative_staging_log_says_how_to_agree_with_plain_serving(caplog, invariant, as_decode):
-    """Under speculative decoding with verify blocks through the multi-query kernel, the
-    start-up log says that outputs can differ from a run without speculation and which
-    variables make them agree; with either set it does not."""
+    """Under speculative decoding the start-up log says how verify blocks run: as decode rows
+    (the default) with what that costs and how to turn it off; through the multi-query kernel
+    (``KVARN_VLLM_VERIFY_AS_DECODE=0``) that outputs can differ from a run without speculation
+    and which settings make them agree; in batch-invariant mode neither."""
     text = _staging_log(
         caplog, bytes=2**30, layers=2, slots=4, tokens=384, staging_tiles=3, group_size=128,
         batch_invariant=invariant, verify_as_decode=as_decode,
     )  # fmt: skip
     assert "staging holds S=3 open tiles" in text
-    said = "Set KVARN_VLLM_VERIFY_AS_DECODE=1 to run them as decode rows" in text
+    said = "Unset it to run them as decode rows" in text
     assert said is not (invariant or as_decode)
     assert ("KVARN_KERNELS_BATCH_INVARIANT=1 for this run and the one to compare" in text) is said
+    rows = "Set KVARN_VLLM_VERIFY_AS_DECODE=0 for the multi-query kernel" in text
+    assert rows is (as_decode and not invariant)
 
 
 def test_speculative_staging_log_counts_the_frame_queries(caplog):

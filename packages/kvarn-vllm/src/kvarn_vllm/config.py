@@ -47,11 +47,13 @@ VERIFY_AS_DECODE_ENV = "KVARN_VLLM_VERIFY_AS_DECODE"
 """Environment variable: ``1`` runs the verify blocks of speculative decoding (at most 16 query
 tokens per request) as decode rows, one per token, in the default launch: a verify token is
 then computed by the kernel and launch that decode it without speculation, instead of the
-multi-query kernel (only the split layout still follows the batch). Default ``0``. On the H200
-(thirty-second run, commit 2406c7e, SmolLM2) n-gram agreement with no speculation was 96.4% with
-it, 87.4-88.7% without, bf16 93.5-95.8%; it stays opt-in until its cost at long contexts is
-measured (a verify block of ``1 + k`` tokens reads its context ``1 + k`` times). Batch-invariant
-mode does this where the Gluon kernel decodes."""
+multi-query kernel (only the split layout still follows the batch). ``0`` sends them through
+the multi-query kernel, which reads the context once per block. Unset: on with speculative
+decoding. H200, 2026-12-04: n-gram agreement with no speculation (SmolLM2) 96.4% with it,
+87.4-88.7% without, bf16 93.5-95.8%; a verify step of 5 tokens per request at the Llama-3.1-8B
+shape (``python -m kvarn_kernels.bench --verify 4``) took 0.28-0.45x the multi-query time
+where the Gluon kernel decodes (kvarn_k4v2), 2.1-2.5x on the Triton kernel alone (kvarn_k2v2).
+Batch-invariant mode does this where the Gluon kernel decodes."""
 KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
 """Environment variable: ``auto`` (default) stores each tile's keys Hadamard-rotated or in their
 own channels, whichever loses less of the attention scores of the step's queries (the record
@@ -285,9 +287,10 @@ def invariant_from_env() -> bool:
     return env_flag(INVARIANT_ENV, False)
 
 
-def verify_as_decode_from_env() -> bool:
-    """The :data:`VERIFY_AS_DECODE_ENV` setting: ``1`` on, ``0`` (default) off."""
-    return env_flag(VERIFY_AS_DECODE_ENV, False)
+def verify_as_decode_from_env(speculative: bool) -> bool:
+    """The :data:`VERIFY_AS_DECODE_ENV` setting: ``1`` on, ``0`` off; unset, on with
+    speculative decoding (``speculative``)."""
+    return env_flag(VERIFY_AS_DECODE_ENV, speculative)
 
 
 def parse_kv_cache_dtype(
@@ -300,7 +303,7 @@ def parse_kv_cache_dtype(
     :data:`INVARIANT_ENV` (off unless it is ``1``); the key frame :data:`KEY_FRAME_ENV`
     (``auto`` unless set); the windows' keys :data:`WINDOW_KEYS_ENV` (unless set: kept for
     2- and 3-bit keys, values only for 4-bit keys, :func:`default_window_keys`); verify blocks
-    as decode rows :data:`VERIFY_AS_DECODE_ENV` (off unless it is ``1``).
+    as decode rows :data:`VERIFY_AS_DECODE_ENV` (unless set: on with speculative tokens).
 
     Raises:
         ValueError: when the string is not a kvarn preset, naming the presets accepted.
@@ -325,5 +328,5 @@ def parse_kv_cache_dtype(
         recent_tiles=recent_from_env(),
         key_frame=key_frame_from_env(),
         window_keys=window_keys_from_env(preset),
-        verify_as_decode=verify_as_decode_from_env(),
+        verify_as_decode=verify_as_decode_from_env(bool(num_speculative_tokens)),
     )
