@@ -194,7 +194,9 @@ def test_verify_case_launches_compute_the_same_attention(windows: str) -> None:
     """The bench's verify step in Triton's interpreter: the multi-query launch with the block's
     staged tokens as its own K/V and the block as decode rows give the same attention up to
     rounding, for each window layout (so the bench times two ways of one computation); with
-    other own K/V the multi-query launch is far off (the check can fail)."""
+    other own K/V the multi-query launch is far off (the check can fail). The queries come from
+    torch's global generator: seeded, so that a run does not depend on the tests before it."""
+    torch.manual_seed(0)
     cpu = torch.device("cpu")
     preset, d, hkv = "kvarn_k4v2_g128", 64, 2
     template = bench._template_records(preset, d, hkv, torch.bfloat16, cpu, mixed=True)
@@ -204,6 +206,7 @@ def test_verify_case_launches_compute_the_same_attention(windows: str) -> None:
         return float((a.float() - b.float()).norm() / b.float().norm())
 
     as_decode = case.verify(1, True).clone()
-    assert rel(case.verify(1, False), as_decode) < 1e-4  # bf16 rounding of a few elements
+    # bf16 rounding of a few elements (unseeded runs ranged up to 1.9e-4)
+    assert rel(case.verify(1, False), as_decode) < 1e-3
     case.v_own = (case.v_own[0].flip(0).contiguous(), case.v_own[1])
     assert rel(case.verify(1, False), as_decode) > 1e-2

@@ -276,9 +276,10 @@ class _Case:
     def verify(self, num_spec: int, as_decode: bool) -> torch.Tensor:
         """A speculative verify step: every sequence's last ``1 + num_spec`` positions as one
         block of queries. ``as_decode=False``: the multi-query kernel with the block's own K/V
-        (``fresh_kv``, the block's staged tokens), as kvarn-vllm's default launch runs it;
-        ``True``: the block as decode rows, one per token, reading its own tokens from staging
-        (``KVARN_VLLM_VERIFY_AS_DECODE=1``). Both compute the same attention."""
+        (``fresh_kv``, the block's staged tokens), as kvarn-vllm runs it with
+        ``KVARN_VLLM_VERIFY_AS_DECODE=0``; ``True``: the block as decode rows, one per token,
+        reading its own tokens from staging (kvarn-vllm's default under speculative decoding).
+        Both compute the same attention."""
         from kvarn_kernels.attention import multi_query_attention
 
         n = 1 + num_spec
@@ -1064,8 +1065,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="K",
         help="also time a speculative verify step of 1 + K tokens per sequence at each grid "
-        "size: the multi-query kernel with the block's own K/V (the default launch) and the "
-        "block as decode rows (KVARN_VLLM_VERIFY_AS_DECODE=1)",
+        "size: the multi-query kernel with the block's own K/V (KVARN_VLLM_VERIFY_AS_DECODE=0) "
+        "and the block as decode rows (kvarn-vllm's default under speculative decoding)",
     )
     parser.add_argument(
         "--skip-grid",

@@ -436,7 +436,8 @@ def _make_impl_class() -> type:
             return kernels.rotate(group_rows(g, key, n)), kernels.rotate(group_rows(g, value, n))
 
         def _verify_as_decode(self, g):
-            """``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the default launch: a context group of
+            """Verify blocks as decode rows (``KVARN_VLLM_VERIFY_AS_DECODE``, on by default under
+            speculative decoding) in the default launch: a context group of
             verify blocks only (at most ``VERIFY_AS_DECODE_MAX_QUERY`` tokens per row) goes to
             the kernels as decode rows, reading its own tokens from staging as the decode
             kernel does (no ``fresh_kv``)."""
@@ -447,7 +448,7 @@ def _make_impl_class() -> type:
             )
 
         def _verify_runs(self, g, causal=True):
-            """Batch-invariant mode, or ``KVARN_VLLM_VERIFY_AS_DECODE=1`` for a causal group: a
+            """Batch-invariant mode, or verify blocks as decode rows for a causal group: a
             context group with rows of at most ``VERIFY_AS_DECODE_MAX_QUERY`` query tokens
             (verify blocks) and longer ones (chunks): the runs of rows of each kind, so that the
             short ones may run as decode rows
@@ -466,7 +467,7 @@ def _make_impl_class() -> type:
         ):
             """A context group in ``runs`` of verify blocks and of longer chunks
             (:meth:`_verify_runs`), each through :meth:`_context_mqa`. Batch-invariant: every
-            run reads its own tokens from the cache. ``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the
+            run reads its own tokens from the cache. Verify blocks as decode rows in the
             default launch: the verify runs as decode rows, splits sized for the step's
             ``num_reqs``, the chunks with their own K/V from this step."""
             q = group_rows(g, query, n)
