@@ -49,8 +49,8 @@ tokens per request) as decode rows, one per token, in the default launch: a veri
 then computed by the kernel and launch that decode it without speculation, instead of the
 multi-query kernel (only the split layout still follows the batch). ``0`` sends them through
 the multi-query kernel, which reads the context once per block. Unset: on with speculative
-decoding. H200, 2026-12-04: n-gram agreement with no speculation (SmolLM2) 96.4% with it,
-87.4-88.7% without, bf16 93.5-95.8%; a verify step of 5 tokens per request at the Llama-3.1-8B
+decoding. H200, 2026-12-04 (thirty-second and thirty-third runs): n-gram agreement with no
+speculation (SmolLM2) 94.4-96.4% with it, 87.0-88.7% without, bf16 93.0-96.0%; a verify step of 5 tokens per request at the Llama-3.1-8B
 shape (``python -m kvarn_kernels.bench --verify 4``) took 0.28-0.45x the multi-query time
 where the Gluon kernel decodes (kvarn_k4v2), 2.1-2.5x on the Triton kernel alone (kvarn_k2v2).
 Batch-invariant mode does this where the Gluon kernel decodes."""

@@ -133,7 +133,7 @@ def log_staging_once() -> None:
             logger.info(
                 "kvarn: verify blocks run as decode rows, one per token, so that greedy outputs "
                 "match a run without speculation about as often as bf16's do (n-gram, SmolLM2, "
-                "H200: 96.4%% agree, bf16 93.5-95.8%%). A block of 1 + k tokens then reads its "
+                "H200: 94.4-96.4%% agree, bf16 93.0-96.0%%). A block of 1 + k tokens then reads its "
                 "context 1 + k times: faster than the multi-query kernel where the Gluon kernel "
                 "decodes (kvarn_k4v2/k4v4 at head_dim 128: 0.28-0.45x), 2.1-2.5x slower where "
                 "the Triton kernel does alone. Set %s=0 for the multi-query kernel.",
@@ -143,9 +143,9 @@ def log_staging_once() -> None:
             logger.info(
                 "kvarn: %s=0: verify blocks run through the multi-query kernel, which rounds "
                 "differently from decode: greedy outputs can differ from a run without "
-                "speculation in about one token in nine (n-gram, SmolLM2, H200: 87-89%% agree, "
-                "bf16 94-96%%). Unset it to run them as decode rows (96.4%%), or set %s=1 for "
-                "this run and the one to compare with (99.6%%).",
+                "speculation in about one token in eight (n-gram, SmolLM2, H200: 87.0-88.7%% "
+                "agree, bf16 93.0-96.0%%). Unset it to run them as decode rows (94.4-96.4%%), or "
+                "set %s=1 for this run and the one to compare with (99.6%%).",
                 VERIFY_AS_DECODE_ENV,
                 INVARIANT_ENV,
             )
