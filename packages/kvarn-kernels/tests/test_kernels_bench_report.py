@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from kvarn_kernels import bench
 
 
-def test_sweep_table_shows_stages_and_error() -> None:
-    report = {
+def _report(**fields: Any) -> dict[str, Any]:
+    """A report with nothing measured (test GPU, no versions), plus ``fields``."""
+    base: dict[str, Any] = {
         "gpu": "test",
         "hbm_copy_gbps": 4000.0,
         "git_sha": "abc",
@@ -16,7 +19,13 @@ def test_sweep_table_shows_stages_and_error() -> None:
         "attention": [],
         "store": [],
         "notes": [],
-        "sweep": [
+    }
+    return base | fields
+
+
+def test_sweep_table_shows_stages_and_error() -> None:
+    report = _report(
+        sweep=[
             {
                 "shape": "llama3-8b",
                 "batch": 64,
@@ -38,23 +47,14 @@ def test_sweep_table_shows_stages_and_error() -> None:
                 "error": "OutOfResources: shared memory",
             },
         ],
-    }
+    )
     text = bench.markdown(report)
     assert "| llama3-8b | 64 | 16384 | 128 | 4 | 3 | - | 250.0 | 900 | 1.8e-03 |" in text
     assert "| hd64 | 64 | 16384 | 64 | 2 | 2 | - | OutOfResources: shared memory | |" in text
 
 
 def test_report_header_names_the_launch_settings_of_the_environment() -> None:
-    report = {
-        "gpu": "test",
-        "hbm_copy_gbps": 4000.0,
-        "git_sha": "abc",
-        "versions": {},
-        "launch_env": {"KVARN_KERNELS_STAGED_SPLITS": "1"},
-        "attention": [],
-        "store": [],
-        "notes": [],
-    }
+    report = _report(launch_env={"KVARN_KERNELS_STAGED_SPLITS": "1"})
     header = bench.markdown(report).splitlines()[0]
     assert header.endswith("; KVARN_KERNELS_STAGED_SPLITS=1")
     del report["launch_env"]
@@ -125,15 +125,8 @@ def test_store_variants_table_shows_the_speculative_commit_step() -> None:
         "store_prefill_ms": 0.200,
         "store_prefill_per_tile_us": 0.39,
     }
-    report = {
-        "gpu": "test",
-        "hbm_copy_gbps": 4000.0,
-        "git_sha": "abc",
-        "versions": {},
-        "attention": [],
-        "store": [],
-        "notes": [],
-        "store_sweep": [
+    report = _report(
+        store_sweep=[
             {**common, **times, "key_frame": "rotated", "warps": "default"},
             {
                 **common,
@@ -144,7 +137,7 @@ def test_store_variants_table_shows_the_speculative_commit_step() -> None:
                 "store_step_commit_frame_queries_ms": 0.0262,
             },
         ],
-    }
+    )
     text = bench.markdown(report)
     assert "| rotated | 2 | default | 10.0 | 30.0 | 200.0 | 0.39 | - | - |" in text
     assert "| auto | 2 | default | 10.0 | 30.0 | 200.0 | 0.39 | 25.1 | 26.2 |" in text
@@ -168,16 +161,7 @@ def test_verify_table_compares_the_two_verify_launches() -> None:
         "verify_rel_diff": 1.5e-3,
         "verify_differing": 0.125,
     }
-    report = {
-        "gpu": "test",
-        "hbm_copy_gbps": 4000.0,
-        "git_sha": "abc",
-        "versions": {},
-        "attention": [row],
-        "store": [],
-        "notes": [],
-    }
-    text = bench.markdown(report)
+    text = bench.markdown(_report(attention=[row]))
     assert "Speculative verify step, 5 tokens per sequence:" in text
     want = "| kvarn_k4v2_g128 | llama3-8b | 64 | 16384 | 600.0 | 800.0 | 2000.0 | 2.50x | 1.5e-03 | 12.5% |"
     assert want in text

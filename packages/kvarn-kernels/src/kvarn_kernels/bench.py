@@ -678,7 +678,8 @@ def _positive_int(raw: str) -> int:
 
 
 def _verify_drafts(raw: str) -> int:
-    """``--verify K``: drafts per verify block, so that ``1 + K`` tokens run as decode rows."""
+    """``--verify K``: drafts per verify block, so that ``1 + K`` tokens run as decode rows
+    (``0``, the default: no verify step is timed)."""
     from kvarn_kernels.attention.launch import VERIFY_AS_DECODE_MAX_QUERY
 
     k = int(raw)
@@ -1066,7 +1067,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="K",
         help="also time a speculative verify step of 1 + K tokens per sequence at each grid "
         "size: the multi-query kernel with the block's own K/V (KVARN_VLLM_VERIFY_AS_DECODE=0) "
-        "and the block as decode rows (kvarn-vllm's default under speculative decoding)",
+        "and the block as decode rows (kvarn-vllm's default under speculative decoding); "
+        "0, the default, leaves it out",
     )
     parser.add_argument(
         "--skip-grid",

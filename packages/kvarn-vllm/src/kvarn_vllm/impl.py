@@ -218,29 +218,20 @@ def _make_impl_class() -> type:
                 )
                 num_slots = int(vllm_config.scheduler_config.max_num_seqs)
                 # Model build runs under `with torch.device(target)`: this lands on the GPU.
-                self.staging = kernels.allocate_staging(
-                    num_slots,
-                    self.num_kv_heads,
-                    head_size,
-                    self.preset,
-                    dtype,
-                    torch.get_default_device(),
+                # The frame queries follow the staging's layout (one entry per key tile).
+                area = (self.preset, dtype, torch.get_default_device())
+                ring: dict[str, Any] = dict(
                     staging_tiles=self.config.ring_tiles,
                     sink=self.config.sink,
                     key_tiles=self.config.key_tiles,
                 )
+                self.staging = kernels.allocate_staging(
+                    num_slots, self.num_kv_heads, head_size, *area, **ring
+                )
                 _STAGING["bytes"] += self.staging.numel() * self.staging.element_size()
                 if self.config.frame_queries:
                     self.frame_queries = kernels.allocate_frame_queries(
-                        num_slots,
-                        self.num_heads,
-                        head_size,
-                        self.preset,
-                        dtype,
-                        torch.get_default_device(),
-                        staging_tiles=self.config.ring_tiles,
-                        sink=self.config.sink,
-                        key_tiles=self.config.key_tiles,
+                        num_slots, self.num_heads, head_size, *area, **ring
                     )
                     fq_bytes = self.frame_queries.numel() * self.frame_queries.element_size()
                     _STAGING["bytes"] += fq_bytes
