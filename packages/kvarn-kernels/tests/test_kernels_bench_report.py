@@ -49,8 +49,25 @@ def test_sweep_table_shows_stages_and_error() -> None:
         ],
     )
     text = bench.markdown(report)
-    assert "| llama3-8b | 64 | 16384 | 128 | 4 | 3 | - | 250.0 | 900 | 1.8e-03 |" in text
-    assert "| hd64 | 64 | 16384 | 64 | 2 | 2 | - | OutOfResources: shared memory | |" in text
+    assert "Decode launches (rel. error against SDPA" in text
+    assert "| - | llama3-8b | 64 | 16384 | 128 | 4 | 3 | - | 250.0 | 900 | 1.8e-03 |" in text
+    assert "| - | hd64 | 64 | 16384 | 64 | 2 | 2 | - | OutOfResources: shared memory | |" in text
+
+
+def test_verify_sweep_table_names_the_block_and_its_reference() -> None:
+    row = {"preset": "kvarn_k4v2_g128", "shape": "llama3-8b", "batch": 64, "context": 16384}
+    report = _report(
+        sweep=[
+            row | {"SUB": 32, "num_warps": 4, "num_stages": 1, "verify_tokens": 16,
+                   "time_us": 4235.3, "gbps": 1100.0, "rel_error_vs_decode_rows": 2.5e-3},
+        ],
+    )  # fmt: skip
+    text = bench.markdown(report)
+    assert "a verify block of 16 tokens per sequence" in text
+    assert (
+        "| kvarn_k4v2_g128 | llama3-8b | 64 | 16384 | 32 | 4 | 1 | - | 4235.3 | 1100 | 2.5e-03 |"
+        in text
+    )
 
 
 def test_report_header_names_the_launch_settings_of_the_environment() -> None:
@@ -194,3 +211,31 @@ def test_verify_case_launches_compute_the_same_attention(windows: str) -> None:
     assert rel(case.verify(1, False), as_decode) < 1e-3
     case.v_own = (case.v_own[0].flip(0).contiguous(), case.v_own[1])
     assert rel(case.verify(1, False), as_decode) > 1e-2
+
+
+def test_verify_sweep_needs_a_verify_block(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "/tmp/x.json", "--dry-run", "--sweep", "verify"])
+    assert "give --verify K" in capsys.readouterr().err
+
+
+def test_verify_sweep_times_each_launch_and_restores_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--sweep verify`` in Triton's interpreter: each multi-query launch computes the verify
+    block's attention (close to the block as decode rows; a launch that broke the kernel
+    would not be), and the engine's default launch is back afterwards."""
+    from kvarn_kernels.attention import launch
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(bench, "_MQ_LAUNCHES", ((64, 4), (32, 4)))
+    before = launch.default_launch
+    rows = bench._sweep(
+        "kvarn_k4v2_g128", torch.bfloat16, torch.device("cpu"), True, 3, "auto", "values"
+    )
+    assert launch.default_launch is before
+    assert [(r["SUB"], r["num_warps"]) for r in rows] == [(64, 4), (32, 4)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["verify_tokens"] == 4 and r["time_us"] > 0
+        assert r["rel_error_vs_decode_rows"] < 1e-2

@@ -596,36 +596,66 @@ def _store_sweep(
     return rows
 
 
-def _sweep(preset: str, dtype: torch.dtype, device: torch.device, quick: bool) -> list[dict]:
+# Launches timed by ``--sweep verify`` for the multi-query kernel: (SUB, warps), one stage. SUB
+# below 32 cannot run the 4-bit-key path (its dots need 16 tokens per nibble phase).
+_MQ_LAUNCHES = ((128, 4), (128, 8), (64, 2), (64, 4), (64, 8), (32, 2), (32, 4), (32, 8))
+
+
+def _launch_configs(verify: int) -> list[dict[str, int]]:
+    """Launch parameters a sweep times: every autotune config for decode (``verify`` 0), else
+    :data:`_MQ_LAUNCHES` for the multi-query kernel."""
+    from kvarn_kernels.attention import kernel as attn_kernel
+
+    if verify:
+        return [{"SUB": s, "num_warps": w, "num_stages": 1} for s, w in _MQ_LAUNCHES]
+    out = []
+    for cfg in attn_kernel._configs():
+        params = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if cfg.maxnreg is not None:
+            params["maxnreg"] = cfg.maxnreg
+        out.append(params)
+    return out
+
+
+def _sweep(
+    preset: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    quick: bool,
+    verify: int = 0,
+    key_frame: str = "rotated",
+    windows: str = "open",
+) -> list[dict]:
     """Every autotune config of the attention kernel, timed one by one at a few sizes.
 
     The autotuner keys on the kernel's shape constants, not on the batch or context, so it
     picks once (at the first size it meets) for all of them; this shows what each config
-    does where it matters, to choose the defaults.
+    does where it matters, to choose the defaults. ``verify`` > 0 times the multi-query
+    kernel instead, on a verify block of ``1 + verify`` tokens per sequence with the block's
+    own K/V (``KVARN_VLLM_VERIFY_AS_DECODE=0``; a block of 16 tokens is also the shape of a
+    prefill chunk's query block), over :data:`_MQ_LAUNCHES`; its error is against the same
+    block as decode rows in the default launch.
     """
-    from kvarn_kernels.attention import kernel as attn_kernel
     from kvarn_kernels.attention import launch
 
-    sizes = [("llama3-8b", 32, 8, 128, 16, 16384), ("llama3-8b", 32, 8, 128, 64, 16384)]
-    sizes += [("hd64", 32, 8, 64, 64, 16384)]
-    # head_dim 256 (Gemma-3-12B: 16 query / 8 KV heads): its default (SUB 64, 8 warps) untimed so far.
-    sizes += [("hd256", 16, 8, 256, 64, 16384)]
+    if device.type == "cuda":
+        sizes = [("llama3-8b", 32, 8, 128, 16, 16384), ("llama3-8b", 32, 8, 128, 64, 16384)]
+        sizes += [("hd64", 32, 8, 64, 64, 16384)]
+        # head_dim 256 (Gemma-3-12B: 16 query / 8 KV heads)
+        sizes += [("hd256", 16, 8, 256, 64, 16384)]
+    else:  # --dry-run: checks the script in Triton's interpreter
+        sizes = [("tiny", 4, 2, 64, 2, 512)]
     rows: list[dict[str, Any]] = []
     saved = launch.default_launch
+    auto = key_frame == "auto"
     try:
         for shape_name, hq, hkv, d, b, ctx in sizes:
-            template = _template_records(preset, d, hkv, dtype, device)
-            case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template)
-            for cfg in attn_kernel._configs():
-                if cfg.kwargs["SUB"] > get_preset(preset).group_size:
+            template = _template_records(preset, d, hkv, dtype, device, mixed=auto)
+            case = _Case(preset, hq, hkv, d, b, ctx, dtype, device, template, auto, windows)
+            reference = case.verify(verify, True).float().clone() if verify else None
+            for params in _launch_configs(verify):
+                if params["SUB"] > get_preset(preset).group_size:
                     continue
-                params = {
-                    **cfg.kwargs,
-                    "num_warps": cfg.num_warps,
-                    "num_stages": cfg.num_stages,
-                }
-                if cfg.maxnreg is not None:
-                    params["maxnreg"] = cfg.maxnreg
 
                 def fixed(
                     decode: bool = True,
@@ -644,17 +674,32 @@ def _sweep(preset: str, dtype: torch.dtype, device: torch.device, quick: bool) -
                     **params,
                 }
                 try:
-                    case.run()
-                    ms = _best_ms(case.run, quick, device)["ms"]
-                    row.update(time_us=ms * 1e3, gbps=case.bytes_quantized() / (ms * 1e-3) / 1e9)
-                    # Each config checked too: software pipelining must not change the result.
-                    row["rel_error_vs_dequantized_sdpa"] = _check_against_dequantized(case)
+                    if reference is not None:
+                        row["verify_tokens"] = 1 + verify
+
+                        def step(c: _Case = case) -> torch.Tensor:
+                            return c.verify(verify, False)
+
+                        out = step().float()
+                        row["rel_error_vs_decode_rows"] = float(
+                            (out - reference).norm() / reference.norm()
+                        )
+                        ms = _best_ms(step, quick, device)["ms"]
+                        row["time_us"] = ms * 1e3
+                    else:
+                        case.run()
+                        ms = _best_ms(case.run, quick, device)["ms"]
+                        row["time_us"] = ms * 1e3
+                        # Each config checked too: software pipelining must not change the result.
+                        row["rel_error_vs_dequantized_sdpa"] = _check_against_dequantized(case)
+                    row["gbps"] = case.bytes_quantized() / (ms * 1e-3) / 1e9
                 except Exception as exc:  # a config that does not compile is a result too
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del case
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     finally:
         launch.default_launch = saved
     return rows
@@ -832,9 +877,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["store"].append(store)
             print(json.dumps(store), flush=True)
     report["autotune_choices"] = _autotune_choices()
-    if args.sweep and cuda:
+    if args.sweep:
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "0"
-        report["sweep"] = [r for p in presets for r in _sweep(p, dtype, device, quick)]
+        verify = args.verify if args.sweep == "verify" else 0
+        report["sweep"] = [
+            r
+            for p in presets
+            for r in _sweep(p, dtype, device, quick, verify, args.key_frame, args.windows)
+        ]
     if args.store_sweep:
         report["store_sweep"] = [
             r
@@ -957,22 +1007,29 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['verify_rel_diff']:.1e} | {100 * r['verify_differing']:.1f}% |"
             )
     if report.get("sweep"):
+        tokens = report["sweep"][0].get("verify_tokens")
         lines += [
             "",
-            "| shape | batch | context | SUB | warps | stages | maxnreg | time (us) | GB/s "
-            "| rel. error |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"Multi-query launches, a verify block of {tokens} tokens per sequence with its own "
+            "K/V (rel. error against the block as decode rows):"
+            if tokens
+            else "Decode launches (rel. error against SDPA over the dequantized cache):",
+            "",
+            "| preset | shape | batch | context | SUB | warps | stages | maxnreg | time (us) "
+            "| GB/s | rel. error |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in report["sweep"]:
+            err = r.get("rel_error_vs_dequantized_sdpa", r.get("rel_error_vs_decode_rows"))
             t = (
-                f"{r['time_us']:.1f} | {r['gbps']:.0f} | "
-                f"{_fmt(r.get('rel_error_vs_dequantized_sdpa'), '.1e')}"
+                f"{r['time_us']:.1f} | {r['gbps']:.0f} | {_fmt(err, '.1e')}"
                 if "time_us" in r
                 else r["error"] + " | |"
             )
             lines.append(
-                f"| {r['shape']} | {r['batch']} | {r['context']} | {r['SUB']} | "
-                f"{r['num_warps']} | {r.get('num_stages', 1)} | {r.get('maxnreg', '-')} | {t} |"
+                f"| {r.get('preset', '-')} | {r['shape']} | {r['batch']} | {r['context']} | "
+                f"{r['SUB']} | {r['num_warps']} | {r.get('num_stages', 1)} | "
+                f"{r.get('maxnreg', '-')} | {t} |"
             )
     if report.get("store_sweep"):
         lines += [
@@ -1051,8 +1108,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sweep",
-        action="store_true",
-        help="also time every autotune config of the attention kernel at three sizes",
+        nargs="?",
+        const="decode",
+        choices=("decode", "verify"),
+        help="also time launch configs of the attention kernel at four sizes: decode (the "
+        "default) every autotune config of the decode step; verify the multi-query kernel's "
+        "launches on a verify block of 1 + K tokens (needs --verify K; K = 15 is the shape of a "
+        "prefill chunk's 16-token query block)",
     )
     parser.add_argument(
         "--store-sweep",
@@ -1081,6 +1143,10 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny sizes on the CPU in Triton's interpreter (checks the script)",
     )
     args = parser.parse_args(argv)
+    if args.sweep == "verify" and not args.verify:
+        parser.error(
+            "--sweep verify times a verify block of 1 + K tokens: give --verify K (K >= 1)"
+        )
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
