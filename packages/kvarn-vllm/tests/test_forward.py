@@ -261,36 +261,47 @@ def test_invariant_context_runs_verify_blocks_apart(vllm_config_factory, monkeyp
     """Batch-invariant mode: a context group holding a short block (3 tokens, a verify's size)
     and a 30-token chunk goes to the multi-query kernel as two calls, each with its own longest
     block, so that the short one may run as decode rows; both rows' outputs stay kvarn-math's.
-    ``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the default launch splits the group alike: the short
-    block as decode rows, the chunk with its own K/V, both sized for the step's 2 requests. The
-    default launch alone makes one call for the group."""
+    ``KVARN_VLLM_VERIFY_AS_DECODE=1`` in the default launch: the builder moves the short block
+    into the decode rows, one per token (a per-token group: one ``decode_attention`` call of 3
+    rows), and the chunk alone goes to the multi-query kernel with its own K/V; both calls are
+    sized for the step's 2 requests. The default launch alone makes one call for the group."""
     from kvarn_vllm import kernels
     from kvarn_vllm.config import INVARIANT_ENV, VERIFY_AS_DECODE_ENV
 
     monkeypatch.setenv(INVARIANT_ENV, "1" if invariant == "1" else "0")
     monkeypatch.setenv(VERIFY_AS_DECODE_ENV, "1" if invariant == "as_decode" else "0")
-    seen = []
+    seen, flags, decoded = [], [], []
     real = kernels.multi_query_attention
+    real_decode = kernels.decode_attention
 
     def spy(*args, **kwargs):
         seen.append((kwargs["max_query_len"], int(args[0].shape[0]), kwargs.get("fresh_kv")))
         flags.append((kwargs.get("verify_as_decode"), kwargs.get("split_batch")))
         return real(*args, **kwargs)
 
-    flags = []
+    def spy_decode(*args, **kwargs):
+        decoded.append((int(args[0].shape[0]), args[4].tolist(), kwargs.get("split_batch")))
+        return real_decode(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "multi_query_attention", spy)
+    monkeypatch.setattr(kernels, "decode_attention", spy_decode)
     h = Harness(vllm_config_factory, monkeypatch)
     h.step([(0, 0, 100, [9, 11]), (1, 0, 70, [3, 5])])
     meta, q, out, _ = h.step([(0, 100, 3, [9, 11]), (1, 70, 30, [3, 5])])
-    assert meta.context is not None and meta.context.max_query_len == 30
+    assert meta.context is not None
     if invariant == "1":
+        assert meta.context.max_query_len == 30 and meta.decode is None
         assert seen == [(3, 3, None), (30, 30, None)]
     elif invariant == "as_decode":
-        assert [x[:2] for x in seen] == [(3, 3), (30, 30)]
-        assert seen[0][2] is None and seen[1][2] is not None  # the chunk's own K/V
-        assert flags == [(True, 2), (None, 2)]
+        assert meta.decode is not None and meta.decode.per_token
+        assert meta.context.max_query_len == 30 and meta.context.rows.tolist() == [1]
+        # the short block's 3 tokens as decode rows at positions 101, 102, 103
+        assert decoded == [(3, [101, 102, 103], 2)]
+        assert [x[:2] for x in seen] == [(30, 30)]
+        assert seen[0][2] is not None  # the chunk's own K/V
+        assert flags == [(None, 2)]
     else:
+        assert meta.context.max_query_len == 30 and meta.decode is None
         assert [x[:2] for x in seen] == [(30, 33)]
     _near_quantized(h, out[0:3], 0, q[0:3])
     _near_quantized(h, out[3:33], 1, q[3:33])

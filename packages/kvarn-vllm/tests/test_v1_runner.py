@@ -152,13 +152,25 @@ _interp = pytest.mark.skipif(
 )
 
 
+def _group_of(meta, row):
+    """The row group serving batch row ``row``'s queries, and the row's index in it (a
+    per-token group: its first token's)."""
+    for group in (meta.context, meta.decode):
+        if group is not None and (group.rows is None or row in group.rows.tolist()):
+            return group, row if group.rows is None else group.rows.tolist().index(row)
+    raise AssertionError(f"row {row} is in no attention group")
+
+
 @_interp
 @pytest.mark.parametrize("method", ["ngram", "ngram_gpu"])
 def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method):
     """n-gram verify steps of two requests whose rows swap between steps, with random
-    rejections; then one finishes and a new request takes its slot. Every query's output
-    matches kvarn-math over that request's accepted tokens. The host's lengths are upper
-    bounds (every draft accepted), as under the async scheduling ``ngram_gpu`` runs with."""
+    rejections and draft counts (n-gram proposes up to K tokens, or none: a step of verify
+    blocks of different lengths and decode rows, whose short blocks run as decode rows, one
+    per token, beside the decode rows); then one finishes and a new request takes its slot.
+    Every query's output matches kvarn-math over that request's accepted tokens. The host's
+    lengths are upper bounds (every draft accepted), as under the async scheduling
+    ``ngram_gpu`` runs with."""
     from test_speculative import HKV, D, G, K, SpecHarness, assert_matches
 
     monkeypatch.setenv("KVARN_VLLM_EXACT_SINK", "1")
@@ -169,24 +181,28 @@ def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method)
     cached: dict[str, int] = {}
     slot_of: dict[str, int] = {}
 
+    kinds: list[str] = []  # how each step ran its verify rows
+
     def step(order, new=(), finished=()):
-        """One step: prompts for ``new`` (id, length), verify rows of 1 + K for the rest."""
+        """One step: prompts for ``new`` (id, length), verify rows of 1 + d for the rest,
+        d drafts in {0, 2, K}."""
         new_ids = dict(new)
         verify = [r for r in order if r not in new_ids]
+        drafts = {r: int(rng.choice([0, 2, K])) for r in verify}
         md.STEP.report_v1_schedule(
             runner,
             _schedule(
                 new=[_new(r) for r in new_ids],
                 cached=[(r, None) for r in verify],
                 finished=finished,
-                drafts={r: K for r in verify},
+                drafts=drafts,
             ),
         )
         md.STEP.report_v1_batch(runner, list(order))
         slots = md.STEP.record.slots.tolist()
         for r, s in zip(order, slots):
             slot_of[r] = s
-        num_new = [new_ids.get(r, 1 + K) for r in order]
+        num_new = [new_ids.get(r, 1 + drafts.get(r, 0)) for r in order]
         before = [0 if r in new_ids else cached[r] for r in order]
         # Host lengths: upper bounds, as under async scheduling.
         upper = [0 if r in new_ids else K for r in order]
@@ -203,8 +219,10 @@ def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method)
                 continue
             ak, av = h.kv[s]
             step_k, step_v = torch.cat([ak, kv[i][0]]), torch.cat([av, kv[i][1]])
-            ctx = meta.context  # verify rows: the multi-query kernel's group
-            g = i if ctx.rows is None else ctx.rows.tolist().index(i)
+            ctx, g = _group_of(meta, i)
+            kinds.append(
+                "tokens" if ctx.per_token else "context" if ctx is meta.context else "decode"
+            )
             quantized = int(ctx.quantized_lens[g])
             key_lens = ctx.key_lens
             for j in range(n):
@@ -220,15 +238,16 @@ def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method)
                     s,
                     None if key_lens is None else int(key_lens[g]),
                 )
-            accepted = int(rng.integers(0, K + 1))
+            accepted = int(rng.integers(0, n))
             h.kv[s] = (step_k[: cached[r] + 1 + accepted], step_v[: cached[r] + 1 + accepted])
             cached[r] += 1 + accepted
             at += n
 
-    step(["a", "b"], new=[("a", 61), ("b", 100)])
+    step(["a", "b"], new=[("a", 61), ("b", 110)])
     assert slot_of == {"a": 0, "b": 1}
     for i in range(14):
         step(["b", "a"] if i % 2 else ["a", "b"])
+    assert "tokens" in kinds  # some step's verify blocks ran as decode rows beside others
     assert cached["a"] > G  # a's verify steps crossed a tile boundary
     assert cached["b"] > 2 * G  # b quantized more tiles than c will have
     # b finishes; c arrives and takes b's slot: its state starts afresh (b's count of

@@ -295,9 +295,11 @@ def _make_impl_class() -> type:
             if md.decode is not None:
                 g = md.decode
                 # The whole batch writes its output in place; gathered rows are scattered back.
+                # A per-token group (verify blocks as decode rows) has a row per query token.
                 whole = g.token_index is None
+                m = g.num_tokens if g.per_token else md.num_reqs
                 res = kernels.decode_attention(
-                    query[: md.num_reqs] if whole else query.index_select(0, g.token_index),
+                    query[:m] if whole else query.index_select(0, g.token_index),
                     kv_cache,
                     staging,
                     g.block_table,
@@ -307,7 +309,7 @@ def _make_impl_class() -> type:
                     self.preset,
                     self.scale,
                     sliding_window=window,
-                    out=output[: md.num_reqs] if whole else None,
+                    out=output[:m] if whole else None,
                     sink_lens=g.sink_lens,
                     sink_slots=g.sink_slots,
                     batch_invariant=self.config.batch_invariant,
@@ -322,7 +324,7 @@ def _make_impl_class() -> type:
                     output.index_copy_(0, g.token_index, res)
             if md.fresh is not None:
                 self._fresh(md.fresh, query, key, value, output, n)
-            runs = None if md.context is None else self._verify_runs(md.context, md.causal)
+            runs = None if md.context is None else self._verify_runs(md.context)
             if (
                 md.context is not None
                 and md.causal
@@ -330,10 +332,7 @@ def _make_impl_class() -> type:
             ):
                 self._context_dense(md.context, query, key, value, kv_cache, staging, output, n)
             elif md.context is not None and runs is not None:
-                self._context_runs(
-                    md.context, runs, query, key, value, kv_cache, staging, output, n, md.causal,
-                    md.num_reqs,
-                )  # fmt: skip
+                self._context_runs(md.context, runs, query, kv_cache, staging, output, n, md.causal)
             elif md.context is not None:
                 g = md.context
                 q = group_rows(g, query, n)
@@ -438,14 +437,15 @@ def _make_impl_class() -> type:
                 and g.max_query_len <= kernels.verify_as_decode_max_query()
             )
 
-        def _verify_runs(self, g, causal=True):
-            """Batch-invariant mode, or verify blocks as decode rows for a causal group: a
-            context group with rows of at most ``VERIFY_AS_DECODE_MAX_QUERY`` query tokens
-            (verify blocks) and longer ones (chunks): the runs of rows of each kind, so that the
-            short ones may run as decode rows
-            (:func:`kvarn_kernels.attention.launch.verify_as_decode`) whatever else the step
-            holds; else None (one multi-query call)."""
-            if not (self.config.batch_invariant or (self.config.verify_as_decode and causal)):
+        def _verify_runs(self, g):
+            """Batch-invariant mode: a context group with rows of at most
+            ``VERIFY_AS_DECODE_MAX_QUERY`` query tokens (verify blocks) and longer ones
+            (chunks): the runs of rows of each kind, so that the short ones may run as decode
+            rows (:func:`kvarn_kernels.attention.launch.verify_as_decode`) whatever else the
+            step holds; else None (one multi-query call). In the default launch a mixed
+            step's verify blocks are decode rows of their own group already
+            (:attr:`kvarn_vllm.metadata.RowGroup.per_token`)."""
+            if not self.config.batch_invariant:
                 return None
             limit = kernels.verify_as_decode_max_query()
             if g.max_query_len <= limit:
@@ -453,29 +453,16 @@ def _make_impl_class() -> type:
             runs = query_runs(g.query_start_loc_host, limit)
             return runs if len(runs) > 1 else None
 
-        def _context_runs(
-            self, g, runs, query, key, value, kv_cache, staging, output, n, causal, num_reqs
-        ):
-            """A context group in ``runs`` of verify blocks and of longer chunks
-            (:meth:`_verify_runs`), each through :meth:`_context_mqa`. Batch-invariant: every
-            run reads its own tokens from the cache. Verify blocks as decode rows in the
-            default launch: the verify runs as decode rows, splits sized for the step's
-            ``num_reqs``, the chunks with their own K/V from this step."""
+        def _context_runs(self, g, runs, query, kv_cache, staging, output, n, causal):
+            """A batch-invariant context group in ``runs`` of verify blocks and of longer
+            chunks (:meth:`_verify_runs`), each through :meth:`_context_mqa`, every run
+            reading its own tokens from the cache."""
             q = group_rows(g, query, n)
             res = torch.empty_like(q)
             qs = [int(x) for x in g.query_start_loc_host]
-            invariant = self.config.batch_invariant
-            own = None if invariant else self._own_kv(g, key, value, n)
-            limit = kernels.verify_as_decode_max_query()
             for lo, hi in runs:
                 a, b = qs[lo], qs[hi]
-                short = qs[lo + 1] - qs[lo] <= limit  # a run's rows are all short or all long
-                rows = None if own is None or short else (own[0][a:b], own[1][a:b])
-                self._context_mqa(
-                    g, q[a:b], kv_cache, staging, lo, hi, res[a:b], rows, causal,
-                    verify_as_decode=True if short and not invariant else None,
-                    split_batch=None if invariant else num_reqs,
-                )  # fmt: skip
+                self._context_mqa(g, q[a:b], kv_cache, staging, lo, hi, res[a:b], None, causal)
             write_group_rows(g, output, res, n)
 
         def _context_dense(self, g, query, key, value, kv_cache, staging, output, n):
@@ -617,13 +604,10 @@ def _make_impl_class() -> type:
                 res[q_lo:q_hi] = kernels.unrotate(o_rot)
             write_group_rows(g, output, res, n)
 
-        def _context_mqa(
-            self, g, q, kv_cache, staging, lo, hi, out, own, causal=True,
-            verify_as_decode=None, split_batch=None,
-        ):  # fmt: skip
+        def _context_mqa(self, g, q, kv_cache, staging, lo, hi, out, own, causal=True):
             """Rows ``lo:hi`` of a context group through the multi-query kernel (``own``: their
             tokens' K/V from this step, rotated; ``causal=False``: each row's tokens attend its
-            whole sequence; ``verify_as_decode``, ``split_batch``: the kernel's)."""
+            whole sequence)."""
             qs = g.query_start_loc_host
             max_query_len = int(max(int(qs[i + 1]) - int(qs[i]) for i in range(lo, hi)))
             kernels.multi_query_attention(
@@ -648,8 +632,6 @@ def _make_impl_class() -> type:
                 key_lens=None if g.key_lens is None else g.key_lens[lo:hi],
                 key_tiles=self.config.key_tiles,
                 causal=causal,
-                verify_as_decode=verify_as_decode,
-                split_batch=split_batch,
             )
 
         def _fresh(self, g, query, key, value, output, n):

@@ -555,6 +555,10 @@ class RowGroup:
         host: NumPy copies of ``seq_lens``, ``quantized_lens``, ``sink_lens``,
             ``sink_slots``, ``staging_slots`` and ``key_lens`` where the host knows them
             exactly (no speculative decoding), else None.
+        per_token: a decode group of query tokens, not requests (verify blocks as decode
+            rows in a mixed step): ``rows`` maps each token to its batch row, the per-row
+            tensors are per token (``seq_lens`` the token's position + 1), and there are
+            ``num_tokens`` of them.
     """
 
     rows: Any
@@ -572,6 +576,7 @@ class RowGroup:
     sink_slots: Any = None
     key_lens: Any = None
     host: dict[str, Any] | None = None
+    per_token: bool = False
 
 
 @dataclass
@@ -696,6 +701,11 @@ def _make_builder_class() -> type:
                 for name, size in (("rows", r), ("qsl", r + 1), ("tokens", t)):
                     self._layout[f"{kind}_{name}"] = (offset, size)
                     offset = _align4(offset + size)
+            # A per-token decode group (verify blocks as decode rows in a mixed step): each
+            # token's batch row and how many of its block's tokens come after it.
+            for name in ("token_rows", "token_after"):
+                self._layout[name] = (offset, t)
+                offset = _align4(offset + t)
             self._device_buf = torch.zeros(offset, dtype=torch.int32, device=device)
             self._pin = torch.cuda.is_available() and device.type == "cuda"
             self._last_serial = -1
@@ -707,6 +717,13 @@ def _make_builder_class() -> type:
                 == AttentionCGSupport.UNIFORM_BATCH
             )
             self._verify_len = 1 + num_spec
+            from kvarn_vllm import kernels
+
+            # Mixed steps' verify blocks join the decode rows, one per token (see _build).
+            self._verify_rows_as_tokens = (
+                self.config.verify_as_decode and not self.config.batch_invariant
+            )
+            self._verify_limit = kernels.verify_as_decode_max_query()
             # Per request-state row: the first position its request wrote itself (its
             # prefix-cache hit length), where the exact copy of its tokens in staging begins.
             self._exact_start = np.zeros(self.max_num_reqs, dtype=np.int64)
@@ -876,6 +893,29 @@ def _make_builder_class() -> type:
                 split = BatchSplit(decode=rows, fresh=empty, context=empty, uniform="decode")
             else:
                 split = split_rows(num_cached, num_new)
+            token_rows = None
+            if (
+                self._verify_rows_as_tokens
+                and not (capture or uniform_verify)
+                and split.context.size
+            ):
+                # Verify blocks as decode rows in a mixed step (some requests drafted fewer
+                # tokens, or none, or a prompt chunk came along): the step runs outside a
+                # full CUDA graph, so the short blocks join the decode rows, one decode row
+                # per query token, and each layer makes one decode call over them, with the
+                # per-token lengths and tables gathered here once per step instead of in
+                # every layer's call. (A uniform verify step keeps its context group: a full
+                # graph captures that group's per-layer gathers on the persistent buffers.)
+                short = split.context[num_new[split.context] <= self._verify_limit]
+                if short.size:
+                    joined = np.sort(np.concatenate([split.decode, short]))
+                    split = BatchSplit(
+                        decode=joined,
+                        fresh=split.fresh,
+                        context=np.setdiff1d(split.context, short).astype(np.int32),
+                        uniform=None,
+                    )
+                    token_rows = np.repeat(joined, num_new[joined]).astype(np.int32)
             group_hosts = {}
             for kind in ("decode", "fresh", "context"):
                 rows = getattr(split, kind)
@@ -905,8 +945,29 @@ def _make_builder_class() -> type:
                     sub_qsl,
                 )
 
+            if token_rows is not None:
+                # The group's tokens (as the loop above wrote them for its token_index), and
+                # how many of its block come after each.
+                lens = num_new[split.decode]
+                tokens = np.repeat(qsl[split.decode] - (np.cumsum(lens) - lens), lens)
+                tokens += np.arange(token_rows.size, dtype=tokens.dtype)
+                after = (qsl[token_rows + 1] - 1 - tokens).astype(np.int32)
+                for name, values in (("token_rows", token_rows), ("token_after", after)):
+                    s, _ = self._layout[name]
+                    host[s : s + values.size] = values
+                rows, _, _, _, sub_qsl = group_hosts["decode"]
+                group_hosts["decode"] = (
+                    rows,
+                    int(token_rows.size),
+                    1,
+                    int((seq_lens[token_rows] - after).max(initial=0)),
+                    sub_qsl,
+                )
+
             # One host -> device copy for everything the kernels read this step.
             used = self._used_prefix(num_reqs, group_hosts, split.uniform)
+            if token_rows is not None:
+                used = max(used, self._layout["token_after"][0] + token_rows.size)
             # A device plan writes the plan regions itself: copy from the per-row vectors on.
             lo = self._layout["seq_lens"][0] if on_device else 0
             src = torch.from_numpy(host[lo:used])
@@ -958,6 +1019,13 @@ def _make_builder_class() -> type:
                         key_lens=dev_keys,
                     )
                     continue
+                if kind == "decode" and token_rows is not None:
+                    groups[kind] = self._token_group(
+                        buf, token_rows.size, n_tokens, max_s, block_table, dev_seq, dev_read,
+                        dev_slots, dev_sink, dev_sink_slots, dev_keys,
+                        whole=n_tokens == int(qsl[-1]),
+                    )  # fmt: skip
+                    continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
                 groups[kind] = RowGroup(
                     rows=dev_rows,
@@ -978,7 +1046,18 @@ def _make_builder_class() -> type:
             if not on_device:
                 for kind, (rows, *_rest) in group_hosts.items():
                     group = groups[kind]
-                    if group is not None:
+                    if group is not None and group.per_token:
+                        assert token_rows is not None
+                        group.host = {
+                            "seq_lens": seq_lens[token_rows]
+                            - self._view(host, "token_after", token_rows.size),
+                            "quantized_lens": read[token_rows],
+                            "sink_lens": sink_lens[token_rows],
+                            "sink_slots": sink_slots[token_rows],
+                            "staging_slots": slots[token_rows],
+                            "key_lens": key_read[token_rows],
+                        }
+                    elif group is not None:
                         group.host = {
                             "seq_lens": seq_lens[rows],
                             "quantized_lens": read[rows],
@@ -1197,6 +1276,37 @@ def _make_builder_class() -> type:
                 fresh=None,
                 context=group if block else None,
                 causal=causal,
+            )
+
+        def _token_group(
+            self, buf, count, n_tokens, max_seq, block_table, dev_seq, dev_read, dev_slots,
+            dev_sink, dev_sink_slots, dev_keys, whole,
+        ):  # fmt: skip
+            """The per-token decode group of a mixed step (:attr:`RowGroup.per_token`): the
+            per-row tensors gathered for each token from the step's persistent buffers (on
+            the device, after the device plan has written the lengths), each token's length
+            its position + 1."""
+            trow = self._view(buf, "token_rows", count).long()
+            after = self._view(buf, "token_after", count)
+
+            def per_token(t):
+                return None if t is None else t.index_select(0, trow)
+
+            return RowGroup(
+                rows=trow,
+                token_index=None if whole else self._view(buf, "decode_tokens", n_tokens).long(),
+                query_start_loc=None,
+                seq_lens=dev_seq.index_select(0, trow) - after,
+                quantized_lens=per_token(dev_read),
+                staging_slots=per_token(dev_slots),
+                block_table=per_token(block_table),
+                max_query_len=1,
+                max_seq_len=max_seq,
+                num_tokens=n_tokens,
+                sink_lens=per_token(dev_sink),
+                sink_slots=per_token(dev_sink_slots),
+                key_lens=per_token(dev_keys),
+                per_token=True,
             )
 
         def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:
