@@ -9,10 +9,11 @@ speculative config of n-gram) through steps of ``--requests`` requests, and time
 
 * ``build``: the builder's ``build`` once per step (planning, one host-to-device copy);
 * ``forward``: one layer's ``forward`` (the store, the attention calls and their gathers);
-* ``torch calls``: the torch functions one layer's ``forward`` calls (most are a kernel
-  launch on a GPU);
+* ``torch calls``: the torch functions a layer's ``forward`` calls, averaged over the
+  layers of a step (most are a kernel launch on a GPU; what a step's first layer computes for
+  all of them, it computes once);
 
-with every Triton launch replaced by a counter (Triton's interpreter, ``TRITON_INTERPRET=1``,
+inside a forward context per step as vLLM sets one, with every Triton launch replaced by a counter (Triton's interpreter, ``TRITON_INTERPRET=1``,
 is stubbed), so the numbers are the Python and the torch operations around the kernels, and
 ``launches`` how many kernels a layer starts. On a GPU the torch operations become kernel
 launches of a few microseconds of host time each; here they also compute on the CPU, so the
@@ -130,6 +131,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         VllmConfig,
         set_current_vllm_config,
     )
+    from vllm.forward_context import override_forward_context
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -238,18 +240,20 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             out = torch.empty(n, hq, d, dtype=torch.float16)
             launches.clear()
             t2 = time.perf_counter()
-            for _ in range(args.layers):
-                layer.impl.forward(layer, q, key, value, kv_cache, meta, output=out)
+            with override_forward_context(SimpleNamespace()):  # vLLM: a new one per forward
+                for _ in range(args.layers):
+                    layer.impl.forward(layer, q, key, value, kv_cache, meta, output=out)
             t3 = time.perf_counter()
             if step >= 2:
                 builds.append(t1 - t0)
                 forwards.append((t3 - t2) / args.layers)
                 per_layer = len(launches) / args.layers
                 tokens += n
-            if step == 2:  # one untimed layer, counting its torch calls
-                with _count_torch_calls() as counted:
-                    layer.impl.forward(layer, q, key, value, kv_cache, meta, output=out)
-                torch_calls = counted.calls
+            if step == 2:  # an untimed forward, counting the torch calls of its layers
+                with override_forward_context(SimpleNamespace()), _count_torch_calls() as counted:
+                    for _ in range(args.layers):
+                        layer.impl.forward(layer, q, key, value, kv_cache, meta, output=out)
+                torch_calls = counted.calls / args.layers
             # every request keeps about 40% of its drafts; a tile boundary now and then
             cached = cached + 1 + (drafts * 2 // 5).astype(np.int32)
         build_ms = 1e3 * statistics.median(builds)
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {row['mode']} | {row['tokens_per_step']:.0f} | {row['build_ms']:.2f} | "
             f"{row['forward_us_per_layer']:.0f} | {row['launches_per_layer']:.0f} | "
-            f"{row['torch_calls_per_layer']} | {row['host_ms_per_step']:.1f} |"
+            f"{row['torch_calls_per_layer']:.1f} | {row['host_ms_per_step']:.1f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -502,3 +502,45 @@ def test_recent_tile_read_exact_except_after_a_prefix_hit(vllm_config_factory, m
     assert meta.context.quantized_lens.tolist() == [128]
     _near_quantized(h, out, 2, q, exact_start=128)
     assert not torch.isnan(out).any()
+
+
+def test_row_expansion_once_per_forward():
+    """A context group's tokens as decode rows: each token's sequence and length (its position
+    + 1, or the whole sequence for a non-causal block), its sequence's table row and lengths;
+    padding past the last query marked. Kept on the group for the other layers of the same
+    forward only (a new forward context computes it again; outside one nothing is kept)."""
+    from kvarn_vllm.impl import row_expansion
+    from vllm.forward_context import override_forward_context
+
+    g = md.RowGroup(
+        rows=None,
+        token_index=None,
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 7], dtype=torch.int32),
+        quantized_lens=torch.tensor([0, 64], dtype=torch.int32),
+        staging_slots=torch.tensor([2, 1], dtype=torch.int32),
+        block_table=torch.tensor([[5, 6], [7, 8]], dtype=torch.int32),
+        max_query_len=3,
+        max_seq_len=10,
+        num_tokens=5,
+        sink_lens=torch.tensor([64, 0], dtype=torch.int32),
+        key_lens=torch.tensor([0, 0], dtype=torch.int32),
+    )
+    e = row_expansion(g, 6, True)  # one padding token
+    assert e["rows"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert e["row_lens"].tolist() == [8, 9, 10, 6, 7, 7]
+    assert e["block_table"].tolist() == [[5, 6]] * 3 + [[7, 8]] * 3
+    assert e["staging_slots"].tolist() == [2, 2, 2, 1, 1, 1]
+    assert e["sink_lens"].tolist() == [64, 64, 64, 0, 0, 0] and e["sink_slots"] is None
+    assert e["valid"].view(-1).tolist() == [True] * 5 + [False]
+    assert row_expansion(g, 5, False)["row_lens"].tolist() == [10, 10, 10, 7, 7]
+    assert g.expansion is None  # outside a forward: nothing kept
+    first, second = SimpleNamespace(), SimpleNamespace()
+    with override_forward_context(first):
+        e1 = row_expansion(g, 5, True)
+        assert row_expansion(g, 5, True) is e1  # the other layers of the forward
+        assert row_expansion(g, 5, False) is not e1  # another question
+    with override_forward_context(second):
+        e2 = row_expansion(g, 5, True)
+    assert e2 is not row_expansion(g, 5, True)
+    assert e2["row_lens"].tolist() == e1["row_lens"].tolist() == [8, 9, 10, 6, 7]

@@ -746,3 +746,56 @@ def test_uniform_verify_batch_with_a_new_prompt_of_the_same_length(
                        q[j : j + 1], ("verify", j), old, key_read)  # fmt: skip
         assert_matches(h, out[n + j : n + j + 1], kb[: j + 1], vb[: j + 1], 0,
                        q[n + j : n + j + 1], ("prompt", j))  # fmt: skip
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_verify_rows_are_expanded_once_per_forward(vllm_config_factory, monkeypatch, capturing):
+    """A uniform verify step run as decode rows (the default under speculative decoding): in
+    one forward the first layer expands the block into decode rows and the next reuses it,
+    with the same output bits as a layer that expands them itself; a new forward expands
+    again. ``capturing``: as inside a CUDA graph capture, where the output is masked (a
+    replay may bring padding rows) instead of written in place: the same bits."""
+    from kvarn_kernels.attention import launch
+    from kvarn_vllm import impl
+    from vllm.forward_context import override_forward_context
+
+    monkeypatch.setattr(impl, "_capturing", lambda: capturing)
+
+    calls = []
+    decode_rows = launch.decode_rows
+    monkeypatch.setattr(launch, "decode_rows", lambda *a: calls.append(1) or decode_rows(*a))
+    h = SpecHarness(vllm_config_factory, monkeypatch)
+    assert h.builder.config.verify_as_decode
+    slot, prompt = 1, h.g + 5
+    md.STEP.report_added([slot])
+    md.STEP.report_real(
+        SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
+    )
+    h.run(h.builder.build(0, h.cam([slot], [0], [prompt], [0])), [(slot, 0, (h.rand(prompt, HKV, D), h.rand(prompt, HKV, D)))])  # fmt: skip
+    md.STEP.report_real(
+        SimpleNamespace(
+            num_reqs=1,
+            idx_mapping_np=np.array([slot]),
+            num_draft_tokens_per_req=np.array([K], dtype=np.int32),
+        )
+    )
+    meta = h.builder.build(0, h.cam([slot], [prompt], [1 + K], [0]))
+    assert meta.context is not None and meta.context.token_index is None  # uniform
+    k, v = h.rand(1 + K, HKV, D), h.rand(1 + K, HKV, D)
+    q = h.rand(1 + K, HQ, D)
+
+    def layer():
+        out = torch.full((1 + K, HQ, D), float("nan"), dtype=torch.float16)
+        h.layer.impl.forward(h.layer, q, k, v, h.kv_cache, meta, output=out)
+        return out
+
+    calls.clear()
+    alone = layer()  # no forward context: expanded by this call
+    with override_forward_context(SimpleNamespace()):
+        first, second = layer(), layer()
+    assert len(calls) == 2  # one of its own, one for the forward's two layers
+    with override_forward_context(SimpleNamespace()):
+        layer()
+    assert len(calls) == 3
+    assert not torch.isnan(alone).any()
+    assert torch.equal(first, alone) and torch.equal(second, alone)

@@ -339,11 +339,12 @@ def _make_impl_class() -> type:
                 # A non-causal block (a drafter's) reads its own tokens from staging, where
                 # the store above put them: the kernel attends each row's whole sequence.
                 as_decode = self._verify_as_decode(g)
-                own = (
-                    None
-                    if self.config.batch_invariant or not md.causal or as_decode
-                    else self._own_kv(g, key, value, n)
-                )
+                if as_decode or not md.causal:
+                    res = self._decode_rows(g, q, kv_cache, staging, output, n, md)
+                    if g.token_index is not None:
+                        output.index_copy_(0, g.token_index, res)
+                    return output
+                own = None if self.config.batch_invariant else self._own_kv(g, key, value, n)
                 res = kernels.multi_query_attention(
                     q,
                     g.query_start_loc,
@@ -365,13 +366,50 @@ def _make_impl_class() -> type:
                     raw_keys=self.config.mixed_key_frames,
                     key_lens=g.key_lens,
                     key_tiles=self.config.key_tiles,
-                    causal=md.causal,
-                    verify_as_decode=True if as_decode else None,
                     split_batch=md.num_reqs,
                 )
                 if g.token_index is not None:
                     output.index_copy_(0, g.token_index, res)
             return output
+
+        def _decode_rows(self, g, q, kv_cache, staging, output, n, md):
+            """A context group's query tokens as decode rows, one per token: verify blocks in
+            the default launch (``KVARN_VLLM_VERIFY_AS_DECODE``), or a drafter's non-causal
+            block, whose rows each attend the whole sequence. The same computation as
+            ``multi_query_attention``'s decode-row path, with the per-row lengths and tables
+            (:func:`row_expansion`) computed by the step's first layer and reused by the
+            others. The whole batch's output is written in place, padding rows past the last
+            query left as they were; a gathered group's result is returned."""
+            whole = g.token_index is None
+            e = row_expansion(g, q.shape[0], md.causal)
+            # Written in place where every row is a query (outside a CUDA graph capture,
+            # whose replays may bring padding rows); else masked below.
+            direct = whole and n == g.num_tokens and not _capturing()
+            res = kernels.decode_attention(
+                q,
+                kv_cache,
+                staging,
+                e["block_table"],
+                e["row_lens"],
+                e["quantized_lens"],
+                e["staging_slots"],
+                self.preset,
+                self.scale,
+                sliding_window=self.sliding_window,
+                sink_lens=e["sink_lens"],
+                sink_slots=e["sink_slots"],
+                batch_invariant=self.config.batch_invariant,
+                raw_keys=self.config.mixed_key_frames,
+                key_lens=e["key_lens"],
+                key_tiles=self.config.key_tiles,
+                split_batch=md.num_reqs,
+                out=output[:n] if direct else None,
+            )
+            if not whole or direct:
+                return res
+            out = output[:n]
+            out.copy_(torch.where(e["valid"], res, out))
+            return out
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             """A DFlash drafter's context store: K/V (original frame, ``[T, H, D]``) of every
@@ -725,6 +763,55 @@ def _use_dense_context(group: Any, workspace: Any) -> bool:
     if workspace is None:
         return False
     return group.host is not None and group.max_query_len >= DENSE_CONTEXT_MIN_QUERY
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def row_expansion(group: Any, num_rows: int, causal: bool) -> dict[str, Any]:
+    """A context group's ``num_rows`` query tokens as decode rows: each token's sequence
+    (``rows``), length (``row_lens``: its position + 1, or with ``causal=False`` the whole
+    sequence), and its sequence's table row, read lengths, staging slot, sink and key lengths;
+    ``valid`` marks the tokens before the group's last query (the rest is padding of a CUDA
+    graph). Computed once per model forward and group: the first layer's call stores it on
+    the group for the others (every layer of a step reads the same rows). Within a CUDA
+    graph capture the ops are captured once, by the first layer, and replay before the other
+    layers read their results; outside a forward (tests) nothing is kept."""
+    import torch
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    ctx = get_forward_context() if is_forward_context_available() else None
+    key = (num_rows, causal, _capturing())
+    memo = group.expansion
+    if ctx is not None and memo is not None and memo[0] is ctx and memo[1] == key:
+        return memo[2]
+    from kvarn_vllm import kernels
+
+    qsl = group.query_start_loc
+    rows, row_lens = kernels.decode_rows(qsl, num_rows, group.seq_lens, causal)
+
+    def per_row(t: Any) -> Any:
+        return None if t is None else t.index_select(0, rows)
+
+    tokens = torch.arange(num_rows, device=qsl.device)
+    e = {
+        "rows": rows,
+        "row_lens": row_lens,
+        "block_table": group.block_table.index_select(0, rows),
+        "quantized_lens": group.quantized_lens.index_select(0, rows),
+        "staging_slots": group.staging_slots.index_select(0, rows),
+        "sink_lens": per_row(group.sink_lens),
+        "sink_slots": per_row(group.sink_slots),
+        "key_lens": per_row(group.key_lens),
+        "valid": (tokens < qsl[qsl.shape[0] - 1]).view(-1, 1, 1),
+    }
+    if ctx is not None:
+        group.expansion = (ctx, key, e)
+    return e
 
 
 def group_rows(group: Any, t: Any, n: int) -> Any:

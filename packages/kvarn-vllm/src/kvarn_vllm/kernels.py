@@ -142,6 +142,14 @@ def staging_rows(*args, **kwargs):
     return kernels_module().staging_rows(*args, **kwargs)
 
 
+def decode_rows(*args, **kwargs):
+    """``kvarn_kernels.attention.launch.decode_rows``: a block's query tokens as decode rows."""
+    from kvarn_kernels.attention.launch import decode_rows as rows
+
+    kernels_module()
+    return rows(*args, **kwargs)
+
+
 def verify_as_decode_max_query() -> int:
     """``kvarn_kernels.VERIFY_AS_DECODE_MAX_QUERY``: batch-invariant multi-query calls of at
     most this many query tokens per row may run as decode rows."""

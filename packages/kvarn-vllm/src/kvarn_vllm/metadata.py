@@ -31,7 +31,7 @@ import functools
 import logging
 import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -559,6 +559,8 @@ class RowGroup:
             rows in a mixed step): ``rows`` maps each token to its batch row, the per-row
             tensors are per token (``seq_lens`` the token's position + 1), and there are
             ``num_tokens`` of them.
+        expansion: a context group's tokens as decode rows, kept by the step's first layer
+            for the others (:func:`kvarn_vllm.impl.row_expansion`).
     """
 
     rows: Any
@@ -577,6 +579,7 @@ class RowGroup:
     key_lens: Any = None
     host: dict[str, Any] | None = None
     per_token: bool = False
+    expansion: Any = field(default=None, repr=False)
 
 
 @dataclass
