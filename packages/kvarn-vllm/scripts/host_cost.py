@@ -203,6 +203,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         for step in range(args.steps + 2):  # the first two warm up
             if mode == "mixed":
                 drafts = rng.choice([0, k], size=r, p=[0.4, 0.6])
+                drafts[: min(r, 2)] = [0, k][: min(r, 2)]  # mixed whatever the draw
             elif mode == "uniform":
                 drafts = np.full(r, k)
             else:
