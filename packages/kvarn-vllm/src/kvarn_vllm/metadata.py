@@ -11,10 +11,14 @@ Each step the builder
 3. splits the rows into three kinds, each served by one attention call per layer:
 
    * ``decode``: one new token after cached ones -> ``decode_attention`` over the cache;
+     in a mixed speculative step also the query tokens of its verify blocks, one decode row
+     each (:attr:`RowGroup.per_token`);
    * ``fresh``: a prompt's first chunk with nothing cached -> exact causal attention over
      the fresh K/V (vLLM's Triton varlen kernel), as the published fork does;
    * ``context``: a chunk after cached tokens (chunked prefill continuation, prefix-cache
-     hit) -> ``multi_query_attention`` over the cache, after this step's store;
+     hit, the verify blocks of a uniform speculative step) -> ``multi_query_attention`` over
+     the cache, after this step's store, or a dense path (:mod:`kvarn_vllm.impl`), or the
+     verify blocks as decode rows;
 
 4. copies everything the kernels read into persistent device buffers with one host to
    device copy, so full CUDA graphs of uniform decode batches replay with fresh values.
