@@ -186,7 +186,7 @@ def attention_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any
     for name, decode in cases:
         p = get_preset(name)
         for d in head_dims:
-            launch = default_launch(decode, d, p.group_size)
+            launch = default_launch(decode, d, p.group_size, (p.key_bits, p.value_bits))
             group, block_h = 4, 4
             block_q = 1 if decode else 16
             consts = dict(

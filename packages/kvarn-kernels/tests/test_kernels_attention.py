@@ -1205,3 +1205,21 @@ def test_staged_splits_cap_rejects_bad_values(raw: str, monkeypatch: pytest.Monk
     monkeypatch.setenv(launch.STAGED_SPLITS_ENV, raw)
     with pytest.raises(ValueError, match="KVARN_KERNELS_STAGED_SPLITS must be an integer >= 1"):
         launch.staged_splits(staging, 128, True, None)
+
+
+def test_default_launch_of_multi_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multi-query blocks keep SUB <= 64 (SUB 128 failed on the H200); 4 warps for
+    kvarn_k4v2 at head_dim 128 (the H200 sweep), 8 elsewhere; decode launches unchanged."""
+    from kvarn_kernels.attention import kernel
+
+    monkeypatch.setattr(kernel, "INTERPRET", False)  # the interpreter's one launch aside
+    mq = kernel.default_launch(False, 128, 128, (4, 2))
+    assert mq == {"SUB": 64, "num_warps": 4, "num_stages": 1}
+    assert kernel.default_launch(False, 128, 128, (2, 2))["num_warps"] == 8
+    assert kernel.default_launch(False, 64, 128, (4, 2))["num_warps"] == 8
+    assert kernel.default_launch(False, 128, 128)["num_warps"] == 8
+    for bits in (None, (4, 2), (2, 2)):
+        assert kernel.default_launch(True, 128, 128, bits) == {
+            "SUB": 128, "num_warps": 4, "num_stages": 2,
+        }  # fmt: skip
+    assert all(kernel.default_launch(False, d, 128, (4, 2))["SUB"] <= 64 for d in (64, 128, 256))

@@ -597,8 +597,10 @@ def _store_sweep(
 
 
 # Launches timed by ``--sweep verify`` for the multi-query kernel: (SUB, warps), one stage. SUB
-# below 32 cannot run the 4-bit-key path (its dots need 16 tokens per nibble phase).
-_MQ_LAUNCHES = ((128, 4), (128, 8), (64, 2), (64, 4), (64, 8), (32, 2), (32, 4), (32, 8))
+# below 32 cannot run the 4-bit-key path (its dots need 16 tokens per nibble phase); SUB 128
+# gave NaN (4 warps) and an illegal memory access on 64-row blocks (H200, 2026-12-04), so
+# multi-query blocks stay at SUB <= 64 (kernel.default_launch).
+_MQ_LAUNCHES = ((64, 2), (64, 4), (64, 8), (32, 2), (32, 4), (32, 8))
 
 
 def _launch_configs(verify: int) -> list[dict[str, int]]:
@@ -661,6 +663,7 @@ def _sweep(
                     decode: bool = True,
                     head_dim: int = 128,
                     group_size: int = 128,
+                    bits: tuple[int, int] | None = None,
                     params: dict[str, int] = params,
                 ) -> dict[str, int]:
                     return dict(params)

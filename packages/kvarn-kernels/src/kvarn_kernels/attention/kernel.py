@@ -691,7 +691,10 @@ def _attend_step_phased(
 
 
 def default_launch(
-    decode: bool = True, head_dim: int = 128, group_size: int = 128
+    decode: bool = True,
+    head_dim: int = 128,
+    group_size: int = 128,
+    bits: tuple[int, int] | None = None,
 ) -> dict[str, int]:
     """Launch parameters of the untuned kernel (what an engine running CUDA graphs gets).
 
@@ -705,6 +708,13 @@ def default_launch(
     faster in that sweep, and no spills); the generic path prefetches one step. A second sweep
     (2026-11-30, docs/results/h200-2026-11-30d) timed software-pipelined configs: 2 stages win
     at head_dim 128 only.
+
+    ``bits``: the preset's (key bits, value bits). Multi-query blocks of ``kvarn_k4v2`` at
+    head_dim 128 run SUB 64 with 4 warps (H200, 2026-12-04, batch 64 at 16K context, through
+    ``bench --sweep verify``: a 16-token block, 64 rows, 3,479 us against 4,967 with 8 warps,
+    1,068 against 1,305 at batch 16; a 5-token block 5,789 against 9,775); SUB 128 gave NaN
+    with 4 warps and an illegal memory access on 64-row blocks, so multi-query blocks keep
+    SUB <= 64. Other presets and head sizes keep 8 warps (not timed).
     """
     if INTERPRET:
         return {"SUB": 32, "num_warps": 4, "num_stages": 1}
@@ -715,7 +725,8 @@ def default_launch(
         # +5% there (842 against 799 GB/s at batch 64, 725 against 686 at batch 16), -12% at 64.
         stages = 2 if 64 < head_dim <= 128 else 1
         return {"SUB": sub, "num_warps": warps, "num_stages": stages}
-    return {"SUB": min(sub, 64), "num_warps": 8, "num_stages": 1}
+    warps = 4 if bits == (4, 2) and head_dim == 128 else 8
+    return {"SUB": min(sub, 64), "num_warps": warps, "num_stages": 1}
 
 
 def _configs() -> list[triton.Config]:

@@ -123,10 +123,12 @@ def launch_override() -> dict[str, int]:
     return out
 
 
-def untuned_launch(decode: bool, head_dim: int, group_size: int) -> dict[str, int]:
-    """Launch parameters of the untuned kernel: :func:`default_launch` with any
-    ``KVARN_KERNELS_ATTN_LAUNCH`` override."""
-    return {**default_launch(decode, head_dim, group_size), **launch_override()}
+def untuned_launch(
+    decode: bool, head_dim: int, group_size: int, bits: tuple[int, int] | None = None
+) -> dict[str, int]:
+    """Launch parameters of the untuned kernel: :func:`default_launch` (``bits``: the
+    preset's key and value bits) with any ``KVARN_KERNELS_ATTN_LAUNCH`` override."""
+    return {**default_launch(decode, head_dim, group_size, bits), **launch_override()}
 
 
 def launch_splits(
@@ -614,7 +616,7 @@ def _run(
     else:
         # Batch-invariant: every row with decode's launch, whatever the query count.
         kernel = attention_partial_kernel
-        launch = untuned_launch(decode or invariant, d, g)
+        launch = untuned_launch(decode or invariant, d, g, (p.key_bits, p.value_bits))
     if invariant and num_splits is not None:
         raise ValueError(
             "num_splits must be None in batch-invariant mode (the splits sit at fixed positions)"
