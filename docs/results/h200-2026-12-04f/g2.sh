@@ -10,7 +10,7 @@ L=${LIMIT:-440}
 mkdir -p $OUT/g $OUT/x
 START=$SECONDS
 ( timeout $L python3 -m kvarn_eval.cli bench --suites vllm_perplexity --greedy-model $GEMMA --text $T \
-  --vllm-ppl-tokens 512 --ppl-caches bf16@TRITON_ATTN,kvarn_k4v2_g128,kvarn_k4v2_g128+keys,kvarn_k2v2_g128 \
+  --vllm-ppl-tokens 512 --ppl-caches bf16@TRITON_ATTN,kvarn_k4v2_g128,kvarn_k4v2_g128+keys \
   --max-seconds $((L - 5)) --no-plot --out $OUT/g > $OUT/g/log 2>&1; echo rc=$? >> $OUT/g/log
   echo "ppl done at $((SECONDS-START)) s" >> $OUT/times ) &
 PID=$!
