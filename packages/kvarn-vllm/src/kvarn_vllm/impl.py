@@ -793,22 +793,18 @@ def row_expansion(group: Any, num_rows: int, causal: bool) -> dict[str, Any]:
 
     qsl = group.query_start_loc
     rows, row_lens = kernels.decode_rows(qsl, num_rows, group.seq_lens, causal)
-
-    def per_row(t: Any) -> Any:
-        return None if t is None else t.index_select(0, rows)
-
+    tables = kernels.row_tables(
+        rows,
+        group.block_table,
+        group.quantized_lens,
+        group.staging_slots,
+        group.sink_lens,
+        group.sink_slots,
+        group.key_lens,
+    )
     tokens = torch.arange(num_rows, device=qsl.device)
-    e = {
-        "rows": rows,
-        "row_lens": row_lens,
-        "block_table": group.block_table.index_select(0, rows),
-        "quantized_lens": group.quantized_lens.index_select(0, rows),
-        "staging_slots": group.staging_slots.index_select(0, rows),
-        "sink_lens": per_row(group.sink_lens),
-        "sink_slots": per_row(group.sink_slots),
-        "key_lens": per_row(group.key_lens),
-        "valid": (tokens < qsl[qsl.shape[0] - 1]).view(-1, 1, 1),
-    }
+    valid = (tokens < qsl[qsl.shape[0] - 1]).view(-1, 1, 1)
+    e = {"rows": rows, "row_lens": row_lens, "valid": valid, **tables._asdict()}
     if ctx is not None:
         group.expansion = (ctx, key, e)
     return e

@@ -144,10 +144,19 @@ def staging_rows(*args, **kwargs):
 
 def decode_rows(*args, **kwargs):
     """``kvarn_kernels.attention.launch.decode_rows``: a block's query tokens as decode rows."""
-    from kvarn_kernels.attention.launch import decode_rows as rows
-
     kernels_module()
-    return rows(*args, **kwargs)
+    from kvarn_kernels.attention import launch
+
+    return launch.decode_rows(*args, **kwargs)
+
+
+def row_tables(*args, **kwargs):
+    """``kvarn_kernels.attention.launch.row_tables``: decode rows' per-sequence tables (a
+    ``RowTables`` named tuple)."""
+    kernels_module()
+    from kvarn_kernels.attention import launch
+
+    return launch.row_tables(*args, **kwargs)
 
 
 def verify_as_decode_max_query() -> int:

@@ -952,14 +952,13 @@ def _make_builder_class() -> type:
                     sub_qsl,
                 )
 
+            token_after = None
             if token_rows is not None:
-                # The group's tokens (as the loop above wrote them for its token_index), and
-                # how many of its block come after each.
-                lens = num_new[split.decode]
-                tokens = np.repeat(qsl[split.decode] - (np.cumsum(lens) - lens), lens)
-                tokens += np.arange(token_rows.size, dtype=tokens.dtype)
-                after = (qsl[token_rows + 1] - 1 - tokens).astype(np.int32)
-                for name, values in (("token_rows", token_rows), ("token_after", after)):
+                # How many of its block's tokens come after each of the group's tokens (which
+                # the loop above wrote for its token_index).
+                tokens = self._view(host, "decode_tokens", token_rows.size)
+                token_after = (qsl[token_rows + 1] - 1 - tokens).astype(np.int32)
+                for name, values in (("token_rows", token_rows), ("token_after", token_after)):
                     s, _ = self._layout[name]
                     host[s : s + values.size] = values
                 rows, _, _, _, sub_qsl = group_hosts["decode"]
@@ -967,7 +966,7 @@ def _make_builder_class() -> type:
                     rows,
                     int(token_rows.size),
                     1,
-                    int((seq_lens[token_rows] - after).max(initial=0)),
+                    int((seq_lens[token_rows] - token_after).max(initial=0)),
                     sub_qsl,
                 )
 
@@ -1028,9 +1027,8 @@ def _make_builder_class() -> type:
                     continue
                 if kind == "decode" and token_rows is not None:
                     groups[kind] = self._token_group(
-                        buf, token_rows.size, n_tokens, max_s, block_table, dev_seq, dev_read,
-                        dev_slots, dev_sink, dev_sink_slots, dev_keys,
-                        whole=n_tokens == int(qsl[-1]),
+                        buf, n_tokens, max_s, block_table, dev_seq, dev_read, dev_slots,
+                        dev_sink, dev_sink_slots, dev_keys, whole=n_tokens == int(qsl[-1]),
                     )  # fmt: skip
                     continue
                 dev_rows = self._view(buf, f"{kind}_rows", rows.size).long()
@@ -1054,10 +1052,9 @@ def _make_builder_class() -> type:
                 for kind, (rows, *_rest) in group_hosts.items():
                     group = groups[kind]
                     if group is not None and group.per_token:
-                        assert token_rows is not None
+                        assert token_rows is not None and token_after is not None
                         group.host = {
-                            "seq_lens": seq_lens[token_rows]
-                            - self._view(host, "token_after", token_rows.size),
+                            "seq_lens": seq_lens[token_rows] - token_after,
                             "quantized_lens": read[token_rows],
                             "sink_lens": sink_lens[token_rows],
                             "sink_slots": sink_slots[token_rows],
@@ -1286,34 +1283,29 @@ def _make_builder_class() -> type:
             )
 
         def _token_group(
-            self, buf, count, n_tokens, max_seq, block_table, dev_seq, dev_read, dev_slots,
+            self, buf, n_tokens, max_seq, block_table, dev_seq, dev_read, dev_slots,
             dev_sink, dev_sink_slots, dev_keys, whole,
         ):  # fmt: skip
             """The per-token decode group of a mixed step (:attr:`RowGroup.per_token`): the
             per-row tensors gathered for each token from the step's persistent buffers (on
             the device, after the device plan has written the lengths), each token's length
             its position + 1."""
-            trow = self._view(buf, "token_rows", count).long()
-            after = self._view(buf, "token_after", count)
+            from kvarn_vllm import kernels
 
-            def per_token(t):
-                return None if t is None else t.index_select(0, trow)
-
+            trow = self._view(buf, "token_rows", n_tokens).long()
+            after = self._view(buf, "token_after", n_tokens)
             return RowGroup(
                 rows=trow,
                 token_index=None if whole else self._view(buf, "decode_tokens", n_tokens).long(),
                 query_start_loc=None,
                 seq_lens=dev_seq.index_select(0, trow) - after,
-                quantized_lens=per_token(dev_read),
-                staging_slots=per_token(dev_slots),
-                block_table=per_token(block_table),
                 max_query_len=1,
                 max_seq_len=max_seq,
                 num_tokens=n_tokens,
-                sink_lens=per_token(dev_sink),
-                sink_slots=per_token(dev_sink_slots),
-                key_lens=per_token(dev_keys),
                 per_token=True,
+                **kernels.row_tables(
+                    trow, block_table, dev_read, dev_slots, dev_sink, dev_sink_slots, dev_keys
+                )._asdict(),
             )
 
         def _used_prefix(self, num_reqs: int, group_hosts: dict, uniform: str | None) -> int:

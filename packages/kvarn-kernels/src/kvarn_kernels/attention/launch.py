@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -362,6 +363,44 @@ def decode_rows(
     return rows, (lens - after).to(torch.int32)
 
 
+class RowTables(NamedTuple):
+    """Decode rows' per-sequence tables (:func:`row_tables`), named as
+    :func:`decode_attention`'s arguments (``_asdict()`` passes them on)."""
+
+    block_table: torch.Tensor
+    quantized_lens: torch.Tensor
+    staging_slots: torch.Tensor
+    sink_lens: torch.Tensor | None
+    sink_slots: torch.Tensor | None
+    key_lens: torch.Tensor | None
+
+
+def row_tables(
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    sink_lens: torch.Tensor | None = None,
+    sink_slots: torch.Tensor | None = None,
+    key_lens: torch.Tensor | None = None,
+) -> RowTables:
+    """The per-sequence tables of decode rows ``rows`` (each row's sequence, as
+    :func:`decode_rows` gives them): each row's table row, read lengths, staging slot, sink and
+    key lengths (``None`` stays ``None``)."""
+
+    def per_row(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, rows)
+
+    return RowTables(
+        block_table.index_select(0, rows),
+        quantized_lens.index_select(0, rows),
+        staging_slots.index_select(0, rows),
+        per_row(sink_lens),
+        per_row(sink_slots),
+        per_row(key_lens),
+    )
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -577,32 +616,31 @@ def _run(
         # attend the whole sequence.
         assert query_start_loc is not None
         rows, row_lens = decode_rows(query_start_loc, num_tokens, seq_lens, causal)
-
-        def per_row(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, rows)
-
+        t = row_tables(
+            rows, block_table, quantized_lens, staging_slots, sink_lens, sink_slots, key_lens
+        )
         res = _run(
             query,
             None,
             1,
             kv_cache,
             staging,
-            block_table.index_select(0, rows),
+            t.block_table,
             row_lens,
-            quantized_lens.index_select(0, rows),
-            staging_slots.index_select(0, rows),
+            t.quantized_lens,
+            t.staging_slots,
             layout,
             num_kv_heads,
             scale,
             sliding_window,
             None,
             num_splits,
-            per_row(sink_lens),
-            per_row(sink_slots),
+            t.sink_lens,
+            t.sink_slots,
             invariant,
             None,
             raw_keys,
-            per_row(key_lens),
+            t.key_lens,
             key_tiles,
             split_batch=split_batch,
         )
