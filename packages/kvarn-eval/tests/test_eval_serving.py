@@ -544,6 +544,23 @@ def test_serving_jobs(tmp_path: Path) -> None:
         ValueError, match=r"rounded up to 41216\) exceed qwen3-8b's 40960 positions"
     ):
         _options(gpu_models=("qwen3-8b",), prompt_lens=(40920,))
+    # Capture sizes reach every engine only when asked (earlier records keep their job key).
+    assert "compilation_config" not in kvarn
+    sized = serving_jobs(_options(cudagraph_capture_sizes=(1, 8, 256)), tmp_path, "throughput")
+    assert all(
+        j.llm_kwargs["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 256]}
+        for j in sized
+    )
+    assert sized[0].engine_key() != serving_jobs(_options(), tmp_path, "throughput")[0].engine_key()
+    title = throughput_result([], {k: v for k, v in sized[0].llm_kwargs.items() if k != "model"})
+    assert "CUDA graphs at batch sizes 1, 8, 256;" in title["tables"][0]["title"]
+    for bad in ((), (0, 8), (8, 1), (1, 1)):
+        with pytest.raises(ValueError, match="distinct positive batch sizes in increasing"):
+            _options(cudagraph_capture_sizes=bad)
+    with pytest.raises(ValueError, match="no effect with enforce_eager"):
+        _options(cudagraph_capture_sizes=(1, 2), enforce_eager=True)
+    args = cli.build_parser().parse_args(["bench", "--cudagraph-sizes", "1,2,4,256"])
+    assert cli.serving_options_from_args(args).cudagraph_capture_sizes == (1, 2, 4, 256)
     for lens, out in (((4096,), 1024), ((16384, 4096), 1024), ((100,), 1)):
         opts = _options(prompt_lens=lens, output_len=out)
         assert opts.max_model_len % 256 == 0

@@ -132,6 +132,14 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
     )
     gpu.add_argument("--eager", action="store_true", help="no CUDA graphs (capacity, throughput)")
     gpu.add_argument(
+        "--cudagraph-sizes",
+        type=_int_list,
+        default=None,
+        help="batch sizes to capture CUDA graphs for in capacity and throughput engines, "
+        "increasing, e.g. 1,2,4,8,16,32,64,128,256,512 (default: vLLM's 51 sizes up to 512); "
+        "fewer start an engine sooner where capturing is slow",
+    )
+    gpu.add_argument(
         "--run-timeout",
         type=_positive_float,
         default=defaults.run_timeout,
@@ -261,6 +269,7 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.eager,
+        cudagraph_capture_sizes=args.cudagraph_sizes,
         run_timeout=args.run_timeout,
         max_seconds=args.max_seconds,
         resume=args.resume,

@@ -105,6 +105,11 @@ def serving_jobs(opts: ServingOptions, models_root: Path, kind: str) -> list[Eng
                 "disable_log_stats": False,
                 **cache.llm_kwargs(),
             }
+            if opts.cudagraph_capture_sizes is not None:
+                # only when asked, so that earlier records keep their job key (--resume)
+                llm_kwargs["compilation_config"] = {
+                    "cudagraph_capture_sizes": list(opts.cudagraph_capture_sizes)
+                }
             workload: dict[str, Any] = {"kind": kind, "vocab_size": shape.vocab_size}
             if kind == "throughput":
                 workload.update(
@@ -490,6 +495,14 @@ def capacity_result(
     }
 
 
+def _graphs_text(settings: dict[str, Any]) -> str:
+    """``eager``, ``CUDA graphs`` or ``CUDA graphs at batch sizes 1, 2, ...``."""
+    if settings.get("enforce_eager"):
+        return "eager"
+    sizes = (settings.get("compilation_config") or {}).get("cudagraph_capture_sizes")
+    return f"CUDA graphs at batch sizes {', '.join(map(str, sizes))}" if sizes else "CUDA graphs"
+
+
 def _status_text(row: dict[str, Any]) -> str:
     text = str(row.get("status"))
     if row.get("error") and row.get("status") != "ok":
@@ -582,7 +595,7 @@ def throughput_result(
         f"throughput: bursts of random-token prompts, {settings.get('output_len')} tokens out "
         f"(greedy, ignore_eos), requests {settings.get('requests') or 'filling ' + format(settings.get('fill', 1.0), '.0%') + ' of each cache'}, "
         f"max_num_seqs {settings.get('max_num_seqs')}, "
-        f"{'eager' if settings.get('enforce_eager') else 'CUDA graphs'}; ratios vs the first bf16 cache"
+        f"{_graphs_text(settings)}; ratios vs the first bf16 cache"
     )
     return {
         "suite": "throughput",
