@@ -177,6 +177,17 @@ def test_task_scoring(model: torch.nn.Module) -> None:
         np.mean([p == it.gold for p, it in zip(ref.predictions, items)])
     )
     assert result.mean_quantized_fraction > 0
+    assert ref.change == 0.0 and ref.change_se == 0.0
+    # the paired change: per item (KIVI-2 right) - (bf16 right), its mean and standard error
+    kivi = result.row("kivi_k2v2")
+    diff = [
+        int(p == it.gold) - int(q == it.gold)
+        for p, q, it in zip(kivi.predictions, ref.predictions, items)
+    ]
+    assert (
+        kivi.change == pytest.approx(kivi.accuracy - ref.accuracy) == pytest.approx(np.mean(diff))
+    )
+    assert kivi.change_se == pytest.approx(np.std(diff, ddof=1) / np.sqrt(len(diff)))
     lambada = evaluate_task(
         model,
         "toy_lw",

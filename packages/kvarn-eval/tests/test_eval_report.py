@@ -89,7 +89,18 @@ def test_markdown_tables() -> None:
     assert "| kvarn_k4v2_g128 | 3.60 | 58 | 20.200 | +1.00 | n/a | 0.01000 | 95.00% |" in md
     assert "skipped kivi_k2v2" in md
     task_md = report.markdown_table(TASK)
-    assert "| kivi_k2v2 | 2.50 | 30.0 | 14.5 | 80.0 |" in task_md
+    # a stored result from before the paired change: its columns read n/a
+    assert "| kivi_k2v2 | 2.50 | 30.0 | 14.5 | n/a | n/a | 80.0 |" in task_md
+    paired = {
+        **TASK,
+        "rows": [
+            {**TASK["rows"][0], "change": 0.0, "change_se": 0.0},
+            {**TASK["rows"][1], "change": -0.2, "change_se": 0.133},
+        ],
+    }
+    assert "| kivi_k2v2 | 2.50 | 30.0 | 14.5 | -20.0 | 13.3 | 80.0 |" in report.markdown_table(
+        paired
+    )
     assert "70% of it read quantized" in task_md
 
 

@@ -157,17 +157,30 @@ def perplexity_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[st
 
 def task_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows for a task result (as produced by ``to_dict``)."""
-    header = ["method", "bits/elem", f"{result['primary_metric']} %", "± se", "agree w/ ref %"]
-    rows = [
-        [
-            r["method"],
-            _fmt(r["bits_per_element"], 2),
-            _fmt(100 * r["accuracy"], 1),
-            _fmt(100 * r["accuracy_se"], 1),
-            _fmt(100 * r["agreement"], 1),
-        ]
-        for r in result["rows"]
+    header = [
+        "method",
+        "bits/elem",
+        f"{result['primary_metric']} %",
+        "± se",
+        "change vs ref (points)",
+        "± paired se",
+        "agree w/ ref %",
     ]
+    rows = []
+    for r in result["rows"]:
+        # results from before the paired change was recorded have neither column
+        change, change_se = r.get("change"), r.get("change_se")
+        rows.append(
+            [
+                r["method"],
+                _fmt(r["bits_per_element"], 2),
+                _fmt(100 * r["accuracy"], 1),
+                _fmt(100 * r["accuracy_se"], 1),
+                "n/a" if change is None else _fmt(100 * change, 1, signed=True),
+                "n/a" if change_se is None else _fmt(100 * change_se, 1),
+                _fmt(100 * r["agreement"], 1),
+            ]
+        )
     return header, rows
 
 

@@ -31,7 +31,7 @@ import torch
 from kvarn_math.baselines import Method
 
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
-from kvarn_eval.accuracy.summary import MethodRows, agreement, binomial_se
+from kvarn_eval.accuracy.summary import MethodRows, agreement, binomial_se, mean_and_se
 from kvarn_eval.data import TaskItem
 
 __all__ = [
@@ -208,6 +208,12 @@ class TaskRow:
             ``accuracy``).
         accuracy_per_char: multiple choice: argmax of log-probability per character.
         predictions: predicted choice per item (LAMBADA: 1 correct, 0 wrong).
+        change: ``accuracy`` minus the reference's (0 for the reference itself).
+        change_se: standard error of ``change``, paired item by item: the standard error of
+            the mean of (this method right) - (the reference right) over the items. Only the
+            items where one of the two is right and the other wrong count, so it is far
+            smaller than ``accuracy_se`` when the two mostly agree: a change within about two
+            of it is what the items cannot tell from none (``nan`` for a single item).
     """
 
     method: str
@@ -218,6 +224,8 @@ class TaskRow:
     accuracy_raw: float
     accuracy_per_char: float
     predictions: list[int] = field(default_factory=list)
+    change: float = 0.0
+    change_se: float = 0.0
 
 
 @dataclass
@@ -310,10 +318,13 @@ def evaluate_task(
     primary = per_char if metric == "acc_per_char" else raw
     golds = [1 if kind == "last_word" else it.gold for it in items]
     rows = []
+    ref = primary[reference]
+    ref_right = [int(p == g) for p, g in zip(ref, golds, strict=True)]
     for method in methods:
         preds = primary[method.name]
-        acc = sum(p == g for p, g in zip(preds, golds, strict=True)) / len(items)
-        ref = primary[reference]
+        right = [int(p == g) for p, g in zip(preds, golds, strict=True)]
+        acc = sum(right) / len(items)
+        change, change_se = mean_and_se([a - b for a, b in zip(right, ref_right, strict=True)])
         rows.append(
             TaskRow(
                 method=method.name,
@@ -328,6 +339,8 @@ def evaluate_task(
                 )
                 / len(items),
                 predictions=preds,
+                change=change,
+                change_se=change_se,
             )
         )
     context_lengths = [len(it.context) for it in items]
