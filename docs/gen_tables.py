@@ -7,6 +7,7 @@ replaced with the output of the generator called NAME.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -23,11 +24,75 @@ def _fields() -> str:
     return "\n\n".join(parts)
 
 
+# The caches of kvarn-eval's `--caches default` (kvarn_eval.serving.caches.DEFAULT_CACHES, not
+# imported: the docs session installs kvarn-math alone), in its order, as the tables label them.
+GPU_TABLE_CACHES = (
+    "bf16@FLASH_ATTN",
+    "bf16@TRITON_ATTN",
+    "fp8",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    *PRESETS,
+)
+GPU_TABLE_MODELS = ("llama-3.1-8b", "qwen3-8b", "qwen3-32b")
+
+
+def _gpu_coverage() -> str:
+    """Which cells of the capacity and throughput tables (model x cache, and prompt length for
+    throughput) the H200 results under ``docs/results/`` hold: ``yes`` where a burst finished
+    or an engine logged its pool, ``tried`` where runs started and none did, ``-`` where none
+    ran. Rows with a kvarn
+    setting (``+recent0``, ...) are left out; a burst's engine counts for capacity too (it
+    records the pool it ran with)."""
+    done: set[tuple[str, str, str]] = set()
+    tried: set[tuple[str, str, str]] = set()
+    models: list[str] = list(GPU_TABLE_MODELS)
+    for path in sorted((DOCS / "results").glob("h200-*/**/results.json")):
+        try:
+            results = json.loads(path.read_text()).get("results") or []
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"{path}: not readable JSON ({err})") from None
+        for result in results:
+            if result.get("suite") not in ("capacity", "throughput"):
+                continue
+            for row in result.get("rows") or []:
+                cache = "fp8" if str(row.get("cache")).startswith("fp8") else row.get("cache")
+                if cache not in GPU_TABLE_CACHES:
+                    continue
+                tp = int(row.get("tensor_parallel_size") or 1)
+                model = str(row.get("model")) + (f" tp{tp}" if tp > 1 else "")
+                if model not in models:
+                    models.append(model)
+                cells = [("capacity", row.get("kv_cache_tokens"))]
+                if result["suite"] == "throughput":
+                    cells.append((f"{int(row['prompt_len']) // 1024}K", row.get("total_tok_per_s")))
+                for what, value in cells:
+                    tried.add((model, what, cache))
+                    # a pool is measured once the engine started, whatever became of its burst
+                    if value is not None and (what == "capacity" or row.get("status") == "ok"):
+                        done.add((model, what, cache))
+    columns = [(m, w) for m in models for w in ("capacity", "4K", "16K", "32K")]
+    lines = [
+        "| cache | " + " | ".join(f"{m} {w}" for m, w in columns) + " |",
+        "| --- |" + " :---: |" * len(columns),
+    ]
+    for cache in GPU_TABLE_CACHES:
+        marks = [
+            "yes" if (m, w, cache) in done else "tried" if (m, w, cache) in tried else "-"
+            for m, w in columns
+        ]
+        lines.append(f"| `{cache}` | " + " | ".join(marks) + " |")
+    return "\n".join(lines)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "presets": format_table,
     "fields-default": lambda: format_fields("kvarn_k4v2_g128", 128),
     "fields-all": _fields,
     "report": lambda: format_report(measure()),
+    "gpu-coverage": _gpu_coverage,
 }
 
 BLOCK = re.compile(
