@@ -142,6 +142,41 @@ def test_bench_end_to_end_on_tiny_model(
     assert "| kivi_k2v2 |" in (out / "results.md").read_text()
 
 
+def test_dry_run_prints_every_suite_plan_and_runs_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvarn_eval import suites as registry
+    from kvarn_eval.plan import suite_plan
+
+    # every registered suite has a plan (a new suite without one fails here)
+    for name in SUITES:
+        assert suite_plan(name, BenchOptions())
+    with pytest.raises(ValueError, match="no plan for suite 'nope'"):
+        suite_plan("nope", BenchOptions())
+    monkeypatch.setattr(registry, "_gpu_available", lambda: False)
+    out = tmp_path / "never"
+    argv = [
+        "bench", "--dry-run", "--suites", "wikitext,arc_easy,throughput", "--items", "40",
+        "--task-methods", "kvarn_k4v2_g128", "--gpu-models", "llama-3.1-8b,qwen3-8b",
+        "--caches", "bf16@FLASH_ATTN,kvarn", "--prompt-lens", "4096", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "8 chunks x 1024 tokens of WikiText-2, 14 methods (fp32, bf16, " in printed
+    assert "arc_easy: 40 items, 2 methods (bf16, kvarn_k4v2_g128) on smollm2-135m" in printed
+    assert (
+        "throughput: 14 vLLM engines (2 model shapes x 7 caches), each a burst per prompt "
+        "length (4096 tokens; 1024 out; requests filling 100% of the cache, at most 256 at once) "
+        "[cannot run here: needs a CUDA GPU]"
+    ) in " ".join(printed.split())
+    assert "dry run: nothing ran" in printed and not out.exists()
+    # the default selection lists the GPU suites a GPU machine would add
+    assert cli.main(["bench", "--dry-run"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "lambada: 24 items" in printed
+    assert "capacity: 39 vLLM engines (3 model shapes x 13 caches)" in printed
+
+
 def test_leading_bos() -> None:
     from eval_helpers import word_tokenizer
     from kvarn_eval.suites import leading_bos

@@ -30,6 +30,7 @@ from kvarn_eval.suites import (
     BenchOptions,
     Suite,
     explicit_suite_names,
+    gpu_available,
     resolve_suites,
 )
 
@@ -394,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-plot", action="store_true", help="skip the matplotlib plots")
     bench.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what each suite would run (methods, items, vLLM engines) and stop; GPU "
+        "suites are listed as on a GPU machine, marked when they cannot run here",
+    )
+    bench.add_argument(
         "--greedy-prompts", type=_positive, default=8, help="prompts of the CPU greedy suite (8)"
     )
     bench.add_argument(
@@ -515,6 +522,39 @@ def _ready_suites(args: argparse.Namespace, options: BenchOptions, console: Any)
     return ready
 
 
+def _print_plan(
+    suites: Sequence[Suite], options: BenchOptions, console: Any, blocked: dict[str, str]
+) -> None:
+    """One line per suite: what it will run (``blocked``: why a suite cannot run here)."""
+    from kvarn_eval.plan import suite_plan
+
+    console.print("plan:")
+    for suite in suites:
+        line = f"  {suite.name}: {suite_plan(suite.name, options)}"
+        if suite.name in blocked:
+            line += f" [cannot run here: {blocked[suite.name]}]"
+        console.print(line, markup=False, highlight=False)
+
+
+def _dry_run(args: argparse.Namespace, options: BenchOptions, console: Any) -> int:
+    """``--dry-run``: the plan of the selected suites as a GPU machine would run them, each
+    marked where it cannot run here."""
+    gpu = gpu_available()
+    blocked: dict[str, str] = {}
+    suites = resolve_suites(args.suites, gpu=True)
+    for suite in suites:
+        if suite.needs_gpu and not gpu:
+            blocked[suite.name] = "needs a CUDA GPU"
+        elif suite.preflight is not None:
+            try:
+                suite.preflight(options)
+            except (MissingDependencyError, ValueError) as exc:
+                blocked[suite.name] = str(exc)
+    _print_plan(suites, options, console, blocked)
+    console.print("dry run: nothing ran", markup=False)
+    return 0
+
+
 def _write_outputs(
     out_dir: Path,
     results: Sequence[dict[str, Any]],
@@ -567,7 +607,10 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     from kvarn_eval import report
 
     options = options_from_args(args)
+    if args.dry_run:
+        return _dry_run(args, options, console)
     suites = _ready_suites(args, options, console)
+    _print_plan(suites, options, console, {})
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe_model = Path(options.model).name or "model"
     out_dir = Path(args.out) if args.out else Path("kvarn-bench") / f"{safe_model}-{stamp}"

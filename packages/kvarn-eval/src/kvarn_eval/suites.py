@@ -208,17 +208,25 @@ def _gpu_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def resolve_suites(spec: str | Sequence[str] | None) -> list[Suite]:
+def gpu_available() -> bool:
+    """Whether this machine has a CUDA GPU (torch says so)."""
+    return _gpu_available()
+
+
+def resolve_suites(spec: str | Sequence[str] | None, gpu: bool | None = None) -> list[Suite]:
     """Suites named by ``spec``: ``None``/``default``, ``all``, or comma-separated names.
 
     ``default`` is :data:`DEFAULT_SUITES` plus every GPU suite when a GPU is present; ``all``
     is every suite this machine can run.
 
+    Args:
+        spec: the ``--suites`` text.
+        gpu: resolve as on a machine with (``True``) or without a GPU (``None``: this one).
+
     Raises:
         ValueError: an unknown name, or a GPU suite on a machine without a GPU.
     """
-    gpu = _gpu_available()
-    return _resolve(spec, gpu)
+    return _resolve(spec, _gpu_available() if gpu is None else gpu)
 
 
 def explicit_suite_names(spec: str | Sequence[str] | None) -> set[str]:
