@@ -530,7 +530,7 @@ def _print_plan(
 
     console.print("plan:")
     for suite in suites:
-        line = f"  {suite.name}: {suite_plan(suite.name, options)}"
+        line = f"  {suite.name}: {suite_plan(suite.name, options) or suite.description}"
         if suite.name in blocked:
             line += f" [cannot run here: {blocked[suite.name]}]"
         console.print(line, markup=False, highlight=False)

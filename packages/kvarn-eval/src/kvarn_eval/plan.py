@@ -26,15 +26,13 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}" + ("" if n == 1 else "s")
 
 
-def suite_plan(name: str, options: BenchOptions) -> str:
-    """One line: what suite ``name`` runs under ``options`` (engines, items, methods).
+def suite_plan(name: str, options: BenchOptions) -> str | None:
+    """One line: what built-in suite ``name`` runs under ``options`` (engines, items,
+    methods); ``None`` for a suite this module does not know (one registered elsewhere).
 
     Args:
-        name: a registered suite.
+        name: a suite name.
         options: the bench's options.
-
-    Raises:
-        ValueError: an unknown suite name.
     """
     s = options.serving
     if name in _PERPLEXITY:
@@ -96,4 +94,4 @@ def suite_plan(name: str, options: BenchOptions) -> str:
     if name == "kernels":
         grid = "quick" if s.kernel_quick else "full"
         return f"kvarn_kernels.bench, {grid} grid, presets {s.kernel_presets}"
-    raise ValueError(f"no plan for suite {name!r}")
+    return None
