@@ -146,3 +146,28 @@ def test_plot(tmp_path: Path) -> None:
     path = report.plot_results([PPL, TASK], tmp_path / "accuracy.png", "title")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.plot_results([], tmp_path / "none.png") is None
+
+
+def test_task_plot_shows_the_paired_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[float, float]] = []
+    errorbar = Axes.errorbar
+
+    def spy(self, x, y, yerr=None, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append((round(y, 6), round(yerr, 6)))
+        return errorbar(self, x, y, yerr=yerr, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", spy)
+    paired = {
+        **TASK,
+        "rows": [
+            {**TASK["rows"][0], "change": 0.0, "change_se": 0.0},
+            {**TASK["rows"][1], "change": -0.2, "change_se": 0.133},
+        ],
+    }
+    report.plot_results([paired], tmp_path / "paired.png")
+    assert drawn == [(0.0, 0.0), (-20.0, 13.3)]
+    drawn.clear()
+    report.plot_results([TASK], tmp_path / "old.png")  # stored before the paired change
+    assert drawn == [(50.0, 15.8), (30.0, 14.5)]

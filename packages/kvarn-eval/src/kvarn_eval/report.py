@@ -297,8 +297,9 @@ def _is_accuracy(result: Mapping[str, Any]) -> bool:
 
 
 def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
-    """One panel per accuracy suite: perplexity change (%), accuracy (%) or greedy agreement (%)
-    against bits per element. Other results (throughput, capacity, kernels) are left out.
+    """One panel per accuracy suite: perplexity change (%), task accuracy change against the
+    reference (points, paired error bars; accuracy (%) for results from before it was
+    recorded) or greedy agreement (%) against bits per element. Other results (throughput, capacity, kernels) are left out.
 
     Args:
         results: suite results (those that are not accuracy results are skipped).
@@ -324,10 +325,15 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
             _plot_points(ax, result)
             continue
         is_ppl = "chunk_len" in result
+        # tasks: the change against the reference with its paired error where the result has
+        # it (since 2026-12-04), else the accuracy with its binomial error
+        paired = not is_ppl and all(r.get("change_se") is not None for r in result["rows"])
         for r in result["rows"]:
             x = r["bits_per_element"]
             if is_ppl:
                 y, err = r["delta_pct"], r["delta_se_pct"]
+            elif paired:
+                y, err = 100 * r["change"], 100 * r["change_se"]
             else:
                 y, err = 100 * r["accuracy"], 100 * r["accuracy_se"]
             err = 0.0 if err is None or math.isnan(err) else err
@@ -338,6 +344,11 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
             ax.set_yscale("symlog", linthresh=1.0)
             ax.axhline(1.0, color="gray", lw=0.6, ls="--")
             ax.set_ylabel(f"perplexity change vs {result['reference']} (%)")
+        elif paired:
+            ax.axhline(0.0, color="gray", lw=0.6, ls="--")
+            ax.set_ylabel(
+                f"{result['primary_metric']} change vs {result['reference']} (points, paired se)"
+            )
         else:
             ax.set_ylabel(f"{result['primary_metric']} (%)")
         ax.set_xscale("log", base=2)
