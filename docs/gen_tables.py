@@ -43,9 +43,8 @@ def _gpu_coverage() -> str:
     """Which cells of the capacity and throughput tables (model x cache, and prompt length for
     throughput) the H200 results under ``docs/results/`` hold: ``yes`` where a burst finished
     or an engine logged its pool, ``tried`` where runs started and none did, ``-`` where none
-    ran. Rows with a kvarn
-    setting (``+recent0``, ...) are left out; a burst's engine counts for capacity too (it
-    records the pool it ran with)."""
+    ran. Rows with a kvarn setting (``+recent0``, ...) are left out; a burst's engine counts
+    for capacity too (it records the pool it ran with)."""
     done: set[tuple[str, str, str]] = set()
     tried: set[tuple[str, str, str]] = set()
     models: list[str] = list(GPU_TABLE_MODELS)

@@ -1166,3 +1166,19 @@ def test_kernel_command_benches_what_kvarn_vllm_serves(tmp_path) -> None:
 
     assert KERNEL_WINDOWS == bench.WINDOWS
     assert set(KERNEL_KEY_FRAMES) == set(KEY_FRAMES)
+
+
+def test_docs_coverage_table_names_the_default_caches() -> None:
+    """docs/gen_tables.py lists the default caches itself (the docs session installs
+    kvarn-math alone): it must follow DEFAULT_CACHES."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "docs" / "gen_tables.py"
+    if not path.is_file():
+        pytest.skip("not a repository checkout")
+    spec = importlib.util.spec_from_file_location("gen_tables", path)
+    assert spec is not None and spec.loader is not None
+    gen_tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_tables)
+    labels = [c.split("@")[0] if c.startswith("fp8") else c for c in DEFAULT_CACHES]
+    assert list(gen_tables.GPU_TABLE_CACHES) == labels
