@@ -138,6 +138,7 @@ def test_bench_end_to_end_on_tiny_model(
     assert [r["method"] for r in result["rows"]] == ["bf16", "kivi_k2v2", "kvarn_k4v2_g64"]
     assert payload["environment"]["versions"]["kvarn-math"]
     assert payload["options"]["block_size"] == 64 and payload["complete"] is True
+    assert payload["environment"]["torch_threads"] == 1  # --threads, applied at model load
     assert (out / "accuracy.png").stat().st_size > 0
     assert "| kivi_k2v2 |" in (out / "results.md").read_text()
 

@@ -657,6 +657,9 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         # after every suite and every GPU run, so an interrupted run keeps what it finished
         done = results + ([partial] if partial is not None else [])
         payload["seconds"] = time.perf_counter() - started
+        if "torch" in sys.modules:
+            # the model's loading applies --threads after the environment was recorded
+            payload["environment"]["torch_threads"] = sys.modules["torch"].get_num_threads()
         payload["complete"] = partial is None and len(results) == len(suites)
         return _save(out_dir, payload, done)
 
