@@ -280,6 +280,40 @@ def test_quantize_kv_hands_the_stored_positions_queries_to_methods_that_read_the
     assert seen == [None, None]
 
 
+def test_cached_decoding_round_trips_each_block_once() -> None:
+    from kvarn_eval.accuracy.pseudo_decode import decoding
+
+    seen: list[tuple[int, bool]] = []
+
+    class Counting(PerTokenRTN):
+        reads_queries = True
+
+        def roundtrip(self, k, v, queries=None):  # type: ignore[no-untyped-def]
+            seen.append((k.shape[0], queries is not None))
+            return super().roundtrip(k, v)
+
+    gen = torch.Generator().manual_seed(8)
+    t = 3 * BLOCK + 1
+    k = torch.randn(1, 1, t + BLOCK, HEAD_DIM, generator=gen)
+    v = torch.randn(1, 1, t + BLOCK, HEAD_DIM, generator=gen)
+    q = torch.randn(1, 3, t + BLOCK, HEAD_DIM, generator=gen)
+    config = PseudoDecodeConfig(Counting(), BLOCK, True)
+    with decoding():
+        # the prefill: blocks 1 and 2 are read quantized (block 0 is the sink)
+        first_k, _ = quantize_kv(k[:, :, :t], v[:, :, :t], config, q[:, :, :t], layer="a")
+        assert seen == [(2 * BLOCK, True)]
+        # steps: nothing new until block 3 is complete and a later token reads it
+        for n in range(t + 1, t + BLOCK + 1):
+            step_k, _ = quantize_kv(k[:, :, :n], v[:, :, :n], config, q[:, :, n - 1 : n], "a")
+        assert seen == [(2 * BLOCK, True), (BLOCK, True)]
+    # the same reconstruction as one pass over the whole sequence
+    whole_k, _ = quantize_kv(k, v, config, q)
+    assert torch.equal(step_k, whole_k)
+    assert torch.equal(first_k[:, :, : 3 * BLOCK], whole_k[:, :, : 3 * BLOCK])
+    with decoding(), pytest.raises(RuntimeError, match="no query kept for position 64 "):
+        quantize_kv(k, v, config, q[:, :, -1:], layer="a")  # no prefill inside decoding()
+
+
 def test_sliding_window_model_matches_plain_forward() -> None:
     plain = tiny_llama(seed=2, sliding_window=96)
     hooked = install(tiny_llama(seed=2, sliding_window=96))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from kvarn_math.baselines import Method
 
-from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, decoding, pseudo_decode
 from kvarn_eval.accuracy.summary import MethodRows
 from kvarn_eval.fidelity import compare_outputs
 from kvarn_eval.report import sink_label
@@ -44,7 +44,7 @@ def greedy_generate(
         ``B`` lists of ``new_tokens`` token ids.
     """
     generated: list[torch.Tensor] = []
-    with torch.inference_mode(), pseudo_decode(config):
+    with torch.inference_mode(), pseudo_decode(config), decoding():
         out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
         next_ids = out.logits[:, -1].argmax(-1)
         for step in range(new_tokens):

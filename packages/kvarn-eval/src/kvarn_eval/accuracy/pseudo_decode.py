@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,9 @@ from kvarn_math.baselines import Method
 
 __all__ = [
     "ATTENTION_NAME",
+    "DecodeMemo",
     "PseudoDecodeConfig",
+    "decoding",
     "pseudo_decode",
     "pseudo_decode_mask",
     "pseudo_decode_attention",
@@ -101,6 +103,44 @@ class PseudoDecodeConfig:
 _ACTIVE: ContextVar[PseudoDecodeConfig | None] = ContextVar("kvarn_pseudo_decode", default=None)
 
 
+@dataclass
+class DecodeMemo:
+    """State kept across the forward passes of one cached decoding (:func:`decoding`), per
+    attention layer (``layer``: any hashable, the hook passes ``id(module)``) and batch row.
+
+    * ``blocks``: the reconstruction of the positions ``[start, done)`` already quantized,
+      ``(done, k_hat, v_hat)`` with ``[H_kv, done - start, D]`` tensors. A complete block's K/V
+      do not change once cached, and every method quantizes blocks independently, so each
+      block is round-tripped once, when a query first reads it quantized, instead of at
+      every step.
+    * ``queries``: the query rows ``[H_q, D]`` at the positions that end a tile of the
+      method's group size, kept from the step that computed them. A method that chooses key
+      frames from queries (``reads_queries``) judges a tile by its last position's query;
+      that tile is quantized at a later step, whose call holds only its own queries (a
+      serving engine keeps the same row, ``store_kv(frame_queries=)``).
+    """
+
+    blocks: dict[tuple[Any, int], tuple[int, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    queries: dict[tuple[Any, int, int], torch.Tensor] = field(default_factory=dict)
+
+
+_MEMO: ContextVar[DecodeMemo | None] = ContextVar("kvarn_pseudo_decode_memo", default=None)
+
+
+@contextlib.contextmanager
+def decoding() -> Iterator[DecodeMemo]:
+    """Mark the forward passes inside as one cached decoding of one batch (a prefill, then
+    steps that append tokens to the same rows): :func:`quantize_kv` then keeps a
+    :class:`DecodeMemo`. Without it every pass stands alone, as a full-sequence pass does."""
+    token = _MEMO.set(DecodeMemo())
+    try:
+        yield _MEMO.get()  # type: ignore[misc]
+    finally:
+        _MEMO.reset(token)
+
+
 @contextlib.contextmanager
 def pseudo_decode(config: PseudoDecodeConfig) -> Iterator[PseudoDecodeConfig]:
     """Run forward passes of an :func:`install`-ed model under ``config``."""
@@ -151,6 +191,7 @@ def quantize_kv(
     value: torch.Tensor,
     config: PseudoDecodeConfig,
     query: torch.Tensor | None = None,
+    layer: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reconstructions of ``key, value`` ``[B, H_kv, T, D]`` as the quantized cache holds them.
 
@@ -164,9 +205,17 @@ def quantize_kv(
     selects them; neither does it select sink positions inside block 0). With
     ``sink_requantize`` the roundtrip sees tokens ``[0, S)`` replaced by copies of token ``S``.
     Returns float tensors like ``key``.
+
+    Inside :func:`decoding`, with ``layer`` given, the blocks already round-tripped by an
+    earlier pass of this layer are reused and only new ones are round-tripped; a method that
+    reads queries gets the tile-ending rows kept from the passes that computed them (see
+    :class:`DecodeMemo`).
     """
     if config.method is None:
         return key, value
+    memo = _MEMO.get() if layer is not None else None
+    if memo is not None:
+        return _quantize_kv_cached(key, value, config, query, layer, memo)
     batch, _, seq_len, _ = key.shape
     num_blocks = -(-seq_len // config.block_size)
     sink = config.sink
@@ -195,6 +244,76 @@ def quantize_kv(
             k_rt, v_rt = config.method.roundtrip(k_np, v_np)
         k_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1)
         v_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1)
+    return k_hat, v_hat
+
+
+def _quantize_kv_cached(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    config: PseudoDecodeConfig,
+    query: torch.Tensor | None,
+    layer: Any,
+    memo: DecodeMemo,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_kv` inside :func:`decoding`: the same reconstruction, each block
+    round-tripped once per layer and row."""
+    method = config.method
+    assert method is not None
+    batch, _, seq_len, _ = key.shape
+    num_blocks = -(-seq_len // config.block_size)
+    sink = config.sink
+    start = config.block_size if sink == config.block_size else 0
+    stop = (num_blocks - 1) * config.block_size
+    reads = bool(getattr(method, "reads_queries", False))
+    g = method.group_size
+    if reads and query is not None:
+        # keep the rows that end a tile: a later pass quantizes that tile without them
+        first = seq_len - query.shape[2]
+        for p in range(first + (-(first + 1)) % g, seq_len, g):
+            for b in range(batch):
+                memo.queries[(layer, b, p)] = query[b, :, p - first].clone()
+    k_hat, v_hat = key.clone(), value.clone()
+    if stop <= start:
+        return k_hat, v_hat
+    for b in range(batch):
+        done, k_done, v_done = memo.blocks.get(
+            (layer, b), (start, key[b, :, start:start], value[b, :, start:start])
+        )
+        if stop > done:
+            k_in, v_in = key[b, :, done:stop], value[b, :, done:stop]
+            if config.sink_requantize and done < sink:
+                k_in, v_in = k_in.clone(), v_in.clone()
+                k_in[:, : sink - done] = key[b, :, sink : sink + 1]
+                v_in[:, : sink - done] = value[b, :, sink : sink + 1]
+            # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
+            k_np = k_in.transpose(0, 1).detach().float().cpu().numpy()
+            v_np = v_in.transpose(0, 1).detach().float().cpu().numpy()
+            if reads:
+                # the roundtrip reads each tile's last row only; the others stay zero
+                ends = range(done + g - 1, stop, g)
+                missing = [p for p in ends if (layer, b, p) not in memo.queries]
+                if missing:
+                    raise RuntimeError(
+                        f"no query kept for position {missing[0]} (the end of a tile) of row "
+                        f"{b}: a cached decoding must start with its prefill inside decoding()"
+                    )
+                rows = [memo.queries[(layer, b, p)] for p in ends]
+                q_np = np.zeros((stop - done, *rows[0].shape), dtype=np.float32)
+                for p, row in zip(ends, rows, strict=True):
+                    q_np[p - done] = row.float().cpu().numpy()
+                k_rt, v_rt = method.roundtrip(k_np, v_np, queries=q_np)  # type: ignore[call-arg]
+            else:
+                k_rt, v_rt = method.roundtrip(k_np, v_np)
+            k_new = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1).to(key.dtype)
+            v_new = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1).to(value.dtype)
+            done, k_done, v_done = (
+                stop,
+                torch.cat([k_done, k_new], dim=1),
+                torch.cat([v_done, v_new], dim=1),
+            )
+            memo.blocks[(layer, b)] = (done, k_done, v_done)
+        k_hat[b, :, start:stop] = k_done[:, : stop - start]
+        v_hat[b, :, start:stop] = v_done[:, : stop - start]
     return k_hat, v_hat
 
 
@@ -244,7 +363,7 @@ def pseudo_decode_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
         )
     else:
-        k_hat, v_hat = quantize_kv(key, value, config, query)
+        k_hat, v_hat = quantize_kv(key, value, config, query, layer=id(module))
         mask = pseudo_decode_mask(
             seq_len,
             config.block_size,
