@@ -213,38 +213,66 @@ def quantize_kv(
     """
     if config.method is None:
         return key, value
+    start, stop = _quantized_range(key.shape[2], config)
     memo = _MEMO.get() if layer is not None else None
     if memo is not None:
-        return _quantize_kv_cached(key, value, config, query, layer, memo)
-    batch, _, seq_len, _ = key.shape
-    num_blocks = -(-seq_len // config.block_size)
-    sink = config.sink
-    start = config.block_size if sink == config.block_size else 0
-    stop = (num_blocks - 1) * config.block_size
+        return _quantize_kv_cached(key, value, config, query, layer, memo, start, stop)
     k_hat, v_hat = key.clone(), value.clone()
     if stop <= start:
         return k_hat, v_hat
-    k_in, v_in = key, value
-    if config.sink_requantize and start < sink:
-        # here sink < block_size <= stop: token `sink` is inside the quantized range
-        k_in, v_in = key.clone(), value.clone()
-        k_in[:, :, :sink] = key[:, :, sink : sink + 1]
-        v_in[:, :, :sink] = value[:, :, sink : sink + 1]
-    for b in range(batch):
-        # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
-        k_np = k_in[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
-        v_np = v_in[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
-        if getattr(config.method, "reads_queries", False):
-            q_np = None
-            if query is not None and query.shape[2] == seq_len:
-                q_np = query[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
-            reads: Callable[..., tuple[Any, Any]] = config.method.roundtrip
-            k_rt, v_rt = reads(k_np, v_np, queries=q_np)
-        else:
-            k_rt, v_rt = config.method.roundtrip(k_np, v_np)
-        k_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1)
-        v_hat[b, :, start:stop] = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1)
+    covered = query is not None and query.shape[2] == key.shape[2]
+    for b in range(key.shape[0]):
+        q_np = None
+        if covered and getattr(config.method, "reads_queries", False):
+            assert query is not None
+            q_np = query[b, :, start:stop].transpose(0, 1).detach().float().cpu().numpy()
+        k_hat[b, :, start:stop], v_hat[b, :, start:stop] = _roundtrip_row(
+            key, value, b, start, stop, config, q_np
+        )
     return k_hat, v_hat
+
+
+def _quantized_range(seq_len: int, config: PseudoDecodeConfig) -> tuple[int, int]:
+    """``[start, stop)``: the positions some query reads quantized (empty when ``stop <=
+    start``): the complete blocks before the last, minus block 0 when the sink covers it."""
+    num_blocks = -(-seq_len // config.block_size)
+    start = config.block_size if config.sink == config.block_size else 0
+    return start, (num_blocks - 1) * config.block_size
+
+
+def _roundtrip_row(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    b: int,
+    lo: int,
+    hi: int,
+    config: PseudoDecodeConfig,
+    queries: np.ndarray | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``b``'s positions ``[lo, hi)`` through ``config.method.roundtrip`` (``queries``
+    ``[hi - lo, H_q, D]`` for a method that reads them), as ``[H_kv, hi - lo, D]`` tensors of
+    ``key``'s dtype; with ``sink_requantize`` the positions before the sink are copies of
+    token ``S``."""
+    method = config.method
+    assert method is not None
+    k_in, v_in = key[b, :, lo:hi], value[b, :, lo:hi]
+    sink = config.sink
+    if config.sink_requantize and lo < sink < hi:
+        k_in, v_in = k_in.clone(), v_in.clone()
+        k_in[:, : sink - lo] = key[b, :, sink : sink + 1]
+        v_in[:, : sink - lo] = value[b, :, sink : sink + 1]
+    # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
+    k_np = k_in.transpose(0, 1).detach().float().cpu().numpy()
+    v_np = v_in.transpose(0, 1).detach().float().cpu().numpy()
+    if getattr(method, "reads_queries", False):
+        reads: Callable[..., tuple[Any, Any]] = method.roundtrip
+        k_rt, v_rt = reads(k_np, v_np, queries=queries)
+    else:
+        k_rt, v_rt = method.roundtrip(k_np, v_np)
+    return (
+        torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1).to(key.dtype),
+        torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1).to(value.dtype),
+    )
 
 
 def _quantize_kv_cached(
@@ -254,16 +282,14 @@ def _quantize_kv_cached(
     query: torch.Tensor | None,
     layer: Any,
     memo: DecodeMemo,
+    start: int,
+    stop: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_kv` inside :func:`decoding`: the same reconstruction, each block
     round-tripped once per layer and row."""
     method = config.method
     assert method is not None
     batch, _, seq_len, _ = key.shape
-    num_blocks = -(-seq_len // config.block_size)
-    sink = config.sink
-    start = config.block_size if sink == config.block_size else 0
-    stop = (num_blocks - 1) * config.block_size
     reads = bool(getattr(method, "reads_queries", False))
     g = method.group_size
     if reads and query is not None:
@@ -280,14 +306,7 @@ def _quantize_kv_cached(
             (layer, b), (start, key[b, :, start:start], value[b, :, start:start])
         )
         if stop > done:
-            k_in, v_in = key[b, :, done:stop], value[b, :, done:stop]
-            if config.sink_requantize and done < sink:
-                k_in, v_in = k_in.clone(), v_in.clone()
-                k_in[:, : sink - done] = key[b, :, sink : sink + 1]
-                v_in[:, : sink - done] = value[b, :, sink : sink + 1]
-            # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
-            k_np = k_in.transpose(0, 1).detach().float().cpu().numpy()
-            v_np = v_in.transpose(0, 1).detach().float().cpu().numpy()
+            q_np = None
             if reads:
                 # the roundtrip reads each tile's last row only; the others stay zero
                 ends = range(done + g - 1, stop, g)
@@ -301,11 +320,7 @@ def _quantize_kv_cached(
                 q_np = np.zeros((stop - done, *rows[0].shape), dtype=np.float32)
                 for p, row in zip(ends, rows, strict=True):
                     q_np[p - done] = row.float().cpu().numpy()
-                k_rt, v_rt = method.roundtrip(k_np, v_np, queries=q_np)  # type: ignore[call-arg]
-            else:
-                k_rt, v_rt = method.roundtrip(k_np, v_np)
-            k_new = torch.from_numpy(np.ascontiguousarray(k_rt)).transpose(0, 1).to(key.dtype)
-            v_new = torch.from_numpy(np.ascontiguousarray(v_rt)).transpose(0, 1).to(value.dtype)
+            k_new, v_new = _roundtrip_row(key, value, b, done, stop, config, q_np)
             done, k_done, v_done = (
                 stop,
                 torch.cat([k_done, k_new], dim=1),
