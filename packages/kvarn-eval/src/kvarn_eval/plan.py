@@ -4,11 +4,13 @@ engines says so first."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvarn_eval.accuracy.methods import select_methods
 from kvarn_eval.serving.caches import parse_caches
 from kvarn_eval.suites import BenchOptions
 
-__all__ = ["suite_plan"]
+__all__ = ["check_methods", "suite_plan"]
 
 _PERPLEXITY = ("wikitext", "lambada_ppl")
 _TASKS = ("lambada", "arc_easy", "hellaswag", "piqa", "winogrande", "mmlu")
@@ -20,6 +22,29 @@ def _methods(options: BenchOptions, spec: str, extra: tuple[str, ...] = ()) -> s
         if name not in names:
             names.insert(0, name)
     return f"{len(names)} methods ({', '.join(names)})"
+
+
+def check_methods(names: Sequence[str], options: BenchOptions) -> None:
+    """Raise before a model loads where a method that suites ``names`` would run cannot: an
+    unknown name, or a tile that does not divide ``--block-size``.
+
+    Raises:
+        ValueError: naming the method and its tile.
+    """
+    for name in names:
+        if name in _PERPLEXITY:
+            specs = (options.reference, options.methods)
+        elif name in (*_TASKS, "greedy"):
+            specs = (options.reference, options.task_methods)
+        else:
+            continue
+        for spec in specs:
+            for m in select_methods(spec, options.block_size):
+                if options.block_size % m.group_size:
+                    raise ValueError(
+                        f"--block-size must be a multiple of {m.name}'s tile of "
+                        f"{m.group_size} tokens, got {options.block_size} (suite {name})"
+                    )
 
 
 def _count(n: int, what: str) -> str:
