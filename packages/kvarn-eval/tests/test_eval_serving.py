@@ -1182,3 +1182,21 @@ def test_docs_coverage_table_names_the_default_caches() -> None:
     spec.loader.exec_module(gen_tables)
     labels = [c.split("@")[0] if c.startswith("fp8") else c for c in DEFAULT_CACHES]
     assert list(gen_tables.GPU_TABLE_CACHES) == labels
+
+
+def test_report_names_files_it_cannot_read(tmp_path: Path) -> None:
+    """A truncated results.json or run record is left out with a note, not skipped silently."""
+    from kvarn_eval.serving.collect import collect_results
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    (bad / "runs" / "capacity").mkdir(parents=True)
+    good.mkdir()
+    (good / "results.json").write_text(json.dumps({"results": [{"suite": "wikitext"}]}))
+    (bad / "results.json").write_text('{"results": [')
+    (bad / "runs" / "capacity" / "engine.json").write_text("[1, 2]")
+    results, sources, dropped, notes = collect_results([good, bad])
+    assert [r["suite"] for r in results] == ["wikitext"] and notes == []
+    assert sources == [str(good / "results.json")]
+    assert len(dropped) == 2
+    assert dropped[0].startswith(f"{bad / 'results.json'}: unreadable (")
+    assert dropped[1] == f"{bad / 'runs' / 'capacity' / 'engine.json'}: not a JSON object, left out"

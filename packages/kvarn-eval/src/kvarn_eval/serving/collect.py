@@ -34,15 +34,25 @@ _ROW_SUITES = ("capacity", "throughput")
 _PER_MODEL = {"vllm_greedy": greedy_result, "vllm_perplexity": perplexity_result}
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _read(path: Path, unreadable: list[str] | None = None) -> dict[str, Any] | None:
+    """The JSON object in ``path``; ``None`` where there is none, with a line in
+    ``unreadable`` when the file exists but holds no JSON object."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) else None
+    except (OSError, ValueError) as exc:
+        if unreadable is not None:
+            unreadable.append(f"{path}: unreadable ({exc}), left out")
+        return None
+    if not isinstance(data, dict):
+        if unreadable is not None:
+            unreadable.append(f"{path}: not a JSON object, left out")
+        return None
+    return data
 
 
-def load_records(folder: Path) -> list[dict[str, Any]]:
+def load_records(folder: Path, unreadable: list[str] | None = None) -> list[dict[str, Any]]:
     """Every run record under ``folder/runs/`` (suites capacity, throughput, vllm_greedy,
     vllm_perplexity).
 
@@ -51,17 +61,18 @@ def load_records(folder: Path) -> list[dict[str, Any]]:
 
     Args:
         folder: a bench output folder.
+        unreadable: gets a line per record file that exists but cannot be read.
     """
     records = []
     for suite in _REBUILT:
         for path in sorted((folder / "runs" / suite).glob("*.json")):
             if path.name.endswith(".spec.json"):
                 continue
-            record = _read(path)
+            record = _read(path, unreadable)
             if record is None:
                 continue
             if "suite" not in record:
-                spec = _read(path.with_name(path.name[: -len(".json")] + ".spec.json"))
+                spec = _read(path.with_name(path.name[: -len(".json")] + ".spec.json"), unreadable)
                 if spec is None:
                     continue
                 record = {
@@ -172,8 +183,9 @@ def collect_results(
         The results (other suites first, as stored; then capacity, throughput and, per real
         model, vllm_greedy and vllm_perplexity rebuilt from the merged records and any stored
         capacity and throughput rows of folders without records), the files they came from, a
-        line per run record or stored row left out because another folder measured the same,
-        and a line per folder whose stored rows were taken as they are.
+        line per file that could not be read and per run record or stored row left out because
+        another folder measured the same, and a line per folder whose stored rows were taken as
+        they are.
     """
     kept: list[dict[str, Any]] = []
     settings: dict[str, dict[str, Any]] = {}
@@ -181,9 +193,10 @@ def collect_results(
     records: list[dict[str, Any]] = []
     stored_rows: dict[str, list[dict[str, Any]]] = {s: [] for s in _ROW_SUITES}
     notes: list[str] = []
+    unreadable: list[str] = []
     for folder in folders:
-        stored = _read(folder / "results.json")
-        found = load_records(folder)
+        stored = _read(folder / "results.json", unreadable)
+        found = load_records(folder, unreadable)
         if stored is not None:
             sources.append(str(folder / "results.json"))
             recorded = {r["suite"] for r in found}
@@ -206,6 +219,7 @@ def collect_results(
             sources.append(str(folder / "runs"))
         records += found
     records, dropped = _merge(records)
+    dropped = unreadable + dropped
     by_suite = {s: [r for r in records if r["suite"] == s] for s in _REBUILT}
     results = list(kept)
     capacity = list(by_suite["capacity"])
