@@ -171,3 +171,39 @@ def test_task_plot_shows_the_paired_change(tmp_path: Path, monkeypatch: pytest.M
     drawn.clear()
     report.plot_results([TASK], tmp_path / "old.png")  # stored before the paired change
     assert drawn == [(50.0, 15.8), (30.0, 14.5)]
+
+
+def test_labels_of_crowded_points_do_not_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Methods with nearly the same bits and change label one spot: the labels are spread so
+    that none covers another or another point's error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, other) = plt.subplots(1, 2)
+    names = ["kivi_k4v2", "hadamard_rtn_k4v2", "kvarn_k4v2_g128", "kvarn_k4v2_g64", "int4"]
+    points = [(3.38, 0.40), (3.38, 0.30), (3.48, 0.32), (3.64, 0.35), (3.5, 0.33)]
+    labels, bars = [], []
+    for name, (x, y) in zip(names, points, strict=True):
+        ax.errorbar(x, y, yerr=0.1, fmt="o")
+        labels.append(report._label(ax, name, x, y))
+        bars.append((ax, x, y - 0.1, y + 0.1))
+    ax.set_xlim(2, 5)
+    ax.set_ylim(-1, 2)
+    lone = report._label(other, "alone", 0.5, 0.5)  # nothing near it: it stays
+    fig.tight_layout()
+    report._declutter(fig, [*labels, lone], bars)
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(t, renderer) for t in labels]  # without the hairlines
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1 :]), names[i]
+        for (bar_ax, x, lo, hi), name in zip(bars, names, strict=True):
+            if name == names[i]:
+                continue
+            (x0, y0), (_, y1) = bar_ax.transData.transform([(x, lo), (x, hi)])
+            assert not (a.x0 < x0 < a.x1 and a.y0 < y1 and y0 < a.y1), (names[i], name)
+    assert lone.xyann == (3, 3)
+    plt.close(fig)

@@ -296,6 +296,79 @@ def _is_accuracy(result: Mapping[str, Any]) -> bool:
     return "rows" in result and ("chunk_len" in result or "primary_metric" in result)
 
 
+def _label(ax: Any, text: str, x: float, y: float) -> Any:
+    """A point's label, up and right of it, with a hairline back to the point for when
+    :func:`_declutter` moves it."""
+    return ax.annotate(
+        text,
+        (x, y),
+        fontsize=6,
+        xytext=(3, 3),
+        textcoords="offset points",
+        arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.4, "shrinkA": 0, "shrinkB": 2},
+    )
+
+
+def _declutter(
+    fig: Any,
+    labels: Sequence[Any],
+    bars: Sequence[tuple[Any, float, float, float]] = (),
+    max_rows: int = 12,
+) -> None:
+    """Move labels so that none covers another, a point or an error bar (methods with nearly
+    the same bits and error put theirs on one spot otherwise). kvarn's labels are placed
+    first, then the others, each left to right: a label takes the nearest free place in its
+    panel, right or left of its point, up to ``max_rows`` label heights up or down, and stays
+    where it was when there is none. Call after the layout is final (``tight_layout``).
+
+    Args:
+        fig: the figure.
+        labels: the annotations of :func:`_label`.
+        bars: ``(axes, x, y_low, y_high)`` of every point (its error bar; data coordinates).
+        max_rows: how far a label may move.
+    """
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    renderer = fig.canvas.get_renderer()
+    px_to_pt = 72.0 / fig.dpi
+    points: dict[tuple[int, float, float], Any] = {}
+    for ax, x, lo, hi in bars:
+        (x0, y0), (_, y1) = ax.transData.transform([(x, lo), (x, hi)])
+        box = Bbox([[x0 - 3, min(y0, y1) - 3], [x0 + 3, max(y0, y1) + 3]])
+        points[(id(ax), x, (lo + hi) / 2)] = box
+
+    def order(label: Any) -> tuple[bool, float, float]:
+        x, y = label.axes.transData.transform(label.xy)
+        return not label.get_text().startswith("kvarn"), float(x), float(y)
+
+    taken: list[Any] = []
+    for label in sorted(labels, key=order):
+        mine = points.get((id(label.axes), *label.xy))  # a label may touch its own bar
+        others = [b for b in points.values() if b is not mine]
+        box = Text.get_window_extent(label, renderer)  # the text alone, not its hairline
+        frame = label.axes.get_window_extent(renderer)
+        dx, dy = label.xyann
+        left = -(box.width + 2 * dx / px_to_pt)  # the same gap, left of the point
+        half = box.height / 2
+        # half-height steps, nearest first, up before down
+        rows = sorted(range(-2 * max_rows, 2 * max_rows + 1), key=lambda k: (abs(k), -k))
+        for k in rows:
+            free = [
+                moved
+                for moved in (box.translated(0, k * half), box.translated(left, k * half))
+                if frame.x0 <= moved.x0
+                and frame.y0 <= moved.y0
+                and moved.y1 <= frame.y1
+                and not any(moved.overlaps(b) for b in (*taken, *others))
+            ]
+            if free:
+                label.xyann = (dx + (free[0].x0 - box.x0) * px_to_pt, dy + k * half * px_to_pt)
+                box = free[0]
+                break
+        taken.append(box)
+
+
 def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
     """One panel per accuracy suite: perplexity change (%), task accuracy change against the
     reference (points, paired error bars; accuracy (%) for results from before it was
@@ -320,9 +393,11 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     cols = min(3, len(results))
     nrows = -(-len(results) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    labels: list[Any] = []
+    bars: list[tuple[Any, float, float, float]] = []
     for ax, result in zip(axes.flat, results, strict=False):
         if "points" in result:
-            _plot_points(ax, result)
+            labels += _plot_points(ax, result)
             continue
         is_ppl = "chunk_len" in result
         # tasks: the change against the reference with its paired error where the result has
@@ -339,7 +414,8 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
             err = 0.0 if err is None or math.isnan(err) else err
             color = "tab:red" if r["method"].startswith("kvarn") else "tab:blue"
             ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=2, markersize=4)
-            ax.annotate(r["method"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            labels.append(_label(ax, r["method"], x, y))
+            bars.append((ax, x, y - err, y + err))
         if is_ppl:
             ax.set_yscale("symlog", linthresh=1.0)
             ax.axhline(1.0, color="gray", lw=0.6, ls="--")
@@ -360,26 +436,28 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    _declutter(fig, labels, bars)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
 
 
-def _plot_points(ax: Any, result: Mapping[str, Any]) -> None:
-    """A panel of labelled points (``result["points"]``: x, y, label, family)."""
+def _plot_points(ax: Any, result: Mapping[str, Any]) -> list[Any]:
+    """A panel of labelled points (``result["points"]``: x, y, label, family); returns the
+    labels."""
+    labels = []
     for p in result["points"]:
         color = FAMILY_COLORS.get(p.get("family", "other"), "tab:gray")
         ax.plot(p["x"], p["y"], "o", color=color, markersize=4)
-        ax.annotate(
-            p["label"], (p["x"], p["y"]), fontsize=6, xytext=(3, 3), textcoords="offset points"
-        )
+        labels.append(_label(ax, p["label"], p["x"], p["y"]))
     axes = result.get("axes", {})
     ax.set_xscale(axes.get("xscale", "log"), base=2)
     ax.set_xlabel(axes.get("xlabel", ""))
     ax.set_ylabel(axes.get("ylabel", ""))
     ax.set_title(axes.get("title", result.get("suite", "")), fontsize=9)
     ax.grid(alpha=0.3)
+    return labels
 
 
 def plot_serving(results: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path | None:
@@ -412,11 +490,12 @@ def plot_serving(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     cols = min(3, len(keys))
     nrows = -(-len(keys) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    labels: list[Any] = []
     for ax, key in zip(axes.flat, keys, strict=False):
         for row in panels[key]:
             x, y = row["kv_cache_tokens"] / 1e6, row["total_tok_per_s"]
             ax.plot(x, y, "o", color=FAMILY_COLORS.get(row.get("family", "other"), "tab:gray"))
-            ax.annotate(row["cache"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            labels.append(_label(ax, row["cache"], x, y))
         ax.set_xlabel("KV cache capacity (million tokens)")
         ax.set_ylabel("burst throughput (prompt + output tokens/s)")
         ax.set_title(f"{key[0]}, {key[1]}-token prompts", fontsize=9)
@@ -429,6 +508,7 @@ def plot_serving(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    _declutter(fig, labels)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
