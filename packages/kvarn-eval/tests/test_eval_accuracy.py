@@ -41,11 +41,16 @@ def test_compare_logits_matches_numpy_reference() -> None:
     ref = torch.randn(7, 11, generator=gen)
     other = ref + 0.3 * torch.randn(7, 11, generator=gen)
     targets = torch.randint(0, 11, (7,), generator=gen)
-    same, ref_lp = compare_logits(ref, None, targets, rows_per_step=3)
-    assert ref_lp is not None
-    torch.testing.assert_close(ref_lp, torch.log_softmax(ref.double(), -1))
-    assert same.kl == pytest.approx(0.0, abs=1e-12) and same.top1 == 1.0
-    scores, none = compare_logits(other, ref_lp, targets, rows_per_step=3)
+    same, dist = compare_logits(ref, None, targets, rows_per_step=3)
+    assert dist is not None
+    torch.testing.assert_close(dist.probs, torch.softmax(ref.double(), -1))
+    assert same.kl == 0.0 and same.top1 == 1.0
+    lp_ref = torch.log_softmax(ref.double(), -1)
+    assert same.nll == pytest.approx(float(-lp_ref[torch.arange(7), targets].mean()), rel=1e-12)
+    # the reference against itself through the other path: KL 0 up to rounding
+    self_scores, _ = compare_logits(ref, dist, targets, rows_per_step=4)
+    assert self_scores.kl == pytest.approx(0.0, abs=1e-12) and self_scores.top1 == 1.0
+    scores, none = compare_logits(other, dist, targets, rows_per_step=3)
     assert none is None
     assert scores.kl == pytest.approx(kl_divergence(ref.numpy(), other.numpy()), rel=1e-6)
     lp = torch.log_softmax(other.double(), -1)

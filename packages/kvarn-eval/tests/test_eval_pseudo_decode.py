@@ -221,6 +221,40 @@ def test_attention_equals_explicit_block_loop(
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("recent", [0, 1, 2])
+@pytest.mark.parametrize("window", [None, 40, 150])
+@pytest.mark.parametrize("sink", [0, 7, BLOCK])
+@pytest.mark.parametrize("q_len", [1, 30, 4 * BLOCK + 9])
+def test_blockwise_attention_equals_the_mask_over_both_copies(
+    recent: int, window: int | None, sink: int, q_len: int
+) -> None:
+    """The attention computes, block by block, what :func:`pseudo_decode_mask` selects over
+    ``[K_hat; K]`` (the specification): each key once, quantized or exact as the mask says."""
+    from kvarn_eval.accuracy.pseudo_decode import _blockwise_attention
+
+    gen = torch.Generator().manual_seed(11)
+    t = 4 * BLOCK + 9
+    q = torch.randn(2, 4, q_len, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(2, 2, t, HEAD_DIM, generator=gen) for _ in range(2))
+    k_hat = k + torch.randn(k.shape, generator=gen)  # stands for the quantized copies
+    v_hat = v + torch.randn(v.shape, generator=gen)
+    method = KIVI(name="kivi_k2v2", group_size=BLOCK, key_bits=2, value_bits=2)
+    config = PseudoDecodeConfig(method, BLOCK, sink_tokens=sink, recent_blocks=recent)
+    mask = pseudo_decode_mask(t, BLOCK, False, window, sink_tokens=sink, recent_blocks=recent)[
+        t - q_len :
+    ]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        torch.cat([k_hat, k], dim=2),
+        torch.cat([v_hat, v], dim=2),
+        attn_mask=mask,
+        scale=0.3,
+        enable_gqa=True,
+    )
+    got = _blockwise_attention(q, k, v, k_hat, v_hat, config, window, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_sink_requantize_keeps_the_sink_out_of_block_zero() -> None:
     gen = torch.Generator().manual_seed(6)
     k = torch.randn(1, 2, 3 * BLOCK, HEAD_DIM, generator=gen)

@@ -27,6 +27,7 @@ __all__ = [
     "ChunkScores",
     "PerplexityRow",
     "PerplexityResult",
+    "ReferenceDistribution",
     "compare_logits",
     "evaluate_perplexity",
     "mean_and_se",
@@ -50,40 +51,72 @@ class ChunkScores:
     tokens: int
 
 
+@dataclass(frozen=True)
+class ReferenceDistribution:
+    """The reference method's next-token distributions over one chunk, kept to compare the
+    other methods with.
+
+    Attributes:
+        probs: ``[T, V]`` probabilities, float64.
+        neg_entropy: ``[T]`` sum over the vocabulary of ``p log p``, float64.
+        top1: ``[T]`` the most likely token of each position.
+    """
+
+    probs: torch.Tensor
+    neg_entropy: torch.Tensor
+    top1: torch.Tensor
+
+
 def compare_logits(
     logits: torch.Tensor,
-    reference_logprobs: torch.Tensor | None,
+    reference: ReferenceDistribution | None,
     targets: torch.Tensor,
     rows_per_step: int = 128,
-) -> tuple[ChunkScores, torch.Tensor | None]:
-    """Scores of ``logits`` ``[T, V]`` against ``reference_logprobs`` ``[T, V]`` (float64).
+) -> tuple[ChunkScores, ReferenceDistribution | None]:
+    """Scores of ``logits`` ``[T, V]`` against ``reference``, in float64.
 
-    ``targets`` ``[T]`` is the next token of each position. Without a reference, ``logits`` are
-    compared with themselves and their log-probabilities (float64) are returned too, to serve
-    as the reference of the other methods (``None`` is returned otherwise). Works ``rows_per_step``
-    positions at a time so that large vocabularies (Gemma: 262k) keep temporaries small.
+    ``targets`` ``[T]`` is the next token of each position. Without a reference, ``logits``
+    are the reference: their scores (KL 0, top-1 agreement 1) and their
+    :class:`ReferenceDistribution` are returned (``None`` is returned otherwise).
+
+    ``KL(ref || m) = sum p log p - sum p x + logsumexp(x)`` per position for the method's
+    logits ``x`` (``sum p = 1``): one log-sum-exp and one dot product per position, no
+    log-softmax of the method. Works ``rows_per_step`` positions at a time so that large
+    vocabularies (Gemma: 262k) keep temporaries small.
     """
     num_rows = logits.shape[0]
-    logprobs = None
-    if reference_logprobs is None:
-        logprobs = torch.empty(logits.shape, dtype=torch.float64)
+    made = None
+    if reference is None:
+        made = ReferenceDistribution(
+            probs=torch.empty(logits.shape, dtype=torch.float64),
+            neg_entropy=torch.empty(num_rows, dtype=torch.float64),
+            top1=torch.empty(num_rows, dtype=torch.long),
+        )
     nll_sum = kl_sum = agree = 0.0
     for start in range(0, num_rows, rows_per_step):
         rows = slice(start, min(start + rows_per_step, num_rows))
-        lp = torch.log_softmax(logits[rows].double(), dim=-1)
-        if logprobs is not None:
-            logprobs[rows] = lp
-        ref = lp if reference_logprobs is None else reference_logprobs[rows]
-        nll_sum += float(-lp.gather(-1, targets[rows, None]).sum())
-        kl_sum += float((ref.exp() * (ref - lp)).sum())
-        agree += float((lp.argmax(-1) == ref.argmax(-1)).sum())
+        x = logits[rows].double()
+        lse = torch.logsumexp(x, dim=-1)
+        nll_sum += float((lse - x.gather(-1, targets[rows, None])[:, 0]).sum())
+        top1 = logits[rows].argmax(-1)  # float32 -> float64 is exact: the same argmax
+        if made is not None:
+            lp = x - lse[:, None]
+            p = torch.exp(lp, out=made.probs[rows])
+            made.neg_entropy[rows] = (p * lp).sum(-1)
+            made.top1[rows] = top1
+            agree += top1.numel()
+        else:
+            assert reference is not None
+            dot = (reference.probs[rows] * x).sum(-1)
+            kl_sum += float((reference.neg_entropy[rows] - dot + lse).sum())
+            agree += float((top1 == reference.top1[rows]).sum())
     scores = ChunkScores(
         nll=nll_sum / num_rows,
         kl=kl_sum / num_rows,
         top1=agree / num_rows,
         tokens=int(num_rows),
     )
-    return scores, logprobs
+    return scores, made
 
 
 @dataclass
@@ -217,14 +250,14 @@ def evaluate_perplexity(
         for chunk in chunks:
             ids = torch.tensor([list(chunk)], dtype=torch.long)
             targets = ids[0, 1:]
-            ref_logprobs: torch.Tensor | None = None
+            ref: ReferenceDistribution | None = None
             for method in ordered:
                 with pseudo_decode(configs[method.name]):
                     logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-                score, logprobs = compare_logits(logits, ref_logprobs, targets)
-                if ref_logprobs is None:
-                    ref_logprobs = logprobs
-                del logits, logprobs
+                score, made = compare_logits(logits, ref, targets)
+                if ref is None:
+                    ref = made
+                del logits, made
                 scores[method.name].append(score)
                 if advance is not None:
                     advance(method.name)

@@ -16,7 +16,9 @@ Quantization errors accumulate through the layers exactly as in block-by-block d
 ``l`` quantizes K/V computed from hidden states that already went through quantized attention in
 layers ``< l``. Because every method quantizes each block from that block's K/V alone and
 attention is causal, one forward pass with a ``[T, 2T]`` mask over ``[K_hat; K]`` equals the
-block-by-block loop (the tests check this against an explicit loop).
+block-by-block loop (the tests check this against an explicit loop). The attention computes what
+that mask selects one query block at a time, over the block's keys only, each position once
+(tests check it against the mask).
 
 The hook is an attention function registered with transformers' ``AttentionInterface`` under
 :data:`ATTENTION_NAME`; K arrives after RoPE. The method and block size come from the
@@ -379,24 +381,58 @@ def pseudo_decode_attention(
         )
     else:
         k_hat, v_hat = quantize_kv(key, value, config, query, layer=id(module))
-        mask = pseudo_decode_mask(
-            seq_len,
-            config.block_size,
-            False,
-            window,
-            query.device,
-            sink_tokens=config.sink,
-            recent_blocks=config.recent_blocks,
-        )[offset:]
-        out = F.scaled_dot_product_attention(
-            query,
-            torch.cat([k_hat.to(key.dtype), key], dim=2),
-            torch.cat([v_hat.to(value.dtype), value], dim=2),
-            attn_mask=mask,
+        out = _blockwise_attention(
+            query, key, value, k_hat.to(key.dtype), v_hat.to(value.dtype), config, window, scaling
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    config: PseudoDecodeConfig,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """What :func:`pseudo_decode_mask` selects over ``[K_hat; K]``, one query block at a time:
+    block ``b`` attends keys ``[0, end of b)``, each position once, quantized where the mask
+    reads it quantized (``[S, (b - R) * G)``) and exact elsewhere; inside a sliding window only
+    the window's keys. Skips the masked-out half of the ``[T, 2T]`` scores and the keys past the
+    block (3.5x fewer scores at 8 blocks). Returns ``[B, H_q, T_q, D]``."""
+    q_len, seq_len = query.shape[2], key.shape[2]
+    offset = seq_len - q_len
+    g, sink = config.block_size, config.sink
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.empty_like(query)
+    for q0 in range(offset - offset % g, seq_len, g):
+        lo, hi = max(q0, offset), min(q0 + g, seq_len)  # this block's queries
+        exact_from = max(0, q0 - config.recent_blocks * g)  # blocks b - R .. b are exact
+        first = 0 if window is None else max(0, lo - window + 1)  # the oldest key in sight
+        cut = min(max(sink, first), exact_from)
+        # keys in position order: [first, cut) the exact sink, [cut, exact_from) quantized,
+        # then the exact blocks up to the block's last query
+        spans = [(first, cut, key, value), (cut, exact_from, k_hat, v_hat)]
+        spans.append((max(exact_from, first), hi, key, value))
+        keys = torch.cat([k[:, :, a:b] for a, b, k, _ in spans], dim=2)
+        values = torch.cat([v[:, :, a:b] for a, b, _, v in spans], dim=2)
+        k_pos = torch.cat([torch.arange(a, max(a, b)) for a, b, _, _ in spans])[None, :]
+        q_pos = torch.arange(lo, hi)[:, None]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask = mask & (q_pos - k_pos < window)
+        rows = slice(lo - offset, hi - offset)
+        out[:, :, rows] = F.scaled_dot_product_attention(
+            query[:, :, rows],
+            keys,
+            values,
+            attn_mask=mask.to(query.device),
             scale=scaling,
             enable_gqa=gqa,
         )
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def install(model: Any) -> Any:
