@@ -608,10 +608,9 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     )
 
     from kvarn_eval import report
-
-    options = options_from_args(args)
     from kvarn_eval.plan import check_methods
 
+    options = options_from_args(args)
     check_methods([s.name for s in resolve_suites(args.suites, gpu=True)], options)
     if args.dry_run:
         return _dry_run(args, options, console)
