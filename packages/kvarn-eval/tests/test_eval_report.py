@@ -175,35 +175,41 @@ def test_task_plot_shows_the_paired_change(tmp_path: Path, monkeypatch: pytest.M
 
 def test_labels_of_crowded_points_do_not_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Methods with nearly the same bits and change label one spot: the labels are spread so
-    that none covers another or another point's error bar."""
+    that none covers another or another point's error bar, and all stay inside the panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.text import Text
 
     fig, (ax, other) = plt.subplots(1, 2)
     names = ["kivi_k4v2", "hadamard_rtn_k4v2", "kvarn_k4v2_g128", "kvarn_k4v2_g64", "int4"]
-    points = [(3.38, 0.40), (3.38, 0.30), (3.48, 0.32), (3.64, 0.35), (3.5, 0.33)]
-    labels, bars = [], []
+    points = [(2.05, 0.40), (3.38, 0.30), (3.48, 0.32), (3.64, 0.35), (3.5, 0.33)]
+    err = 0.1 / 3  # not a binary fraction: y - err and y + err do not average back to y
+    labels, errors = [], {}
     for name, (x, y) in zip(names, points, strict=True):
-        ax.errorbar(x, y, yerr=0.1, fmt="o")
+        ax.errorbar(x, y, yerr=err, fmt="o")
         labels.append(report._label(ax, name, x, y))
-        bars.append((ax, x, y - 0.1, y + 0.1))
+        errors[labels[-1]] = (y - err, y + err)
     ax.set_xlim(2, 5)
     ax.set_ylim(-1, 2)
     lone = report._label(other, "alone", 0.5, 0.5)  # nothing near it: it stays
     fig.tight_layout()
-    report._declutter(fig, [*labels, lone], bars)
-    from matplotlib.text import Text
-
+    report._declutter(fig, [*labels, lone], errors)
     renderer = fig.canvas.get_renderer()
-    boxes = [Text.get_window_extent(t, renderer) for t in labels]  # without the hairlines
+    boxes = []
+    for t in labels:
+        t.update_positions(renderer)
+        boxes.append(Text.get_window_extent(t, renderer))  # the text, without its hairline
+    frame = ax.get_window_extent(renderer)
     for i, a in enumerate(boxes):
+        assert frame.x0 <= a.x0 and frame.y0 <= a.y0 and a.y1 <= frame.y1, names[i]
         assert not any(a.overlaps(b) for b in boxes[i + 1 :]), names[i]
-        for (bar_ax, x, lo, hi), name in zip(bars, names, strict=True):
-            if name == names[i]:
+        for j, (x, y) in enumerate(points):
+            if j == i:
                 continue
-            (x0, y0), (_, y1) = bar_ax.transData.transform([(x, lo), (x, hi)])
-            assert not (a.x0 < x0 < a.x1 and a.y0 < y1 and y0 < a.y1), (names[i], name)
+            (x0, y0), (_, y1) = ax.transData.transform([(x, y - err), (x, y + err)])
+            assert not (a.x0 < x0 < a.x1 and a.y0 < y1 and y0 < a.y1), (names[i], names[j])
+    assert labels[0].xyann == (3, 3)  # kivi_k4v2, alone at the left edge: where it was
     assert lone.xyann == (3, 3)
     plt.close(fig)

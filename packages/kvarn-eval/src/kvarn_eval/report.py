@@ -312,7 +312,7 @@ def _label(ax: Any, text: str, x: float, y: float) -> Any:
 def _declutter(
     fig: Any,
     labels: Sequence[Any],
-    bars: Sequence[tuple[Any, float, float, float]] = (),
+    errors: Mapping[Any, tuple[float, float]] | None = None,
     max_rows: int = 12,
 ) -> None:
     """Move labels so that none covers another, a point or an error bar (methods with nearly
@@ -324,7 +324,8 @@ def _declutter(
     Args:
         fig: the figure.
         labels: the annotations of :func:`_label`.
-        bars: ``(axes, x, y_low, y_high)`` of every point (its error bar; data coordinates).
+        errors: the error bar ``(y_low, y_high)`` (data coordinates) of a label's point, by
+            label; a point without one is a marker only.
         max_rows: how far a label may move.
     """
     from matplotlib.text import Text
@@ -332,11 +333,18 @@ def _declutter(
 
     renderer = fig.canvas.get_renderer()
     px_to_pt = 72.0 / fig.dpi
-    points: dict[tuple[int, float, float], Any] = {}
-    for ax, x, lo, hi in bars:
-        (x0, y0), (_, y1) = ax.transData.transform([(x, lo), (x, hi)])
-        box = Bbox([[x0 - 3, min(y0, y1) - 3], [x0 + 3, max(y0, y1) + 3]])
-        points[(id(ax), x, (lo + hi) / 2)] = box
+    errors = errors or {}
+
+    def text_box(label: Any) -> Any:
+        label.update_positions(renderer)  # the text where its offset puts it now
+        return Text.get_window_extent(label, renderer)  # the text alone, not its hairline
+
+    points: dict[int, Any] = {}  # each label's point and error bar, in pixels
+    for label in labels:
+        x, y = label.xy
+        lo, hi = errors.get(label, (y, y))
+        (x0, y0), (_, y1) = label.axes.transData.transform([(x, lo), (x, hi)])
+        points[id(label)] = Bbox([[x0 - 3, min(y0, y1) - 3], [x0 + 3, max(y0, y1) + 3]])
 
     def order(label: Any) -> tuple[bool, float, float]:
         x, y = label.axes.transData.transform(label.xy)
@@ -344,9 +352,8 @@ def _declutter(
 
     taken: list[Any] = []
     for label in sorted(labels, key=order):
-        mine = points.get((id(label.axes), *label.xy))  # a label may touch its own bar
-        others = [b for b in points.values() if b is not mine]
-        box = Text.get_window_extent(label, renderer)  # the text alone, not its hairline
+        others = [b for key, b in points.items() if key != id(label)]  # its own bar is fine
+        box = text_box(label)
         frame = label.axes.get_window_extent(renderer)
         dx, dy = label.xyann
         left = -(box.width + 2 * dx / px_to_pt)  # the same gap, left of the point
@@ -364,7 +371,7 @@ def _declutter(
             ]
             if free:
                 label.xyann = (dx + (free[0].x0 - box.x0) * px_to_pt, dy + k * half * px_to_pt)
-                box = free[0]
+                box = text_box(label)
                 break
         taken.append(box)
 
@@ -394,7 +401,7 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     nrows = -(-len(results) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
     labels: list[Any] = []
-    bars: list[tuple[Any, float, float, float]] = []
+    errors: dict[Any, tuple[float, float]] = {}
     for ax, result in zip(axes.flat, results, strict=False):
         if "points" in result:
             labels += _plot_points(ax, result)
@@ -415,7 +422,7 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
             color = "tab:red" if r["method"].startswith("kvarn") else "tab:blue"
             ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=2, markersize=4)
             labels.append(_label(ax, r["method"], x, y))
-            bars.append((ax, x, y - err, y + err))
+            errors[labels[-1]] = (y - err, y + err)
         if is_ppl:
             ax.set_yscale("symlog", linthresh=1.0)
             ax.axhline(1.0, color="gray", lw=0.6, ls="--")
@@ -436,7 +443,7 @@ def plot_results(results: Sequence[Mapping[str, Any]], path: Path, title: str = 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _declutter(fig, labels, bars)
+    _declutter(fig, labels, errors)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
