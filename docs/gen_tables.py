@@ -36,14 +36,15 @@ GPU_TABLE_CACHES = (
     "turboquant_3bit_nc",
     *PRESETS,
 )
-GPU_TABLE_MODELS = ("llama-3.1-8b", "qwen3-8b", "qwen3-32b")
+GPU_TABLE_MODELS = ("llama-3.1-8b", "qwen3-8b", "qwen3-32b", "qwen3-32b tp2")
+GPU_TABLE_CELLS = ("capacity", "4K", "16K", "32K")
 
 
 def _gpu_coverage() -> str:
     """Which cells of the capacity and throughput tables (model x cache, and prompt length for
-    throughput) the H200 results under ``docs/results/`` hold: ``yes`` where a burst finished
-    or an engine logged its pool, ``tried`` where runs started and none did, ``-`` where none
-    ran. Rows with a kvarn setting (``+recent0``, ...) are left out; a burst's engine counts
+    throughput) the H200 results under ``docs/results/`` hold, per model ``capacity / 4K / 16K
+    / 32K``: ``yes`` where a burst finished or an engine logged its pool, ``tried`` where runs
+    started and none did, ``-`` where none ran. Rows with a kvarn setting (``+recent0``, ...) are left out; a burst's engine counts
     for capacity too (it records the pool it ran with)."""
     done: set[tuple[str, str, str]] = set()
     tried: set[tuple[str, str, str]] = set()
@@ -72,17 +73,19 @@ def _gpu_coverage() -> str:
                     # a pool is measured once the engine started, whatever became of its burst
                     if value is not None and (what == "capacity" or row.get("status") == "ok"):
                         done.add((model, what, cache))
-    columns = [(m, w) for m in models for w in ("capacity", "4K", "16K", "32K")]
     lines = [
-        "| cache | " + " | ".join(f"{m} {w}" for m, w in columns) + " |",
-        "| --- |" + " :---: |" * len(columns),
+        "| cache | " + " | ".join(models) + " |",
+        "| --- |" + " :---: |" * len(models),
     ]
     for cache in GPU_TABLE_CACHES:
-        marks = [
-            "yes" if (m, w, cache) in done else "tried" if (m, w, cache) in tried else "-"
-            for m, w in columns
+        cells = [
+            " / ".join(
+                "yes" if (m, w, cache) in done else "tried" if (m, w, cache) in tried else "-"
+                for w in GPU_TABLE_CELLS
+            )
+            for m in models
         ]
-        lines.append(f"| `{cache}` | " + " | ".join(marks) + " |")
+        lines.append(f"| `{cache}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
