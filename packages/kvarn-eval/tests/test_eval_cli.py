@@ -146,6 +146,19 @@ def test_bench_end_to_end_on_tiny_model(
     assert payload["environment"]["torch_threads"] == 1  # --threads, applied at model load
     assert (out / "accuracy.png").stat().st_size > 0
     assert "| kivi_k2v2 |" in (out / "results.md").read_text()
+    # --resume keeps the finished CPU suite (the model is not even loaded) ...
+    assert cli.main([*argv, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wikitext: kept from {out} (--resume)" in printed
+    assert "text: 6/6" not in printed and "layers" not in printed
+    again = json.loads((out / "results.json").read_text())
+    assert again["results"] == payload["results"] and again["complete"] is True
+    # ... but runs it again when an option that changes its numbers differs
+    assert cli.main([*argv[:-2], "--threads", "2", "--resume"]) == 0  # threads do not
+    assert "kept from" in capsys.readouterr().out
+    assert cli.main([*argv, "--chunks", "1", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "kept from" not in printed and "text: 3/3" in printed
 
 
 def test_dry_run_prints_every_suite_plan_and_runs_nothing(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -157,9 +158,10 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="keep the engine runs an earlier bench into the same --out finished ok with the "
-        "same job (model, cache, engine arguments, workload, environment) and run only the "
-        "rest: a table that took more than one call, or a run that was killed, goes on where "
-        "it stopped (it does not check that the code is the same)",
+        "same job (model, cache, engine arguments, workload, environment), and the CPU suites "
+        "it finished with the same model and options, and run only the rest: a table that "
+        "took more than one call, or a run that was killed, goes on where it stopped (it does "
+        "not check that the code is the same)",
     )
     gpu.add_argument(
         "--engine-in-process",
@@ -597,6 +599,37 @@ def _save(out_dir: Path, payload: dict[str, Any], results: Sequence[dict[str, An
     return report.write_json(out_dir / "results.json", {**payload, "results": list(results)})
 
 
+# options that change no CPU suite's numbers: a resumed run may differ in them
+_RESUME_FREE_OPTIONS = ("serving", "threads")
+
+
+def _finished_cpu_suites(
+    out_dir: Path, options: BenchOptions, suites: Sequence[Suite]
+) -> dict[str, dict[str, Any]]:
+    """``--resume``: the results of the CPU suites among ``suites`` that the bench output in
+    ``out_dir`` finished with the same model and options (a CPU suite saves its result only
+    once it finished; ``bench_suite`` names the suite that made a result, since 2026-12-05)."""
+    try:
+        stored = json.loads((out_dir / "results.json").read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume: cannot read {out_dir / 'results.json'}: {exc}") from None
+
+    def same(opts: dict[str, Any]) -> dict[str, Any]:
+        opts = json.loads(json.dumps(opts))  # tuples as lists, as stored
+        return {k: v for k, v in opts.items() if k not in _RESUME_FREE_OPTIONS}
+
+    if same(stored.get("options") or {}) != same(dataclasses.asdict(options)):
+        return {}
+    cpu = {s.name for s in suites if not s.needs_gpu}
+    return {
+        r["bench_suite"]: r
+        for r in stored.get("results") or []
+        if isinstance(r, dict) and r.get("bench_suite") in cpu
+    }
+
+
 def _bench(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import (
         BarColumn,
@@ -619,6 +652,7 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe_model = Path(options.model).name or "model"
     out_dir = Path(args.out) if args.out else Path("kvarn-bench") / f"{safe_model}-{stamp}"
+    finished = _finished_cpu_suites(out_dir, options, suites) if args.resume else {}
     _quiet_transformers()
 
     progress = Progress(
@@ -684,7 +718,7 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
         # the real-model vLLM suites run --greedy-model, not --model: say so in both places
         payload["model"]["served"] = served
         console.print(f"vLLM suites {sorted(_SERVED_MODEL_SUITES)} serve {served}")
-    if any(s.loads_model for s in suites):
+    if any(s.loads_model and s.name not in finished for s in suites):
         with console.status("loading the model (a built-in GGUF is converted once, ~1 min)"):
             lm = ctx.model
         console.print(
@@ -697,12 +731,19 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
             num_kv_heads=lm.num_kv_heads,
             num_layers=lm.num_layers,
         )
-    save()
+    for suite in suites:  # kept first, so that no save drops them
+        if suite.name in finished:
+            console.print(f"{suite.name}: kept from {out_dir} (--resume)", markup=False)
+            results.append(finished[suite.name])
+    json_path = save()
     with progress:
         for suite in suites:
+            if suite.name in finished:
+                continue
             suite_start = time.perf_counter()
             result = suite.run(ctx)
             result["seconds"] = time.perf_counter() - suite_start
+            result["bench_suite"] = suite.name  # what --resume finds it by
             results.append(result)
             json_path = save()
     console.print(f"wrote {json_path} and {out_dir / 'results.md'}", markup=False)
