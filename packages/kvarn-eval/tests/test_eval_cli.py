@@ -153,6 +153,7 @@ def test_bench_end_to_end_on_tiny_model(
     assert "text: 6/6" not in printed and "layers" not in printed
     again = json.loads((out / "results.json").read_text())
     assert again["results"] == payload["results"] and again["complete"] is True
+    assert again["model"] == payload["model"]  # kept, though no model was loaded
     # ... but runs it again when an option that changes its numbers differs
     assert cli.main([*argv[:-2], "--threads", "2", "--resume"]) == 0  # threads do not
     assert "kept from" in capsys.readouterr().out

@@ -605,14 +605,16 @@ _RESUME_FREE_OPTIONS = ("serving", "threads")
 
 def _finished_cpu_suites(
     out_dir: Path, options: BenchOptions, suites: Sequence[Suite]
-) -> dict[str, dict[str, Any]]:
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """``--resume``: the results of the CPU suites among ``suites`` that the bench output in
     ``out_dir`` finished with the same model and options (a CPU suite saves its result only
-    once it finished; ``bench_suite`` names the suite that made a result, since 2026-12-05)."""
+    once it finished; ``bench_suite`` names the suite that made a result, since 2026-12-05),
+    and what that output recorded of the model.
+    """
     try:
         stored = json.loads((out_dir / "results.json").read_text())
     except FileNotFoundError:
-        return {}
+        return {}, {}
     except (OSError, ValueError) as exc:
         raise ValueError(f"--resume: cannot read {out_dir / 'results.json'}: {exc}") from None
 
@@ -621,13 +623,14 @@ def _finished_cpu_suites(
         return {k: v for k, v in opts.items() if k not in _RESUME_FREE_OPTIONS}
 
     if same(stored.get("options") or {}) != same(dataclasses.asdict(options)):
-        return {}
+        return {}, {}
     cpu = {s.name for s in suites if not s.needs_gpu}
-    return {
+    finished = {
         r["bench_suite"]: r
         for r in stored.get("results") or []
         if isinstance(r, dict) and r.get("bench_suite") in cpu
     }
+    return finished, dict(stored.get("model") or {})
 
 
 def _bench(args: argparse.Namespace, console: Any) -> int:
@@ -652,7 +655,9 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe_model = Path(options.model).name or "model"
     out_dir = Path(args.out) if args.out else Path("kvarn-bench") / f"{safe_model}-{stamp}"
-    finished = _finished_cpu_suites(out_dir, options, suites) if args.resume else {}
+    finished, stored_model = (
+        _finished_cpu_suites(out_dir, options, suites) if args.resume else ({}, {})
+    )
     _quiet_transformers()
 
     progress = Progress(
@@ -731,6 +736,8 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
             num_kv_heads=lm.num_kv_heads,
             num_layers=lm.num_layers,
         )
+    if finished and "path" not in payload["model"]:
+        payload["model"] = {**stored_model, **payload["model"]}  # no model loaded this time
     for suite in suites:  # kept first, so that no save drops them
         if suite.name in finished:
             console.print(f"{suite.name}: kept from {out_dir} (--resume)", markup=False)
