@@ -350,6 +350,8 @@ def _declutter(
         x, y = label.axes.transData.transform(label.xy)
         return not label.get_text().startswith("kvarn"), float(x), float(y)
 
+    # half-height steps, nearest first, up before down
+    rows = sorted(range(-2 * max_rows, 2 * max_rows + 1), key=lambda k: (abs(k), -k))
     taken: list[Any] = []
     for label in sorted(labels, key=order):
         others = [b for key, b in points.items() if key != id(label)]  # its own bar is fine
@@ -358,8 +360,6 @@ def _declutter(
         dx, dy = label.xyann
         left = -(box.width + 2 * dx / px_to_pt)  # the same gap, left of the point
         half = box.height / 2
-        # half-height steps, nearest first, up before down
-        rows = sorted(range(-2 * max_rows, 2 * max_rows + 1), key=lambda k: (abs(k), -k))
         for k in rows:
             free = [
                 moved

@@ -411,14 +411,13 @@ def _blockwise_attention(
         lo, hi = max(q0, offset), min(q0 + g, seq_len)  # this block's queries
         exact_from = max(0, q0 - config.recent_blocks * g)  # blocks b - R .. b are exact
         first = 0 if window is None else max(0, lo - window + 1)  # the oldest key in sight
-        cut = min(max(sink, first), exact_from)
-        # keys in position order: [first, cut) the exact sink, [cut, exact_from) quantized,
-        # then the exact blocks up to the block's last query
-        spans = [(first, cut, key, value), (cut, exact_from, k_hat, v_hat)]
-        spans.append((max(exact_from, first), hi, key, value))
-        keys = torch.cat([k[:, :, a:b] for a, b, k, _ in spans], dim=2)
-        values = torch.cat([v[:, :, a:b] for a, b, _, v in spans], dim=2)
-        k_pos = torch.cat([torch.arange(a, max(a, b)) for a, b, _, _ in spans])[None, :]
+        # keys [first, hi) in position order: the exact sink [first, a), the quantized
+        # [a, b), the exact blocks [b, hi) (spans clamped so that none starts before first)
+        a = max(min(sink, exact_from), first)
+        b = max(exact_from, first)
+        keys = torch.cat([key[:, :, first:a], k_hat[:, :, a:b], key[:, :, b:hi]], dim=2)
+        values = torch.cat([value[:, :, first:a], v_hat[:, :, a:b], value[:, :, b:hi]], dim=2)
+        k_pos = torch.arange(first, hi)[None, :]
         q_pos = torch.arange(lo, hi)[:, None]
         mask = k_pos <= q_pos
         if window is not None:
