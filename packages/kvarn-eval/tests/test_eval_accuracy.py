@@ -24,7 +24,7 @@ from kvarn_eval.accuracy import (
 from kvarn_eval.accuracy.perplexity import compare_logits
 from kvarn_eval.accuracy.summary import paired_change
 from kvarn_eval.data import TaskItem
-from kvarn_math.baselines import KIVI, Exact
+from kvarn_math.baselines import KIVI, Exact, KVarN
 from kvarn_math.metrics import kl_divergence
 
 BLOCK = 64
@@ -220,6 +220,44 @@ def test_padding_does_not_change_scores(model: torch.nn.Module) -> None:
     assert sums_both[0] == pytest.approx(sums_alone[0], abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("method", "window", "context", "recent", "sink"),
+    [
+        # continuations end inside the context's last block, and cross into the next one
+        (KIVI2, None, 150, 0, None),
+        (KIVI2, None, 187, 1, None),
+        # key frames chosen from each tile's last query (kept from the context's pass)
+        (KVarN.of("kvarn_k4v2_g64", key_frame="auto"), None, 187, 0, None),
+        (KVarN.of("kvarn_k4v4_g64", key_frame="auto"), None, 250, 1, 4),
+        (None, None, 187, 0, None),  # no quantization
+        # a sliding window shorter than the context: the cache must keep every position
+        (KIVI2, 96, 187, 0, None),
+        (KVarN.of("kvarn_k4v2_g64", key_frame="auto"), 96, 250, 1, None),
+    ],
+)
+def test_shared_context_scores_equal_the_batch(
+    method: object, window: int | None, context: int, recent: int, sink: int | None
+) -> None:
+    """Choices after one context score the same from its cache as in one padded batch."""
+    from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+    from kvarn_eval.accuracy.tasks import PreparedItem, _score_batch, _score_item, _score_shared
+
+    lm = install(tiny_llama(seed=5, sliding_window=window))
+    gen = torch.Generator().manual_seed(context)
+    ctx = tuple(torch.randint(4, 94, (context,), generator=gen).tolist())
+    conts = ((7,), (9, 10, 11, 12, 13), tuple(range(20, 20 + 11)), (30, 31))
+    item = PreparedItem(ctx, conts, (1, 5, 11, 2), 0, 0)
+    config = PseudoDecodeConfig(method, BLOCK, sink_tokens=sink, recent_blocks=recent)  # type: ignore[arg-type]
+    with torch.inference_mode(), pseudo_decode(config):
+        batch_sums, batch_greedy = _score_batch(lm, item, pad_id=0)
+        shared_sums, shared_greedy = _score_shared(lm, item, pad_id=0)
+        assert _score_item(lm, item, pad_id=0) == (shared_sums, shared_greedy)
+    assert shared_sums == pytest.approx(batch_sums, abs=1e-3)
+    assert shared_greedy == batch_greedy
+    # the continuations' scores differ, so a mix-up of rows would show
+    assert len({round(x, 2) for x in batch_sums}) == len(conts)
+
+
 def test_method_selection() -> None:
     names = [m.name for m in select_methods("all")]
     assert names[:2] == ["fp32", "bf16"] and "kvarn_k4v2_g128" in names and "kivi_k2v2" in names
@@ -238,10 +276,14 @@ class SuccessorModel:
     vocab = 94
 
     def __call__(
-        self, input_ids: torch.Tensor, use_cache: bool, logits_to_keep: int
+        self,
+        input_ids: torch.Tensor,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+        cache: object = None,
     ) -> SimpleNamespace:
         nxt = torch.nn.functional.one_hot((input_ids + 1) % self.vocab, self.vocab).float()
-        return SimpleNamespace(logits=10.0 * nxt[:, -logits_to_keep:])
+        return SimpleNamespace(logits=10.0 * nxt[:, -logits_to_keep:])  # 0 keeps every row
 
 
 def test_build_prompt_skips_shots_of_the_same_group() -> None:

@@ -60,6 +60,18 @@ def test_cached_greedy_equals_recomputing(
     assert greedy_generate(model, ids, 50, config) == _recompute(model, ids, 50, config)
 
 
+def test_cached_greedy_past_the_sliding_window_equals_recomputing() -> None:
+    # prompt 150 + 30 tokens against a window of 96: transformers' own cache for a window
+    # layer would keep only the last 95 positions and shift every key's index
+    windowed = install(tiny_llama(seed=2, sliding_window=96))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 94, (2, 150), generator=gen)
+    config = PseudoDecodeConfig(
+        KIVI(name="kivi_k2v2", group_size=BLOCK, key_bits=2, value_bits=2), BLOCK
+    )
+    assert greedy_generate(windowed, ids, 30, config) == _recompute(windowed, ids, 30, config)
+
+
 def test_evaluate_greedy_rows(model: torch.nn.Module) -> None:
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(4, 94, (3, 200), generator=gen).tolist()

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from kvarn_math.baselines import Method
 
-from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, decoding, pseudo_decode
+from kvarn_eval.accuracy.pseudo_decode import (
+    PseudoDecodeConfig,
+    decoding,
+    exact_cache,
+    pseudo_decode,
+    with_cache,
+)
 from kvarn_eval.accuracy.summary import MethodRows
 from kvarn_eval.fidelity import compare_outputs
 from kvarn_eval.report import sink_label
@@ -45,17 +51,14 @@ def greedy_generate(
     """
     generated: list[torch.Tensor] = []
     with torch.inference_mode(), pseudo_decode(config), decoding():
-        out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
+        cache = with_cache(model, exact_cache())
+        out = model(input_ids=prompts, use_cache=True, logits_to_keep=1, **cache)
         next_ids = out.logits[:, -1].argmax(-1)
         for step in range(new_tokens):
             generated.append(next_ids)
             if step == new_tokens - 1:
                 break
-            out = model(
-                input_ids=next_ids[:, None],
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+            out = model(input_ids=next_ids[:, None], use_cache=True, **cache)
             next_ids = out.logits[:, -1].argmax(-1)
     return [list(map(int, row)) for row in torch.stack(generated, dim=1)]
 

@@ -28,6 +28,7 @@ The hook is an attention function registered with transformers' ``AttentionInter
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ __all__ = [
     "DecodeMemo",
     "PseudoDecodeConfig",
     "decoding",
+    "exact_cache",
+    "with_cache",
     "pseudo_decode",
     "pseudo_decode_mask",
     "pseudo_decode_attention",
@@ -127,6 +130,19 @@ class DecodeMemo:
     )
     queries: dict[tuple[Any, int, int], torch.Tensor] = field(default_factory=dict)
 
+    def repeat_row(self, copies: int) -> None:
+        """After a prefill of one row, give rows ``1 .. copies - 1`` row 0's state (the cache
+        expanded with ``batch_repeat_interleave(copies)``: every row continues the same prefix).
+        """
+        for (layer, b), kept in list(self.blocks.items()):
+            if b == 0:
+                for row in range(1, copies):
+                    self.blocks[(layer, row)] = kept
+        for (layer, b, p), q in list(self.queries.items()):
+            if b == 0:
+                for row in range(1, copies):
+                    self.queries[(layer, row, p)] = q
+
 
 _MEMO: ContextVar[DecodeMemo | None] = ContextVar("kvarn_pseudo_decode_memo", default=None)
 
@@ -141,6 +157,28 @@ def decoding() -> Iterator[DecodeMemo]:
         yield _MEMO.get()  # type: ignore[misc]
     finally:
         _MEMO.reset(token)
+
+
+def exact_cache() -> Any:
+    """A transformers KV cache for cached decoding under pseudo-decode: every layer keeps the
+    exact K/V of every position, sliding-window layers too. The attention reads a key's position
+    from its index and applies the window itself; the model's own cache for sliding-window
+    layers keeps only the last ``window - 1`` positions, which would shift every index once a
+    sequence outgrows the window."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that passes ``cache`` to ``model``'s forward: ``cache`` where the forward
+    takes it (transformers 5.2x, which deprecates the old name), else ``past_key_values``."""
+    forward = getattr(model, "forward", model)
+    try:
+        takes_cache = "cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    return {"cache": cache} if takes_cache else {"past_key_values": cache}
 
 
 @contextlib.contextmanager
@@ -263,9 +301,12 @@ def _roundtrip_row(
         k_in, v_in = k_in.clone(), v_in.clone()
         k_in[:, : sink - lo] = key[b, :, sink : sink + 1]
         v_in[:, : sink - lo] = value[b, :, sink : sink + 1]
-    # [H, T', D] -> [T', H, D], the layout of Method.roundtrip
-    k_np = k_in.transpose(0, 1).detach().float().cpu().numpy()
-    v_np = v_in.transpose(0, 1).detach().float().cpu().numpy()
+    # [H, T', D] -> [T', H, D], the layout of Method.roundtrip, in C order: numpy's reductions
+    # sum in an order that follows the memory layout, and a last-bit difference can move a
+    # scale across a rounding boundary (a log8 byte), which changes a whole tile's codes; so a
+    # pass over the whole sequence and a cached pass give the same tiles the same records
+    k_np = np.ascontiguousarray(k_in.transpose(0, 1).detach().float().cpu().numpy())
+    v_np = np.ascontiguousarray(v_in.transpose(0, 1).detach().float().cpu().numpy())
     if getattr(method, "reads_queries", False):
         reads: Callable[..., tuple[Any, Any]] = method.roundtrip
         k_rt, v_rt = reads(k_np, v_np, queries=queries)

@@ -30,7 +30,13 @@ from typing import Any
 import torch
 from kvarn_math.baselines import Method
 
-from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+from kvarn_eval.accuracy.pseudo_decode import (
+    PseudoDecodeConfig,
+    decoding,
+    exact_cache,
+    pseudo_decode,
+    with_cache,
+)
 from kvarn_eval.accuracy.summary import MethodRows, agreement, binomial_se, mean_and_se
 from kvarn_eval.data import TaskItem
 
@@ -170,8 +176,63 @@ def quantized_fraction(
     return quantized / (position + 1)
 
 
+def _score_item(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[float], list[bool]]:
+    """Summed log-probability of each continuation and whether it is the greedy one: choices
+    that follow one context share its pass (:func:`_score_shared`), others go side by side
+    (:func:`_score_batch`)."""
+    if len(item.continuations) > 1 and not item.contexts:
+        return _score_shared(model, item, pad_id)
+    return _score_batch(model, item, pad_id)
+
+
+def _continuation_scores(logprobs: torch.Tensor, continuation: Sequence[int]) -> tuple[float, bool]:
+    """Summed log-probability of ``continuation`` under ``logprobs`` (one row per token, each
+    predicting it) and whether every token is the greedy one."""
+    target = torch.tensor(continuation)
+    lp = logprobs.gather(-1, target[:, None]).sum()
+    return float(lp), bool((logprobs.argmax(-1) == target).all())
+
+
+def _score_shared(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[float], list[bool]]:
+    """:func:`_score_batch` for continuations of one context, 3-4x faster: the context runs
+    once, as one row, into an exact KV cache; then every continuation, right-padded, runs from
+    copies of that cache. Cached decoding under pseudo-decode equals recomputing the sequence
+    (the greedy suite's property), so the scores are :func:`_score_batch`'s up to float rounding
+    (a test checks it)."""
+    conts = item.continuations
+    with decoding() as memo:
+        cache = exact_cache()
+        out = model(
+            input_ids=torch.tensor([item.context]),
+            use_cache=True,
+            logits_to_keep=1,
+            **with_cache(model, cache),
+        )
+        first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # predicts each cont[0]
+        rest = None
+        width = max(len(c) for c in conts) - 1  # the last token of each is predicted, not fed
+        if width > 0:
+            memo.repeat_row(len(conts))
+            cache.batch_repeat_interleave(len(conts))
+            ids = torch.full((len(conts), width), pad_id, dtype=torch.long)
+            for i, cont in enumerate(conts):
+                ids[i, : len(cont) - 1] = torch.tensor(cont[:-1])
+            logits = model(input_ids=ids, use_cache=True, **with_cache(model, cache)).logits
+            rest = torch.log_softmax(logits.float(), dim=-1)
+    sums, greedy = [], []
+    for i, cont in enumerate(conts):
+        rows = [first[None]]
+        if rest is not None:
+            rows.append(rest[i, : len(cont) - 1])
+        total, top = _continuation_scores(torch.cat(rows), cont)
+        sums.append(total)
+        greedy.append(top)
+    return sums, greedy
+
+
 def _score_batch(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[float], list[bool]]:
-    """Summed log-probability of each continuation and whether it is the greedy one."""
+    """Summed log-probability of each continuation and whether it is the greedy one, every
+    continuation after its context in one right-padded batch."""
     contexts = item.choice_contexts()
     rows = [list(ctx) + list(c) for ctx, c in zip(contexts, item.continuations, strict=True)]
     width = max(len(r) for r in rows)
@@ -187,10 +248,9 @@ def _score_batch(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[floa
     sums, greedy = [], []
     for i, cont in enumerate(item.continuations):
         positions = torch.arange(len(cont)) + (len(contexts[i]) - start)
-        target = torch.tensor(cont)
-        lp = logprobs[i, positions]
-        sums.append(float(lp.gather(-1, target[:, None]).sum()))
-        greedy.append(bool((lp.argmax(-1) == target).all()))
+        total, top = _continuation_scores(logprobs[i, positions], cont)
+        sums.append(total)
+        greedy.append(top)
     return sums, greedy
 
 
@@ -304,7 +364,7 @@ def evaluate_task(
                     method, block_size, exact_first_block, sink, sink_requantize, recent_blocks
                 )
                 with pseudo_decode(config):
-                    sums, greedy = _score_batch(model, item, pad_id)
+                    sums, greedy = _score_item(model, item, pad_id)
                 if kind == "last_word":
                     raw[method.name].append(int(greedy[0]))
                     per_char[method.name].append(int(greedy[0]))
