@@ -44,7 +44,7 @@ def _gpu_coverage() -> str:
     """Which cells of the capacity and throughput tables (model x cache, and prompt length for
     throughput) the H200 results under ``docs/results/`` hold, per model ``capacity / 4K / 16K
     / 32K``: ``yes`` where a burst finished or an engine logged its pool, ``tried`` where runs
-    started and none did, ``-`` where none ran. Rows with a kvarn setting (``+recent0``, ...) are left out; a burst's engine counts
+    started and none did, ``-`` where none ran (or was skipped). Rows with a kvarn setting (``+recent0``, ...) are left out; a burst's engine counts
     for capacity too (it records the pool it ran with)."""
     done: set[tuple[str, str, str]] = set()
     tried: set[tuple[str, str, str]] = set()
@@ -59,8 +59,8 @@ def _gpu_coverage() -> str:
                 continue
             for row in result.get("rows") or []:
                 cache = "fp8" if str(row.get("cache")).startswith("fp8") else row.get("cache")
-                if cache not in GPU_TABLE_CACHES:
-                    continue
+                if cache not in GPU_TABLE_CACHES or str(row.get("status")).startswith("skipped"):
+                    continue  # a skipped row's run never started
                 tp = int(row.get("tensor_parallel_size") or 1)
                 model = str(row.get("model")) + (f" tp{tp}" if tp > 1 else "")
                 if model not in models:
