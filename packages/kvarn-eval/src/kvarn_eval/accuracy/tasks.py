@@ -15,6 +15,9 @@ tokens read quantized.
   own context and the shared rest of the sentence is scored (``acc``, as oe-eval's ``acc_raw``).
 * ``last_word`` (LAMBADA): correct when every token of the target word is the greedy prediction.
 
+Continuations of one context are scored from one pass over it (its KV cache copied per choice);
+per-choice contexts (Winogrande) and single continuations go as one right-padded batch.
+
 Noise: the standard error of an accuracy over ``n`` items is ``sqrt(p (1 - p) / n)``; the
 agreement of each method's predictions with the reference's, item by item, is reported too, and
 is far less noisy than the difference of two accuracies.
