@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from kvarn_eval.accuracy.summary import mean_and_se
 from kvarn_eval.data import load_task
@@ -18,7 +19,7 @@ def rights(path: str) -> tuple[dict[str, dict[str, list[int]]], dict[str, list[i
     """Per task: each method's right (1) or wrong (0) per item; and the golds."""
     out: dict[str, dict[str, list[int]]] = {}
     golds: dict[str, list[int]] = {}
-    for result in json.load(open(path))["results"]:
+    for result in json.loads(Path(path).read_text())["results"]:
         task, n = result["suite"], result["num_items"]
         golds[task] = [it.gold for it in load_task(task)[:n]]
         out[task] = {
@@ -31,7 +32,7 @@ def rights(path: str) -> tuple[dict[str, dict[str, list[int]]], dict[str, list[i
 def predictions(path: str) -> dict[tuple[str, str], list[int]]:
     return {
         (r["suite"], row["method"]): row["predictions"]
-        for r in json.load(open(path))["results"]
+        for r in json.loads(Path(path).read_text())["results"]
         for row in r["rows"]
     }
 
