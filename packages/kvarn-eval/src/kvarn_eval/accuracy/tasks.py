@@ -205,11 +205,12 @@ def _score_shared(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[flo
     conts = item.continuations
     with decoding() as memo:
         cache = exact_cache()
+        passes_cache = with_cache(model, cache)
         out = model(
             input_ids=torch.tensor([item.context]),
             use_cache=True,
             logits_to_keep=1,
-            **with_cache(model, cache),
+            **passes_cache,
         )
         first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # predicts each cont[0]
         rest = None
@@ -220,7 +221,7 @@ def _score_shared(model: Any, item: PreparedItem, pad_id: int) -> tuple[list[flo
             ids = torch.full((len(conts), width), pad_id, dtype=torch.long)
             for i, cont in enumerate(conts):
                 ids[i, : len(cont) - 1] = torch.tensor(cont[:-1])
-            logits = model(input_ids=ids, use_cache=True, **with_cache(model, cache)).logits
+            logits = model(input_ids=ids, use_cache=True, **passes_cache).logits
             rest = torch.log_softmax(logits.float(), dim=-1)
     sums, greedy = [], []
     for i, cont in enumerate(conts):
