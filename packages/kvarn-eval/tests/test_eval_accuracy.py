@@ -161,6 +161,20 @@ def test_quantized_fraction() -> None:
     assert quantized_fraction(200, 64, False, sink_tokens=64) == pytest.approx(128 / 201)
 
 
+def test_items_from_an_index_are_prompted_as_in_one_longer_run() -> None:
+    """``start`` extends a run: items 7..11 get the prompts a 12-item run gives them."""
+    items, tok = _items(20), word_tokenizer()
+    whole = prepare_items(items, 12, tok, min_context_tokens=150)
+    assert prepare_items(items, 5, tok, min_context_tokens=150, start=7) == whole[7:]
+    assert (
+        prepare_items(items, 50, tok, min_context_tokens=150, start=18)
+        == (prepare_items(items, 20, tok, min_context_tokens=150)[18:])
+    )
+    assert prepare_items(items, 5, tok, min_context_tokens=150, start=20) == []
+    with pytest.raises(ValueError, match="start must be >= 0, got -1"):
+        prepare_items(items, 5, tok, min_context_tokens=150, start=-1)
+
+
 def test_task_scoring(model: torch.nn.Module) -> None:
     items = prepare_items(_items(20), 4, word_tokenizer(), min_context_tokens=150)
     assert len(items) == 4 and all(len(it.context) >= 150 for it in items)

@@ -25,6 +25,7 @@ def test_help_lists_suites(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["bench", "--chunks", "0"], "expected a positive integer, got 0"),
         (["bench", "--tokens", "x"], "expected a positive integer, got 'x'"),
+        (["bench", "--first-item", "-1"], "expected an integer >= 0, got -1"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
@@ -154,6 +155,12 @@ def test_bench_end_to_end_on_tiny_model(
     again = json.loads((out / "results.json").read_text())
     assert again["results"] == payload["results"] and again["complete"] is True
     assert again["model"] == payload["model"]  # kept, though no model was loaded
+    # a run from before an option existed had its default: it is kept too
+    stored = json.loads((out / "results.json").read_text())
+    del stored["options"]["first_item"]
+    (out / "results.json").write_text(json.dumps(stored))
+    assert cli.main([*argv, "--resume"]) == 0
+    assert f"wikitext: kept from {out} (--resume)" in capsys.readouterr().out
     # ... but runs it again when an option that changes its numbers differs
     assert cli.main([*argv[:-2], "--threads", "2", "--resume"]) == 0  # threads do not
     assert "kept from" in capsys.readouterr().out
@@ -184,6 +191,8 @@ def test_dry_run_prints_every_suite_plan_and_runs_nothing(
     printed = capsys.readouterr().out
     assert "8 chunks x 1024 tokens of WikiText-2, 14 methods (fp32, bf16, " in printed
     assert "arc_easy: 40 items, 2 methods (bf16, kvarn_k4v2_g128) on smollm2-135m" in printed
+    assert cli.main([*argv, "--first-item", "200"]) == 0
+    assert "arc_easy: 40 items from item 200, 2 methods" in capsys.readouterr().out
     assert (
         "throughput: 14 vLLM engines (2 model shapes x 7 caches), each a burst per prompt "
         "length (4096 tokens; 1024 out; requests filling 100% of the cache, at most 256 at once) "

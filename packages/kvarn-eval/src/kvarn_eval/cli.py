@@ -54,6 +54,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -339,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=_positive, default=None, help="tokens per chunk (1024)")
     bench.add_argument("--items", type=_positive, default=None, help="items per task (24)")
     bench.add_argument(
+        "--first-item",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="score items from index N on (0); a run with --first-item N extends one with "
+        "--items N by new items, each prompted as in one longer run",
+    )
+    bench.add_argument(
         "--mmlu-subjects",
         default=None,
         help="comma-separated MMLU subjects of the mmlu suite (default: all 57, items taken "
@@ -457,6 +475,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         num_chunks=sizes["num_chunks"],
         chunk_len=sizes["chunk_len"],
         items=sizes["items"],
+        first_item=args.first_item,
         min_context_tokens=args.min_context,
         block_size=args.block_size,
         exact_first_block=not args.no_exact_first_block,
@@ -618,8 +637,11 @@ def _finished_cpu_suites(
     except (OSError, ValueError) as exc:
         raise ValueError(f"--resume: cannot read {out_dir / 'results.json'}: {exc}") from None
 
+    # an option newer than the stored run takes its default there (the run had no other)
+    defaults = dataclasses.asdict(BenchOptions())
+
     def same(opts: dict[str, Any]) -> dict[str, Any]:
-        opts = json.loads(json.dumps(opts))  # tuples as lists, as stored
+        opts = json.loads(json.dumps({**defaults, **opts}))  # tuples as lists, as stored
         return {k: v for k, v in opts.items() if k not in _RESUME_FREE_OPTIONS}
 
     if same(stored.get("options") or {}) != same(dataclasses.asdict(options)):

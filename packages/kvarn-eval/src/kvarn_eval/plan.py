@@ -69,9 +69,10 @@ def suite_plan(name: str, options: BenchOptions) -> str | None:
             f"{_methods(options, options.methods)} on {options.model}"
         )
     if name in _TASKS:
+        first = f" from item {options.first_item}" if options.first_item else ""
         return (
-            f"{_count(options.items, 'item')}, {_methods(options, options.task_methods)} "
-            f"on {options.model}"
+            f"{_count(options.items, 'item')}{first}, "
+            f"{_methods(options, options.task_methods)} on {options.model}"
         )
     if name == "greedy":
         return (

@@ -213,8 +213,12 @@ def _title(result: Mapping[str, Any]) -> str:
             f"pseudo-decode blocks of {result['block_size']}{sink_label(result)}, "
             f"reference {result['reference']}"
         )
+    first = int(result.get("first_item", 0))
+    items = f"{result['num_items']} items"
+    if first:
+        items += f" ({first} to {first + result['num_items'] - 1})"
     return (
-        f"{result['suite']}: {result['num_items']} items, context "
+        f"{result['suite']}: {items}, context "
         f"{result['mean_context_tokens']:.0f} tokens ({result['mean_shots']:.1f} shots), "
         f"{100 * result['mean_quantized_fraction']:.0f}% of it read quantized, "
         f"reference {result['reference']}"

@@ -47,6 +47,8 @@ class BenchOptions:
         num_chunks: perplexity chunks per text suite.
         chunk_len: tokens per chunk.
         items: items per task suite.
+        first_item: index of a task's first scored item (0: from the start); a later run
+            with ``first_item=N`` extends one of ``items=N`` with new items.
         min_context_tokens: task prompts are filled with solved shots to this many tokens.
         block_size: pseudo-decode block (tile) size.
         exact_first_block: keep the first block exact (attention sink).
@@ -72,6 +74,7 @@ class BenchOptions:
     num_chunks: int = 8
     chunk_len: int = 1024
     items: int = 24
+    first_item: int = 0
     min_context_tokens: int = 512
     block_size: int = 128
     exact_first_block: bool = True
@@ -104,6 +107,8 @@ class BenchOptions:
                 f"sink_tokens must be in [0, {self.block_size}] (the block size), "
                 f"got {self.sink_tokens}"
             )
+        if self.first_item < 0:
+            raise ValueError(f"first_item must be >= 0, got {self.first_item}")
         if self.min_context_tokens < 0:
             raise ValueError(f"min_context_tokens must be >= 0, got {self.min_context_tokens}")
         if self.threads is not None and self.threads < 1:
@@ -406,7 +411,14 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
         methods, skipped = ctx.methods(opts.task_methods)
         max_len = getattr(lm.model.config, "max_position_embeddings", None)
         items = load_task(task, subjects=_subjects(opts) if task == "mmlu" else None)
-        prepared = prepare_items(items, opts.items, lm.tokenizer, opts.min_context_tokens, max_len)
+        if opts.first_item >= len(items):
+            raise ValueError(
+                f"--first-item {opts.first_item} is past the end of {task}, which has "
+                f"{len(items)} items"
+            )
+        prepared = prepare_items(
+            items, opts.items, lm.tokenizer, opts.min_context_tokens, max_len, opts.first_item
+        )
         pad_id = lm.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = lm.tokenizer.eos_token_id or 0
@@ -423,9 +435,10 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
             advance=advance,
         )
         result.skipped = skipped
+        result.first_item = opts.first_item
         out = result.to_dict()
         if task == "mmlu":
-            scored = [it.subject for it in items[: len(prepared)]]
+            scored = [it.subject for it in items[opts.first_item : opts.first_item + len(prepared)]]
             out["subjects"] = {s: scored.count(s) for s in dict.fromkeys(scored)}
         return out
 

@@ -123,18 +123,23 @@ def prepare_items(
     tokenizer: Any,
     min_context_tokens: int,
     max_tokens: int | None = None,
+    start: int = 0,
 ) -> list[PreparedItem]:
-    """Tokenize the first ``count`` items with their filled prompts.
+    """Tokenize ``count`` items from index ``start`` on, with their filled prompts.
 
+    Shots come from the whole of ``items``, so item ``k`` gets the same prompt whatever
+    ``start`` is: runs over consecutive ranges pool into one longer run.
     ``max_tokens`` drops the oldest context tokens so that context plus the longest continuation
     fits (the model's context length).
     """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
 
     def encode(text: str, special: bool) -> list[int]:
         return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
     prepared = []
-    for index in range(min(count, len(items))):
+    for index in range(start, min(start + count, len(items))):
         item = items[index]
         shots = _shots(items, index, min_context_tokens, lambda s: len(encode(s, False)), 64)
         contexts = [
@@ -315,6 +320,7 @@ class TaskResult(MethodRows):
     recent_blocks: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    first_item: int = 0
 
 
 # oe-eval's primary metric of each request file (winogrande: acc_raw); MMLU: the len_norm of
