@@ -77,3 +77,23 @@ def word_text(num_words: int, seed: int = 0) -> str:
     for i in range(num_words):
         words.append(VOCAB[(i * 7) % len(VOCAB)] if rng.random() < 0.5 else rng.choice(VOCAB))
     return " ".join(words)
+
+
+def task_part(first: int, rights: dict[str, list[int]], **settings: Any) -> dict[str, Any]:
+    """A stored task result over items ``first..`` (ARC-Easy's settings): gold 0 on every
+    item, a method right where its ``rights`` has 1."""
+    n = len(rights["bf16"])
+    return {
+        "suite": "arc_easy", "kind": "multiple_choice", "primary_metric": "acc",
+        "reference": "bf16", "block_size": 128, "exact_first_block": True, "sink_tokens": 128,
+        "sink_requantize": False, "recent_blocks": 1, "kind_of_result": "task",
+        "num_items": n, "first_item": first, "mean_context_tokens": 500.0 + first,
+        "mean_shots": 10.0, "mean_quantized_fraction": 0.5, "golds": [0] * n, "seconds": 1.0,
+        "rows": [
+            {"method": m, "bits_per_element": 16.0 if m == "bf16" else 2.375,
+             "accuracy_raw": sum(r) / n, "accuracy_per_char": 0.0,
+             "predictions": [0 if x else 1 for x in r]}
+            for m, r in rights.items()
+        ],
+        **settings,
+    }  # fmt: skip

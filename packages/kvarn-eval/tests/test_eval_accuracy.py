@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from eval_helpers import HEAD_DIM, tiny_llama, word_text, word_tokenizer
+from eval_helpers import HEAD_DIM, task_part, tiny_llama, word_text, word_tokenizer
 from kvarn_eval.accuracy import (
     Unquantized,
     build_prompt,
@@ -22,6 +23,7 @@ from kvarn_eval.accuracy import (
     supported_for,
 )
 from kvarn_eval.accuracy.perplexity import compare_logits
+from kvarn_eval.accuracy.pool import pool_item_ranges, pool_task_results, stored_golds
 from kvarn_eval.accuracy.summary import paired_change
 from kvarn_eval.data import TaskItem
 from kvarn_math.baselines import KIVI, Exact, KVarN
@@ -384,3 +386,86 @@ def test_per_choice_contexts_score_as_if_alone(model: torch.nn.Module) -> None:
         ]
     assert sums_both == pytest.approx([s[0][0] for s in alone], abs=1e-4)
     assert greedy_both == [g[1][0] for g in alone]
+
+
+def _scored(model: torch.nn.Module, count: int, start: int = 0) -> dict[str, Any]:
+    items = prepare_items(_items(20), count, word_tokenizer(), min_context_tokens=150, start=start)
+    result = evaluate_task(
+        model, "toy", "multiple_choice", items, [Exact(), KIVI2], head_dim=HEAD_DIM, pad_id=0,
+        block_size=BLOCK,
+    )  # fmt: skip
+    result.first_item = start
+    return result.to_dict()
+
+
+def test_runs_over_consecutive_items_pool_into_the_longer_run(model: torch.nn.Module) -> None:
+    whole = _scored(model, 8)
+    parts = [_scored(model, 3), _scored(model, 5, start=3)]
+    pooled = pool_task_results(parts, [p["golds"] for p in parts])
+    assert pooled["num_items"] == 8 and pooled["first_item"] == 0
+    assert pooled["golds"] == whole["golds"] == [i % 3 for i in range(8)]
+    for got, want in zip(pooled["rows"], whole["rows"], strict=True):
+        assert got["predictions"] == want["predictions"]
+        for key in ("accuracy", "accuracy_se", "agreement", "accuracy_raw", "accuracy_per_char"):
+            assert got[key] == pytest.approx(want[key]), key
+        assert got["change"] == pytest.approx(want["change"])
+        assert got["change_se"] == pytest.approx(want["change_se"], nan_ok=True)
+    for key in ("mean_context_tokens", "mean_shots", "mean_quantized_fraction"):
+        assert pooled[key] == pytest.approx(whole[key]), key
+
+
+def test_pooled_rows_are_computed_over_every_item() -> None:
+    a = task_part(0, {"bf16": [1, 1, 0, 0], "kivi_k2v2": [1, 0, 0, 0]})
+    b = task_part(4, {"bf16": [1, 0], "kivi_k2v2": [0, 1]})
+    pooled = pool_task_results([a, b], [[0] * 4, [0] * 2])
+    bf16, kivi = pooled["rows"]
+    assert bf16["accuracy"] == pytest.approx(3 / 6) and kivi["accuracy"] == pytest.approx(2 / 6)
+    # stored fractions are weighted by items: (1/4 * 4 + 1/2 * 2) / 6
+    assert kivi["accuracy_raw"] == pytest.approx(2 / 6)
+    assert kivi["agreement"] == pytest.approx(3 / 6)  # right or wrong alike on items 0, 2, 3
+    diffs = [0, -1, 0, 0, -1, 1]
+    assert kivi["change"] == pytest.approx(np.mean(diffs))
+    assert kivi["change_se"] == pytest.approx(np.std(diffs, ddof=1) / math.sqrt(6))
+    assert pooled["mean_context_tokens"] == pytest.approx((500 * 4 + 504 * 2) / 6)
+    assert pooled["seconds"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (
+            task_part(5, {"bf16": [1], "kivi_k2v2": [1]}),
+            r"items \[0, 4\) and \[5, 6\) do not follow",
+        ),
+        (
+            task_part(3, {"bf16": [1], "kivi_k2v2": [1]}),
+            r"items \[0, 4\) and \[3, 4\) do not follow",
+        ),
+        (task_part(4, {"bf16": [1], "kivi_k2v2": [1]}, block_size=64), "block_size differs"),
+        (task_part(4, {"bf16": [1], "kvarn_k2v2_g128": [1]}), "the methods differ"),
+    ],
+)
+def test_pooling_refuses_runs_that_are_not_one(second: dict[str, Any], message: str) -> None:
+    first = task_part(0, {"bf16": [1, 1, 0, 0], "kivi_k2v2": [1, 0, 0, 0]})
+    with pytest.raises(ValueError, match=message):
+        pool_task_results([first, second], [first["golds"], second["golds"]])
+    # kvarn-eval report keeps them apart and says why
+    results, notes = pool_item_ranges([first, {**second, "suite": "arc_easy"}])
+    if "block_size" in message:  # different settings are different groups: nothing to say
+        assert len(results) == 2 and notes == []
+    else:
+        assert len(results) == 2 and "kept apart" in notes[0]
+
+
+def test_report_pooling_groups_by_model_and_reads_golds_where_not_stored() -> None:
+    a = task_part(0, {"bf16": [1, 1], "kivi_k2v2": [1, 0]}, model="m1")
+    b = task_part(2, {"bf16": [1, 0], "kivi_k2v2": [0, 1]}, model="m1")
+    other = task_part(2, {"bf16": [1], "kivi_k2v2": [1]}, model="m2")
+    perplexity = {"suite": "wikitext", "kind_of_result": "perplexity"}
+    results, notes = pool_item_ranges([perplexity, b, other, a])
+    assert [r.get("num_items") for r in results] == [None, 4, 1]
+    assert notes == ["arc_easy (m1): items [0, 2), [2, 4) pooled into 4 items"]
+    # a result stored before golds were kept: LAMBADA's are 1, the others' read from the data
+    assert stored_golds({"kind": "last_word", "suite": "lambada", "num_items": 3}) == [1, 1, 1]
+    with pytest.raises(ValueError, match="depend on --mmlu-subjects"):
+        stored_golds({"kind": "multiple_choice", "suite": "mmlu", "num_items": 3})

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from eval_helpers import word_text
+from eval_helpers import task_part, word_text
 from kvarn_eval import cli
 from kvarn_eval.suites import SUITES, BenchOptions, Suite, register_suite, resolve_suites
 
@@ -319,3 +319,26 @@ def test_bench_winogrande_and_mmlu_on_tiny_model(
     argv = ["bench", "--suites", "mmlu", "--mmlu-subjects", "anatomy,nope", "--out", str(out)]
     assert cli.main(argv) == 2
     assert "unknown MMLU subject(s) nope; available" in capsys.readouterr().out.replace("\n", "")
+
+
+def test_report_pools_runs_over_consecutive_items(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run extended with --first-item reports as one run over all its items."""
+    parts = {
+        "first": task_part(0, {"bf16": [1, 1, 0], "kivi_k2v2": [1, 0, 0]}),
+        "more": task_part(3, {"bf16": [1, 0], "kivi_k2v2": [0, 0]}),
+    }
+    for name, part in parts.items():
+        (tmp_path / name).mkdir()
+        payload = {"model": {"name": "smollm2-135m"}, "results": [part]}
+        (tmp_path / name / "results.json").write_text(json.dumps(payload))
+    merged = tmp_path / "merged"
+    argv = ["report", str(tmp_path / "more"), str(tmp_path / "first"), "--out", str(merged)]
+    assert cli.main([*argv, "--no-plot"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "note: arc_easy (smollm2-135m): items [0, 3), [3, 5) pooled into 5 items" in printed
+    assert "arc_easy on smollm2-135m: 5 items, context" in printed
+    (result,) = json.loads((merged / "results.json").read_text())["results"]
+    assert result["num_items"] == 5 and result["rows"][1]["accuracy"] == pytest.approx(1 / 5)
+    assert "| kivi_k2v2 | 2.38 | 20.0 |" in (merged / "results.md").read_text()

@@ -783,6 +783,7 @@ def _bench(args: argparse.Namespace, console: Any) -> int:
 
 
 def _report(args: argparse.Namespace, console: Any) -> int:
+    from kvarn_eval.accuracy.pool import pool_item_ranges
     from kvarn_eval.serving.collect import collect_results
 
     dirs = [Path(d) for d in args.dirs]
@@ -790,7 +791,8 @@ def _report(args: argparse.Namespace, console: Any) -> int:
         if not d.is_dir():
             raise FileNotFoundError(f"no bench output folder {d}")
     results, sources, dropped, as_stored = collect_results(dirs)
-    for line in as_stored + dropped:
+    results, pooled = pool_item_ranges(results)
+    for line in pooled + as_stored + dropped:
         console.print(f"note: {line}", markup=False)
     if not results:
         raise ValueError(f"no results.json or run records under {', '.join(map(str, dirs))}")
@@ -802,6 +804,7 @@ def _report(args: argparse.Namespace, console: Any) -> int:
         "sources": sources,
         "left_out": dropped,
         "rows_as_stored": as_stored,
+        "pooled": pooled,
         "environment": report.environment_info(),
     }
     json_path = _save(out_dir, payload, results)

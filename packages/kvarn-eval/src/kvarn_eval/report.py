@@ -207,9 +207,11 @@ def sink_label(result: Mapping[str, Any]) -> str:
 
 
 def _title(result: Mapping[str, Any]) -> str:
+    # results merged by ``kvarn-eval report`` name their model
+    model = f" on {result['model']}" if result.get("model") else ""
     if "chunk_len" in result:
         return (
-            f"{result['suite']}: {result['num_chunks']} x {result['chunk_len']} tokens, "
+            f"{result['suite']}{model}: {result['num_chunks']} x {result['chunk_len']} tokens, "
             f"pseudo-decode blocks of {result['block_size']}{sink_label(result)}, "
             f"reference {result['reference']}"
         )
@@ -218,7 +220,7 @@ def _title(result: Mapping[str, Any]) -> str:
     if first:
         items += f" ({first} to {first + result['num_items'] - 1})"
     return (
-        f"{result['suite']}: {items}, context "
+        f"{result['suite']}{model}: {items}, context "
         f"{result['mean_context_tokens']:.0f} tokens ({result['mean_shots']:.1f} shots), "
         f"{100 * result['mean_quantized_fraction']:.0f}% of it read quantized, "
         f"reference {result['reference']}"

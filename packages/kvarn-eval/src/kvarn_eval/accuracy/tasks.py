@@ -299,7 +299,12 @@ class TaskRow:
 
 @dataclass
 class TaskResult(MethodRows):
-    """A task suite's outcome, JSON-ready through :meth:`to_dict`."""
+    """A task suite's outcome, JSON-ready through :meth:`to_dict`.
+
+    ``first_item`` is the index of the first item scored (``--first-item``), ``golds`` the
+    right answer per item (LAMBADA: 1, its predictions being right or wrong): what
+    :mod:`kvarn_eval.accuracy.pool` needs to pool runs over consecutive item ranges.
+    """
 
     KIND_KEY = "kind_of_result"  # ``kind`` is a field (multiple_choice, last_word)
     KIND = "task"
@@ -321,6 +326,7 @@ class TaskResult(MethodRows):
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     first_item: int = 0
+    golds: list[int] = field(default_factory=list)
 
 
 # oe-eval's primary metric of each request file (winogrande: acc_raw); MMLU: the len_norm of
@@ -433,4 +439,5 @@ def evaluate_task(
         sink_requantize=sink_requantize,
         recent_blocks=recent_blocks,
         seconds=time.perf_counter() - start,
+        golds=golds,
     )

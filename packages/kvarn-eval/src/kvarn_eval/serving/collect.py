@@ -214,7 +214,10 @@ def collect_results(
                             f"{folder / 'results.json'} (no run records there)"
                         )
                 else:
-                    kept.append({**result, "source": str(folder)})
+                    model = (stored.get("model") or {}).get("name")
+                    kept.append(
+                        {**({"model": model} if model else {}), **result, "source": str(folder)}
+                    )
         if found:
             sources.append(str(folder / "runs"))
         records += found
