@@ -24,7 +24,7 @@ from kvarn_eval.accuracy import (
 )
 from kvarn_eval.accuracy.perplexity import compare_logits
 from kvarn_eval.accuracy.pool import pool_item_ranges, pool_task_results, stored_golds
-from kvarn_eval.accuracy.summary import paired_change
+from kvarn_eval.accuracy.summary import paired_change, weighted_mean_and_se
 from kvarn_eval.data import TaskItem
 from kvarn_math.baselines import KIVI, Exact, KVarN
 from kvarn_math.metrics import kl_divergence
@@ -67,6 +67,18 @@ def test_mean_and_se() -> None:
     assert mean == 3.0
     assert se == pytest.approx(np.std([1, 2, 3, 6], ddof=1) / 2)
     assert math.isnan(mean_and_se([1.0])[1])
+
+
+def test_weighted_mean_and_se() -> None:
+    values = [1.0, 4.0, 2.0, 7.0]
+    assert weighted_mean_and_se(values, [3.0] * 4) == pytest.approx(mean_and_se(values))
+    mean, se = weighted_mean_and_se([1.0, 3.0], [1.0, 3.0])
+    assert mean == pytest.approx(2.5)
+    # sqrt(n / (n - 1) * (1 * 1.5^2 + 9 * 0.5^2)) / 4
+    assert se == pytest.approx(math.sqrt(2 * (2.25 + 2.25)) / 4)
+    assert math.isnan(weighted_mean_and_se([2.0], [5.0])[1])
+    with pytest.raises(ValueError, match="one weight per value"):
+        weighted_mean_and_se([1.0, 2.0], [1.0])
 
 
 def test_paired_change() -> None:
@@ -126,6 +138,45 @@ def test_perplexity_rejects_bad_input(model: torch.nn.Module) -> None:
         evaluate_perplexity(
             model, [[5] * 200, [5] * 199], [Exact()], head_dim=HEAD_DIM, block_size=BLOCK
         )
+    with pytest.raises(ValueError, match="chunk 1: scored_from 199 leaves no scored token"):
+        evaluate_perplexity(
+            model, [[5] * 200, [5] * 199], [Exact()], head_dim=HEAD_DIM, scored_from=[10, 199]
+        )
+    with pytest.raises(ValueError, match="one scored_from per chunk: 1 for 2"):
+        evaluate_perplexity(model, [[5] * 9] * 2, [Exact()], head_dim=HEAD_DIM, scored_from=[3])
+
+
+def test_perplexity_of_chunk_tails(model: torch.nn.Module) -> None:
+    """``scored_from``: only each chunk's tail is scored (GSM8K's solutions after their prompt),
+    exactly the NLL of those positions in a pass over the whole chunk; chunks weigh by tokens."""
+    from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
+
+    gen = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(4, 94, (n,), generator=gen).tolist() for n in (300, 250, 280)]
+    firsts = [200, 180, 279]
+    result = evaluate_perplexity(
+        model, chunks, [Exact(), KIVI2], head_dim=HEAD_DIM, block_size=BLOCK,
+        recent_blocks=1, scored_from=firsts,
+    )  # fmt: skip
+    kivi = result.row("kivi_k2v2")
+    config = PseudoDecodeConfig(KIVI2, BLOCK, True, None, False, 1)
+    for chunk, first, nll in zip(chunks, firsts, kivi.chunk_nll, strict=True):
+        ids = torch.tensor([chunk])
+        with torch.inference_mode(), pseudo_decode(config):
+            logits = model(input_ids=ids, use_cache=False).logits[0, first - 1 : -1].double()
+        want = torch.nn.functional.cross_entropy(logits, ids[0, first:]).item()
+        assert nll == pytest.approx(want, rel=1e-5)
+    tokens = [n - f for n, f in zip((300, 250, 280), firsts)]
+    assert kivi.perplexity == pytest.approx(math.exp(np.average(kivi.chunk_nll, weights=tokens)))
+    assert result.mean_scored_tokens == pytest.approx(sum(tokens) / 3)
+    assert result.mean_context_tokens == pytest.approx(sum(firsts) / 3)
+    assert 0 < result.mean_quantized_fraction < 1 and result.chunk_len == 300
+    assert kivi.kl > 0 and result.row("bf16").delta_pct == 0.0
+    from kvarn_eval.report import markdown_table
+
+    assert "text: 3 items, 57 tokens scored after 220 of context, " in markdown_table(
+        result.to_dict()
+    )
 
 
 def _items(n: int) -> list[TaskItem]:

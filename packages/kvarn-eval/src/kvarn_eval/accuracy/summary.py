@@ -11,7 +11,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["MethodRows", "agreement", "binomial_se", "mean_and_se", "paired_change"]
+__all__ = [
+    "MethodRows",
+    "agreement",
+    "binomial_se",
+    "mean_and_se",
+    "paired_change",
+    "weighted_mean_and_se",
+]
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
@@ -25,6 +32,30 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
         return math.nan, math.nan
     se = float(arr.std(ddof=1) / math.sqrt(arr.size)) if arr.size > 1 else math.nan
     return float(arr.mean()), se
+
+
+def weighted_mean_and_se(values: Sequence[float], weights: Sequence[float]) -> tuple[float, float]:
+    """Weighted mean and its standard error over the sampled units (``nan`` error for fewer
+    than two): ``sqrt(n / (n - 1) * sum(w^2 (v - mean)^2)) / sum(w)``, which is
+    :func:`mean_and_se`'s for equal weights. Per-chunk means weighted by their token counts give
+    the mean over all tokens, with the chunks (items) as the sampling unit.
+
+    Args:
+        values: one value per unit.
+        weights: one positive weight per unit.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if v.shape != w.shape:
+        raise ValueError(f"need one weight per value, got {w.size} for {v.size}")
+    if v.size == 0:
+        return math.nan, math.nan
+    total = float(w.sum())
+    mean = float((w * v).sum() / total)
+    if v.size < 2:
+        return mean, math.nan
+    spread = float((w**2 * (v - mean) ** 2).sum())
+    return mean, math.sqrt(v.size / (v.size - 1) * spread) / total
 
 
 def paired_change(nll: Sequence[float], base: Sequence[float]) -> tuple[float, float]:
