@@ -68,14 +68,13 @@ def suite_plan(name: str, options: BenchOptions) -> str | None:
             f"{options.num_chunks} chunks x {options.chunk_len} tokens of {text}, "
             f"{_methods(options, options.methods)} on {options.model}"
         )
+    first = f" from item {options.first_item}" if options.first_item else ""
     if name in _TASKS:
-        first = f" from item {options.first_item}" if options.first_item else ""
         return (
             f"{_count(options.items, 'item')}{first}, "
             f"{_methods(options, options.task_methods)} on {options.model}"
         )
     if name == "gsm8k":
-        first = f" from item {options.first_item}" if options.first_item else ""
         return (
             f"{_count(options.items, 'GSM8K solution')}{first} (8-shot prompts), "
             f"{_methods(options, options.task_methods)} on {options.model}"

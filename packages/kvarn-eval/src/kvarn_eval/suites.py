@@ -412,6 +412,7 @@ def _gsm8k(ctx: BenchContext) -> dict[str, Any]:
     """GSM8K's gold solutions scored as text after their 8-shot prompts: perplexity, KL and
     top-1 agreement on reasoning text whose context is mostly read quantized."""
     from kvarn_eval.accuracy.perplexity import evaluate_perplexity
+    from kvarn_eval.accuracy.tasks import prepare_items
     from kvarn_eval.data import TASKS, load_task
 
     opts = ctx.options
@@ -419,16 +420,11 @@ def _gsm8k(ctx: BenchContext) -> dict[str, Any]:
     methods, skipped = ctx.methods(opts.task_methods)
     items = load_task("gsm8k")
     _check_first_item("gsm8k", opts, len(items))
-    chosen = items[opts.first_item : opts.first_item + opts.items]
     max_len = getattr(lm.model.config, "max_position_embeddings", None)
-    chunks, scored_from = [], []
-    for item in chosen:
-        context = list(lm.tokenizer(item.query, add_special_tokens=True)["input_ids"])
-        solution = list(lm.tokenizer(item.choices[0], add_special_tokens=False)["input_ids"])
-        if max_len is not None:
-            context = context[-(max_len - len(solution)) :]
-        chunks.append(context + solution)
-        scored_from.append(len(context))
+    # the prompts are 8-shot already: no shots added (min_context_tokens 0)
+    prepared = prepare_items(items, opts.items, lm.tokenizer, 0, max_len, opts.first_item)
+    chunks = [it.context + it.continuations[0] for it in prepared]
+    scored_from = [len(it.context) for it in prepared]
     advance = ctx.progress("gsm8k", len(chunks) * len(methods))
     last = opts.first_item + len(chunks) - 1
     result = evaluate_perplexity(
