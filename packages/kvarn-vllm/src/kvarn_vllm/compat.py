@@ -1,10 +1,9 @@
 """The one place that touches vLLM's private symbols, behind a version gate.
 
-Everything here is checked against vLLM 0.26.0 (the newest release pinned to torch
-2.11.0). :data:`SUPPORTED` is the range in which the private symbols below are known to
-exist with the shape this module expects; outside it :func:`check_version` refuses to
-patch anything, with a message saying so. Each function is used by exactly one entry of
-the ledger in :mod:`kvarn_vllm.patches`.
+Each function is used by exactly one entry of the ledger in :mod:`kvarn_vllm.patches`, which
+says on which vLLM releases it is applied and against which it was checked; the adapters of
+:mod:`kvarn_vllm.releases` pick the entries per release, and :func:`check_version` refuses a
+release no adapter covers.
 
 Nothing here imports vLLM at module import time: importing ``kvarn_vllm`` stays cheap
 and never initializes CUDA.
@@ -17,11 +16,16 @@ import importlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable
-from importlib import metadata
 from typing import Any
 
+from kvarn_vllm.releases import (
+    UnsupportedVllmVersion,
+    check_supported,
+    parse_version,
+    vllm_version,
+)
+
 __all__ = [
-    "SUPPORTED",
     "UnsupportedVllmVersion",
     "add_torch_dtypes",
     "calling_layer_name",
@@ -41,45 +45,15 @@ __all__ = [
     "wrap_v2_runner_add_requests",
 ]
 
-SUPPORTED = ((0, 26, 0), (0, 27, 0))
-"""Half-open range of vLLM versions whose private symbols this module was checked against."""
-
 _WRAPPED = "__kvarn_wrapped__"
 
 
-class UnsupportedVllmVersion(RuntimeError):
-    """The installed vLLM is outside :data:`SUPPORTED`."""
-
-
-def _parse(version: str) -> tuple[int, int, int]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits))
-        if not piece.isdigit():
-            break
-    while len(parts) < 3:
-        parts.append(0)
-    return parts[0], parts[1], parts[2]
-
-
-def vllm_version() -> str:
-    """The installed vLLM version, read from package metadata (no vLLM import)."""
-    return metadata.version("vllm")
-
-
 def check_version(version: str | None = None) -> tuple[int, int, int]:
-    """Raise :class:`UnsupportedVllmVersion` unless ``version`` is in :data:`SUPPORTED`."""
+    """The parsed ``version`` (default: the installed vLLM); raises
+    :class:`UnsupportedVllmVersion` unless an adapter of :mod:`kvarn_vllm.releases` covers it."""
     version = vllm_version() if version is None else version
-    parsed = _parse(version)
-    low, high = SUPPORTED
-    if not (low <= parsed < high):
-        raise UnsupportedVllmVersion(
-            f"kvarn-vllm patches vLLM private symbols checked against vLLM "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}; found vLLM {version}. "
-            "Install vllm==0.26.0 or a kvarn-vllm release made for your vLLM."
-        )
-    return parsed
+    check_supported(version)
+    return parse_version(version)
 
 
 def is_wrapped(obj: Any) -> bool:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvarn_vllm import compat
+from kvarn_vllm import compat, releases
 from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype, preset_names
 
 __all__ = ["LEDGER", "Patch", "applied", "apply_process_patches", "apply_worker_patches"]
@@ -317,21 +317,22 @@ def applied() -> frozenset[str]:
 
 
 def _apply(scope: str) -> None:
+    adapter = releases.check_supported()
     with _lock:
         for patch in LEDGER:
-            if patch.scope == scope and patch.name not in _applied:
+            wanted = patch.scope == scope and patch.name in adapter.patches
+            if wanted and patch.name not in _applied:
                 patch.apply()
                 _applied.add(patch.name)
                 logger.debug("kvarn: applied patch %s", patch.name)
 
 
 def apply_process_patches() -> None:
-    """Apply the ``process`` entries (called by ``register()``)."""
-    compat.check_version()
+    """Apply the ``process`` entries the installed release's adapter needs (``register()``)."""
     _apply("process")
 
 
 def apply_worker_patches() -> None:
-    """Apply the ``worker`` entries (called by the metadata builder in GPU workers)."""
-    compat.check_version()
+    """Apply the ``worker`` entries the installed release's adapter needs (called by the
+    metadata builder, in GPU workers)."""
     _apply("worker")

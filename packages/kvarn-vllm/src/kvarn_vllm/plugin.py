@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from importlib import metadata
 
 __all__ = ["kernel_cache_dir", "register", "registered"]
 
@@ -18,6 +19,7 @@ logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
 _lock = threading.Lock()
 _done = False
+_attempted = False
 _UNSET = object()
 _triton_cache_dir: object = _UNSET
 
@@ -34,31 +36,71 @@ def kernel_cache_dir() -> str | None:
 
 
 def registered() -> bool:
-    """True once :func:`register` has completed in this process."""
+    """True once :func:`register` has made ``kvarn_*`` cache dtypes work in this process."""
     return _done
 
 
 def register() -> None:
-    """Make ``--kv-cache-dtype kvarn_*`` work in this process (idempotent).
+    """Make ``--kv-cache-dtype kvarn_*`` work in this process (idempotent; never raises).
 
-    Applies the ``process`` entries of :data:`kvarn_vllm.patches.LEDGER` and registers
-    the kvarn backend as ``AttentionBackendEnum.CUSTOM`` unless another plugin already
-    claimed it.
+    On a supported vLLM release (:mod:`kvarn_vllm.releases`) it applies that release's
+    adapter: its public registrations and the ``process`` entries of
+    :data:`kvarn_vllm.patches.LEDGER` it needs, and registers the kvarn backend as
+    ``AttentionBackendEnum.CUSTOM`` unless another plugin already claimed it.
+
+    On any other release it logs one warning and changes nothing, so vLLM starts and serves
+    every other cache dtype; asking for a ``kvarn_*`` one then fails in vLLM's own
+    validation of ``kv_cache_dtype``, after that warning. vLLM calls its plugins without
+    catching their errors (a raising plugin stops every vLLM process), so an unexpected
+    error here is logged with its traceback and swallowed.
     """
-    global _done, _triton_cache_dir
-    if _done:
+    global _done, _attempted, _triton_cache_dir
+    if _attempted:
         return
     with _lock:
-        if _done:
+        if _attempted:
             return
+        _attempted = True  # one attempt per process, whatever it ends in
         if _triton_cache_dir is _UNSET:
             _triton_cache_dir = os.environ.get("TRITON_CACHE_DIR")
-        from kvarn_vllm import patches
+        try:
+            from kvarn_vllm import releases
 
-        patches.apply_process_patches()
-        _register_custom_backend()
+            adapter = releases.current()
+            if adapter is None:
+                logger.warning("%s", releases.unsupported_message())
+                return
+            adapter.register_process()
+            _register_custom_backend()
+        except Exception:
+            logger.exception(
+                "kvarn: registering kvarn-vllm %s failed on vLLM %s; vLLM runs without it "
+                "(every other kv_cache_dtype works; kvarn_* ones may not). Please report this.",
+                _own_version(),
+                _vllm_version(),
+            )
+            return
         _done = True
-        logger.debug("kvarn: registered (patches: %s)", sorted(patches.applied()))
+        logger.debug(
+            "kvarn: registered for vLLM %s (%s; patches: %s)",
+            _vllm_version(),
+            adapter.name,
+            sorted(adapter.applied()),
+        )
+
+
+def _own_version() -> str:
+    try:
+        return metadata.version("kvarn-vllm")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _vllm_version() -> str:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _register_custom_backend() -> None:

@@ -1,0 +1,171 @@
+"""Never breaking vLLM: the plugin on releases it does not serve, and on unexpected errors.
+
+vLLM calls every general plugin in every process without catching its errors, so these run
+``vllm.plugins.load_general_plugins()`` itself, each in a fresh interpreter (registration is
+once per process, and this session's conftest already registered the plugin).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from kvarn_vllm import releases
+
+# Common prologue: vLLM's CPU platform (this host has no GPU vLLM recognizes), a handler
+# counting the plugin's log records, and a snapshot of everything the plugin may change.
+_PROLOGUE = """
+import logging
+import vllm.platforms as P
+from vllm.platforms.cpu import CpuPlatform
+P._current_platform = CpuPlatform()
+
+records = []
+class _Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record)
+logging.getLogger("vllm.kvarn").addHandler(_Keep(level=logging.DEBUG))
+
+from kvarn_vllm import plugin, releases
+
+def snapshot():
+    from vllm.config import cache
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.utils import torch_utils
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        custom = AttentionBackendEnum.CUSTOM.get_path()
+    except ValueError:
+        custom = None
+    return (
+        selector._cached_get_attn_backend,
+        Attention.get_kv_cache_spec,
+        EngineArgs._set_default_max_num_seqs_and_batched_tokens_args,
+        tuple(cache.CacheDType.__args__),
+        tuple(getattr(cache, "KV_CACHE_DTYPES", ())),
+        dict(torch_utils.STR_DTYPE_TO_TORCH_DTYPE),
+        custom,
+    )
+
+def configs_still_build():
+    from vllm.config import CacheConfig
+    from vllm.engine.arg_utils import EngineArgs
+    for dtype in ("auto", "fp8", "bfloat16"):
+        assert CacheConfig(cache_dtype=dtype).cache_dtype == dtype
+    EngineArgs(model="facebook/opt-125m", kv_cache_dtype="auto")
+
+def load_plugins_afresh():
+    # What a new vLLM process does: load and call every general plugin.
+    import vllm.plugins
+
+    plugin._attempted = plugin._done = False
+    vllm.plugins.plugins_loaded = False
+    vllm.plugins.load_general_plugins()
+"""
+
+
+def test_plugin_never_breaks_vllm():
+    """In one fresh interpreter (importing vLLM costs a minute on a loaded 2-core CI host),
+    as each new vLLM process would see it:
+
+    * a bug in registration: load_general_plugins() returns, the error is logged once with
+      its traceback, vLLM is unchanged and its configs build;
+    * releases no adapter covers (older, newer): one warning naming the installed and the
+      served releases, nothing changed, every other dtype builds, vLLM refuses kvarn_*;
+    * the installed release: loads without a warning when served and kvarn_* then builds.
+    """
+    code = _PROLOGUE + textwrap.dedent(_SCENARIOS) + "\nprint('OK')\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.strip().endswith("OK")
+
+
+_SCENARIOS = """
+def of_level(level):
+    return [r for r in records if r.levelno == level]
+
+# 1. An unexpected error inside register().
+adapter = releases.current()
+pristine = snapshot()
+if adapter is not None:
+    original_public = adapter.register_public
+    def boom():
+        raise RuntimeError("simulated registration bug")
+    object.__setattr__(adapter, "register_public", boom)
+    load_plugins_afresh()
+    assert not plugin.registered()
+    errors = of_level(logging.ERROR)
+    assert len(errors) == 1 and errors[0].exc_info is not None, errors
+    assert "simulated registration bug" in str(errors[0].exc_info[1])
+    assert snapshot() == pristine, "a failed registration left vLLM changed"
+    configs_still_build()
+    object.__setattr__(adapter, "register_public", original_public)
+    records.clear()
+
+# 2. Releases no adapter covers.
+installed = releases.vllm_version
+for version in ("0.25.1", "0.99.0"):
+    releases.vllm_version = lambda: version
+    load_plugins_afresh()
+    plugin.register()  # a second entry point in the same process stays silent
+    assert not plugin.registered()
+    assert snapshot() == pristine, f"the plugin changed vLLM on {version}"
+    warnings = of_level(logging.WARNING)
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert version in message and releases.supported_releases() in message, message
+    assert not of_level(logging.ERROR)
+    configs_still_build()
+    from vllm.config import CacheConfig
+    try:
+        CacheConfig(cache_dtype="kvarn_k4v2_g128")
+    except Exception as exc:
+        assert "kvarn_k4v2_g128" in str(exc), exc
+    else:
+        raise AssertionError(f"vLLM accepted kvarn_k4v2_g128 with the plugin off ({version})")
+    records.clear()
+releases.vllm_version = installed
+
+# 3. The installed release.
+load_plugins_afresh()
+served = releases.current() is not None
+assert plugin.registered() == served
+assert len(of_level(logging.WARNING)) == (0 if served else 1)
+assert not of_level(logging.ERROR), [r.getMessage() for r in of_level(logging.ERROR)]
+configs_still_build()
+if served:
+    from vllm.config import CacheConfig
+    assert CacheConfig(cache_dtype="kvarn_k4v2_g128").cache_dtype == "kvarn_k4v2_g128"
+"""
+
+
+@pytest.mark.parametrize(
+    ("version", "parsed"),
+    [
+        ("0.26.0", (0, 26, 0)),
+        ("0.26.2.dev5+gabc", (0, 26, 2)),
+        ("0.26.0rc1", (0, 26, 0)),
+        ("0.33.1", (0, 33, 1)),
+        ("1.0", (1, 0, 0)),
+    ],
+)
+def test_parse_version(version, parsed):
+    assert releases.parse_version(version) == parsed
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "1.0.0", "0.9.26"])
+def test_no_adapter_outside_the_served_series(version):
+    assert releases.current(version) is None
+    with pytest.raises(releases.UnsupportedVllmVersion, match=version.replace(".", r"\.")):
+        releases.check_supported(version)
