@@ -1,0 +1,362 @@
+"""A Llama-style model in MLA form: one shared latent plus a decoupled RoPE key per token.
+
+DeepSeek's multi-head latent attention caches, per token and layer, a latent ``c_kv`` of width
+``kv_lora_rank`` (keys without RoPE and values are up-projections of it) and one RoPE key
+``k_pe`` shared by every head. No model with trained MLA weights installs here, so this module
+converts a real grouped-query model into that form from its own weights and activations (the
+idea of TransMLA, arXiv:2502.07864, and MHA2MLA, arXiv:2502.14837), without training:
+
+1. **Shared RoPE key** (TransMLA's RoRoPE): write each KV head's pre-RoPE key as 32 complex
+   numbers ``z[g, i] = k[g, i] + j k[g, i + D/2]`` (the ``rotate_half`` pairs). RoPE multiplies
+   ``z[:, i]`` by one phase for every head, so a unitary mix ``U_i`` across the KV heads commutes
+   with it. ``U_i`` is the principal basis of ``z[:, i]`` over calibration tokens; component 0 of
+   every frequency forms the shared ``D``-wide RoPE key (``k_pe``, after RoPE as DeepSeek caches
+   it); a query of KV group ``g`` reads it through ``q_i * conj(U_i[g, 0])``: exact.
+2. **NoPE part**: the other components of the ``nope_freqs`` lowest frequencies rotate by less
+   than a few hundredths of a radian over the context, so they are kept without RoPE (pre-RoPE key
+   and query); the other components of the higher frequencies are dropped (the conversion's loss,
+   besides the latent's rank).
+3. **Latent** (data-aware low rank, not a weight SVD): ``[alpha * nope; v]`` over calibration
+   tokens is factored by PCA into ``rank`` channels (``alpha`` balances the key and value energy),
+   and each latent channel is scaled to unit variance (like the RMS-normalized latent of DeepSeek;
+   the scales fold into the up-projections, exactly).
+
+The attention of :class:`MLAAttention` is computed in float32 in the expanded form (keys and
+values up-projected from the latent); the absorbed form gives the same numbers. With
+:func:`latent_quantization` active, every key block before a query's own (except the first, the
+sink) is read from the latent and RoPE key quantized by a latent method, as in the dense
+pseudo-decode of :mod:`kvarn_eval.accuracy.pseudo_decode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LatentMethod",
+    "LatentQuantization",
+    "MLAConversion",
+    "MLAAttention",
+    "collect_attention_inputs",
+    "convert_layer",
+    "convert_model",
+    "latent_quantization",
+    "collected_latents",
+]
+
+
+class LatentMethod(Protocol):
+    """A latent cache format: ``roundtrip(latent [T, L], rope [T, R]) -> (latent, rope)``
+    (float32 numpy), quantizing tiles of ``group_size`` tokens."""
+
+    name: str
+    group_size: int
+
+    def roundtrip(
+        self, latent: np.ndarray, rope: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]: ...  # pragma: no cover - protocol
+
+
+@dataclass(frozen=True)
+class LatentQuantization:
+    """How :class:`MLAAttention` reads earlier blocks: ``method`` (``None``: exact float32),
+    ``block_size`` tokens per block, the first ``sink`` tokens always exact."""
+
+    method: LatentMethod | None
+    block_size: int = 128
+    sink: int = 128
+
+
+_ACTIVE: ContextVar[LatentQuantization | None] = ContextVar("kvarn_mla", default=None)
+_COLLECT: ContextVar[list[tuple[int, np.ndarray, np.ndarray]] | None] = ContextVar(
+    "kvarn_mla_collect", default=None
+)
+
+
+@contextlib.contextmanager
+def latent_quantization(config: LatentQuantization) -> Iterator[LatentQuantization]:
+    """Make every :class:`MLAAttention` forward pass in the block read quantized latents."""
+    token = _ACTIVE.set(config)
+    try:
+        yield config
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def collected_latents() -> Iterator[list[tuple[int, np.ndarray, np.ndarray]]]:
+    """Collect ``(layer, latent [T, L], k_pe [T, R])`` of batch row 0 of every forward pass."""
+    out: list[tuple[int, np.ndarray, np.ndarray]] = []
+    token = _COLLECT.set(out)
+    try:
+        yield out
+    finally:
+        _COLLECT.reset(token)
+
+
+@dataclass(frozen=True)
+class MLAConversion:
+    """Settings of the conversion.
+
+    Attributes:
+        rank: latent width ``L`` (``kv_lora_rank``).
+        nope_freqs: lowest RoPE frequencies whose non-principal components are kept without RoPE.
+        balance: scale the NoPE keys to the values' mean energy before the PCA.
+        whiten: scale each latent channel to unit variance.
+    """
+
+    rank: int
+    nope_freqs: int = 8
+    balance: bool = True
+    whiten: bool = True
+
+
+def collect_attention_inputs(model: Any, chunks: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """The input of every layer's attention (after its input norm) over ``chunks``:
+    ``[layers]`` of ``[tokens, hidden]`` float32, from the original model."""
+    layers = model.model.layers
+    store: list[list[torch.Tensor]] = [[] for _ in layers]
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: store[i].append(kwargs["hidden_states"][0].detach()),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():
+            for ids in chunks:
+                model(torch.tensor([list(ids)]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(s) for s in store]
+
+
+def _complex_pairs(k: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` real in ``rotate_half`` layout -> ``[..., D/2]`` complex."""
+    half = k.shape[-1] // 2
+    return torch.complex(k[..., :half], k[..., half:])
+
+
+def _real_pairs(z: torch.Tensor) -> torch.Tensor:
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+class MLAAttention(nn.Module):
+    """A converted attention layer: latent ``c = W_dkv x`` ``[L]``, RoPE key ``k_pe`` ``[D]``.
+
+    Buffers (float32 unless noted): ``w_dkv [L, hidden]``, ``u_nope [n, L]`` (NoPE keys from the
+    latent), ``u_v [G*D, L]`` (values from the latent), ``w_kpe [D, hidden]`` (pre-RoPE shared
+    key), ``mix [D/2, G, G]`` complex64 (the per-frequency unitary), ``nope_index`` (int64,
+    which frequencies are NoPE).
+    """
+
+    def __init__(self, original: nn.Module, buffers: dict[str, torch.Tensor], heads: int) -> None:
+        super().__init__()
+        self.q_proj = original.q_proj
+        self.o_proj = original.o_proj
+        self.head_dim = original.head_dim
+        self.layer_idx = original.layer_idx
+        self.scaling = original.scaling
+        self.heads = heads
+        self.kv_heads = buffers["mix"].shape[-1]
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent ``[B, T, L]`` and RoPE key after RoPE ``[B, T, D]`` of hidden states ``x``."""
+        latent = x @ self.w_dkv.T
+        k_pe = x @ self.w_kpe.T
+        k_pe = k_pe * cos + _rotate_half(k_pe) * sin
+        return latent, k_pe
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        b, t, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        q = self.q_proj(hidden_states).view(b, t, self.heads, self.head_dim)
+        q_rot = q * cos[:, :, None] + _rotate_half(q) * sin[:, :, None]
+        group = torch.arange(self.heads) // (self.heads // self.kv_heads)
+        u = self.mix[:, group]  # [D/2, H, G]: U_i[g(h), c]
+        zq_rot = _complex_pairs(q_rot)  # [B, T, H, D/2]
+        q_pe = _real_pairs(zq_rot * u[..., 0].conj().T)  # component 0, exact RoPE
+        zq = _complex_pairs(q)[..., self.nope_index]  # [B, T, H, n_low], pre-RoPE
+        u_low = u[self.nope_index][..., 1:].permute(1, 0, 2)  # [H, n_low, G-1]
+        q_nope = zq[..., None] * u_low.conj()  # [B, T, H, n_low, G-1]
+        q_nope = _real_pairs(q_nope.reshape(b, t, self.heads, -1))
+
+        latent, k_pe = self.project(hidden_states, cos, sin)
+        collect = _COLLECT.get()
+        if collect is not None:
+            collect.append((self.layer_idx, latent[0].numpy().copy(), k_pe[0].numpy().copy()))
+        config = _ACTIVE.get()
+        keys_q = torch.cat([q_pe, q_nope], dim=-1).transpose(1, 2)  # [B, H, T, D + n]
+        k_exact, v_exact = self._expand(latent, k_pe)
+        if config is None or config.method is None:
+            keys, values = k_exact, v_exact
+            mask = torch.ones(t, t, dtype=torch.bool).tril()
+        else:
+            lat_q, pe_q = _roundtrip(config, latent, k_pe)
+            k_hat, v_hat = self._expand(lat_q, pe_q)
+            keys = torch.cat([k_hat, k_exact], dim=2)
+            values = torch.cat([v_hat, v_exact], dim=2)
+            mask = _block_mask(t, config.block_size, config.sink)
+        out = F.scaled_dot_product_attention(
+            keys_q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out), None
+
+    def _expand(
+        self, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B, 1, T, D + n]`` (shared by every head) and values ``[B, G, T, D]``."""
+        b, t, _ = latent.shape
+        nope = latent @ self.u_nope.T
+        keys = torch.cat([k_pe, nope], dim=-1)[:, None].expand(b, self.kv_heads, t, -1)
+        values = (latent @ self.u_v.T).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return keys, values
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _roundtrip(
+    config: LatentQuantization, latent: torch.Tensor, k_pe: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent and RoPE key of every batch row with its complete blocks after the sink
+    quantized (the rest exact; the mask reads only what the method quantized)."""
+    assert config.method is not None
+    lat = latent.clone()
+    pe = k_pe.clone()
+    t = latent.shape[1]
+    stop = (t // config.block_size) * config.block_size
+    start = config.sink
+    if stop > start:
+        for row in range(latent.shape[0]):
+            lq, pq = config.method.roundtrip(
+                latent[row, start:stop].numpy(), k_pe[row, start:stop].numpy()
+            )
+            lat[row, start:stop] = torch.from_numpy(np.asarray(lq, dtype=np.float32))
+            pe[row, start:stop] = torch.from_numpy(np.asarray(pq, dtype=np.float32))
+    return lat, pe
+
+
+def _block_mask(t: int, block: int, sink: int) -> torch.Tensor:
+    """``[T, 2T]``: query ``i`` reads quantized key ``j`` (first half) when ``j`` lies in a
+    block before ``i``'s and ``j >= sink``; exact key ``j`` (second half) when ``j <= i`` and
+    ``j`` is in ``i``'s block or ``j < sink``."""
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    earlier = (j // block) < (i // block)
+    quant = earlier & (j >= sink)
+    exact = (j <= i) & (~earlier | (j < sink))
+    return torch.cat([quant, exact], dim=1)
+
+
+def _principal_mix(z: torch.Tensor) -> torch.Tensor:
+    """Per frequency, the unitary ``U_i`` ``[D/2, G, G]`` whose columns are the principal axes
+    of ``z[:, :, i]`` ``[N, G, D/2]`` complex, by decreasing energy."""
+    cov = torch.einsum("ngi,nhi->igh", z, z.conj()) / z.shape[0]
+    _, vecs = torch.linalg.eigh(cov)  # ascending
+    return vecs.flip(-1)
+
+
+def convert_layer(
+    attn: nn.Module, x: torch.Tensor, settings: MLAConversion, rope_theta: float, heads: int
+) -> tuple[MLAAttention, dict[str, float]]:
+    """Convert one attention layer from its calibration inputs ``x`` ``[N, hidden]``.
+
+    Returns the converted module and statistics: ``dropped_key_energy`` (fraction of the
+    pre-RoPE key energy in dropped components), ``latent_energy`` (fraction of the balanced
+    ``[nope; v]`` energy the latent keeps).
+    """
+    d = attn.head_dim
+    w_k = attn.k_proj.weight.detach().double()  # [G*D, hidden]
+    w_v = attn.v_proj.weight.detach().double()
+    g = w_k.shape[0] // d
+    xd = x.double()
+    z = _complex_pairs((xd @ w_k.T).view(-1, g, d))  # [N, G, D/2]
+    mix = _principal_mix(z)  # [D/2, G, G]
+    # A map from the key weights' rows to components: w[c, i] = sum_g conj(U[i, g, c]) z[g, i]
+    zw = _complex_pairs(w_k.T.reshape(-1, g, d))  # [hidden, G, D/2]
+    comp = torch.einsum("igc,xgi->xci", mix.conj(), zw)  # [hidden, G, D/2]
+    w_kpe = _real_pairs(comp[:, 0]).T  # [D, hidden]
+    # the nope_freqs lowest frequencies (the highest indices) keep their other components
+    nope_index = torch.arange(d // 2 - settings.nope_freqs, d // 2)
+    w_nope = _real_pairs(comp[:, 1:, nope_index].transpose(1, 2).reshape(x.shape[1], -1)).T
+    energy = (z.abs() ** 2).sum(0)  # [G, D/2]
+    comp_energy = torch.einsum("igc,igh,ihc->ci", mix.conj(), _cov(z), mix).real  # [G, D/2]
+    kept = comp_energy[0].sum() + comp_energy[1:, nope_index].sum()
+    dropped = 1.0 - float(kept / (energy.sum() / z.shape[0]))
+
+    nope = xd @ w_nope.T
+    vals = xd @ w_v.T
+    alpha = math.sqrt(float(vals.pow(2).sum() / nope.pow(2).sum())) if settings.balance else 1.0
+    stacked = torch.cat([alpha * nope, vals], dim=1)  # [N, n + G*D]
+    cov = stacked.T @ stacked / stacked.shape[0]
+    evals, evecs = torch.linalg.eigh(cov)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    p = evecs[:, : settings.rank]  # [n + G*D, L]
+    sigma = evals[: settings.rank].clamp_min(1e-12).sqrt() if settings.whiten else None
+    w_dkv = p.T @ torch.cat([alpha * w_nope, w_v], dim=0)  # [L, hidden]
+    up = p.clone()
+    if sigma is not None:
+        w_dkv = w_dkv / sigma[:, None]
+        up = up * sigma[None, :]
+    n = w_nope.shape[0]
+    buffers = {
+        "w_dkv": w_dkv.float(),
+        "u_nope": (up[:n] / alpha).float(),
+        "u_v": up[n:].float(),
+        "w_kpe": w_kpe.float(),
+        "mix": mix.to(torch.complex64),
+        "nope_index": nope_index,
+    }
+    stats = {
+        "dropped_key_energy": dropped,
+        "latent_energy": float(evals[: settings.rank].sum() / evals.sum()),
+        "nope_angle_per_1k_tokens": 1024 * rope_theta ** (-(d - 2 * settings.nope_freqs) / d),
+    }
+    return MLAAttention(attn, buffers, heads), stats
+
+
+def _cov(z: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("ngi,nhi->igh", z, z.conj()) / z.shape[0]
+
+
+def convert_model(
+    model: Any, calibration: Sequence[Sequence[int]], settings: MLAConversion
+) -> list[dict[str, float]]:
+    """Replace every attention layer of a Llama-style ``model`` by its :class:`MLAAttention`
+    (in place); returns each layer's conversion statistics."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    inputs = collect_attention_inputs(model, calibration)
+    stats = []
+    for layer, x in zip(model.model.layers, inputs, strict=True):
+        new, st = convert_layer(layer.self_attn, x, settings, theta, config.num_attention_heads)
+        layer.self_attn = new
+        stats.append(st)
+    return stats
