@@ -3,7 +3,8 @@
 Modules, in the order of the algorithm: :mod:`~kvarn_math.hadamard` (rotation),
 :mod:`~kvarn_math.varnorm` (variance normalization), :mod:`~kvarn_math.rtn` (round to nearest),
 :mod:`~kvarn_math.packing` (bit packing), :mod:`~kvarn_math.log8` (one-byte balancing factors),
-:mod:`~kvarn_math.layout` (presets and the record format), :mod:`~kvarn_math.tile`
+:mod:`~kvarn_math.layout` (presets and the record format), :mod:`~kvarn_math.ranges`
+(what a record holds, record checks), :mod:`~kvarn_math.tile`
 (quantize/dequantize tiles), :mod:`~kvarn_math.attention` (reference attention),
 :mod:`~kvarn_math.baselines` and :mod:`~kvarn_math.metrics`.
 """
@@ -34,6 +35,7 @@ from kvarn_math.layout import (
 )
 from kvarn_math.log8 import decode_log8, encode_log8
 from kvarn_math.packing import pack, packed_size, unpack
+from kvarn_math.ranges import OVERFLOW_MODES, check_records
 from kvarn_math.rtn import RowQuantized, dequantize_rows, quantize_rows
 from kvarn_math.tile import (
     FRAME_QUERY_ROWS,
@@ -66,6 +68,8 @@ __all__ = [
     "TileLayout",
     "__version__",
     "choose_key_frames",
+    "check_records",
+    "OVERFLOW_MODES",
     "FRAME_QUERY_ROWS",
     "frame_query_rows",
     "decode_log8",

@@ -70,7 +70,21 @@ def _check_kv(k: npt.ArrayLike, v: npt.ArrayLike, group: int = 1) -> tuple[F32, 
         raise ValueError(f"k and v must be [T, H, D] of one shape, got {ka.shape}, {va.shape}")
     if ka.shape[0] % group:
         raise ValueError(f"T must be a multiple of the group size {group}, got {ka.shape[0]}")
+    for name, x in (("k", ka), ("v", va)):
+        bad = ~np.isfinite(x)
+        if bad.any():
+            t, h, c = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"{name} holds {x[t, h, c]} at token {t}, head {h}, channel {c}; K/V must be finite"
+            )
     return ka, va
+
+
+def _check_rotatable(name: str, head_dim: int) -> None:
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"head_dim must be a power of two for {name} (a Hadamard rotation), got {head_dim}"
+        )
 
 
 def _tiles(x: F32, group: int) -> F32:
@@ -185,6 +199,7 @@ class HadamardRTN(KIVI):
 
     def roundtrip(self, k: npt.ArrayLike, v: npt.ArrayLike) -> tuple[F32, F32]:
         ka, va = _check_kv(k, v, self.group_size)
+        _check_rotatable(self.name, ka.shape[-1])
         k_hat, v_hat = super().roundtrip(rotate(ka, axis=-1), rotate(va, axis=-1))
         return (
             unrotate(k_hat, axis=-1).astype(np.float32),

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SUPPORTED_BITS", "RowQuantized", "quantize_rows", "dequantize_rows", "check_bits"]
+__all__ = [
+    "SUPPORTED_BITS",
+    "RowQuantized",
+    "quantize_rows",
+    "dequantize_rows",
+    "check_bits",
+    "check_all_finite",
+]
 
 SUPPORTED_BITS = tuple(range(1, 9))
 
@@ -27,6 +34,20 @@ def check_bits(bits: int, what: str = "bits") -> None:
     """Raise ``ValueError`` unless ``bits`` is an integer in 1..8."""
     if not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
         raise ValueError(f"{what} must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def check_all_finite(x: npt.NDArray[np.floating], name: str, what: str) -> None:
+    """Raise ``ValueError`` naming the index and value of ``x``'s first NaN or infinity.
+
+    Args:
+        x: any shape.
+        name: what ``x`` is called in the message.
+        what: what must be finite (``"rows"``, ``"tiles"``).
+    """
+    bad = ~np.isfinite(x)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name} holds {x[index]} at {index}; {what} must be finite")
 
 
 @dataclass(frozen=True)
@@ -55,9 +76,15 @@ def quantize_rows(x: npt.ArrayLike, bits: int, clip_ratios: tuple[float, ...] = 
         clip_ratios: experimental (not part of any preset): also try each row's range shrunk
             about its midpoint by these factors (e.g. ``(0.9, 0.8)``) and keep, per row, the
             candidate with the least squared error.  ``()`` is plain min/max RTN.
+
+    Raises:
+        ValueError: bits outside 1..8, fewer than two axes or no column, NaN or infinity.
     """
     check_bits(bits)
     arr = np.asarray(x, dtype=np.float32)
+    if arr.ndim < 2 or arr.shape[-1] < 1:
+        raise ValueError(f"x must be [..., R, C] with C >= 1, got shape {arr.shape}")
+    check_all_finite(arr, "x", "rows")
     if clip_ratios:
         return _quantize_rows_clipped(arr, bits, clip_ratios)
     levels = np.float32(2**bits - 1)

@@ -24,8 +24,11 @@ Encoding one tile (``k``, ``v``: ``[G, D]`` rotated)::
     (v the same way with rows = tokens: v_scale, v_zero per token, v_channel_scale = n)
 
 The column factors are rounded to their one-byte log code *before* the rows are quantized,
-so the codes absorb that rounding.  Row scales are stored as float16, saturated to +-65504 so
-no record holds an infinity.
+so the codes absorb that rounding.  Row scales are stored as float16; a tile whose folded row
+scales pass fp16's range moves powers of two from them into the column codes, and a tile too
+large even for that (past about 1e9) raises, or is saturated with ``overflow="saturate"`` as
+the kernels do (:mod:`kvarn_math.ranges`). Decoders check records first and name the record
+and field that cannot be this format's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.layout import KEYS_UNROTATED, Preset, TileLayout, get_preset, tile_layout
 from kvarn_math.log8 import decode_log8, encode_log8
 from kvarn_math.packing import pack, unpack
+from kvarn_math.ranges import (
+    check_input_bound,
+    check_records,
+    fit_row_scales,
+    pow2,
+    prescale_exponent,
+)
 from kvarn_math.rtn import quantize_rows
 from kvarn_math.varnorm import DEFAULT_ITERATIONS, variance_normalize
 
@@ -58,8 +68,6 @@ __all__ = [
     "read_fields",
 ]
 
-_FP16_MAX = float(np.finfo(np.float16).max)
-
 KEY_FRAMES = ("auto", "rotated")
 """How a store may treat tiles' keys: ``"auto"`` chooses each tile's frame from the queries
 (:func:`choose_key_frames`), ``"rotated"`` rotates every tile (the plain format). The kernels'
@@ -67,11 +75,6 @@ KEY_FRAMES = ("auto", "rotated")
 these names."""
 
 F32 = npt.NDArray[np.float32]
-
-
-def _fp16(x: npt.NDArray[np.floating]) -> npt.NDArray[np.float16]:
-    out: npt.NDArray[np.float16] = np.clip(x, -_FP16_MAX, _FP16_MAX).astype(np.float16)
-    return out
 
 
 def check_finite(x: npt.NDArray[np.floating], name: str) -> None:
@@ -94,7 +97,7 @@ def check_finite(x: npt.NDArray[np.floating], name: str) -> None:
 
 
 def _check_tiles(
-    k: npt.ArrayLike, v: npt.ArrayLike, lay_preset: Preset
+    k: npt.ArrayLike, v: npt.ArrayLike, lay_preset: Preset, overflow: str
 ) -> tuple[F32, F32, TileLayout]:
     k_arr = np.asarray(k, dtype=np.float32)
     v_arr = np.asarray(v, dtype=np.float32)
@@ -110,7 +113,7 @@ def _check_tiles(
     lay = tile_layout(lay_preset, d)
     check_finite(k_arr, "k")
     check_finite(v_arr, "v")
-    return k_arr, v_arr, lay
+    return check_input_bound(k_arr, "k", overflow), check_input_bound(v_arr, "v", overflow), lay
 
 
 def _raw_mask(raw_keys: npt.ArrayLike, lead: tuple[int, ...]) -> npt.NDArray[np.bool_]:
@@ -133,6 +136,34 @@ def _balance(x: F32, row_scale: F32, col_codes: npt.NDArray[np.uint8]) -> F32:
     return out
 
 
+def _encode_rows(
+    x: F32, bits: int, iterations: int, clip_ratios: tuple[float, ...], name: str, overflow: str
+) -> tuple[
+    npt.NDArray[np.uint8], npt.NDArray[np.float16], npt.NDArray[np.float16], npt.NDArray[np.uint8]
+]:
+    """One half of a record from tiles ``x`` ``[..., R, C]`` (rows quantized):
+    ``(codes [..., R, C], scale fp16 [..., R], zero fp16 [..., R], column codes [..., C])``,
+    fitted into the record's range as :mod:`kvarn_math.ranges` says."""
+    prescale = prescale_exponent(x)
+    if prescale.any():
+        x = (x * pow2(-prescale)[..., None, None]).astype(np.float32)
+    bal = variance_normalize(x, iterations)
+    col = encode_log8(bal.col_scale)
+    q = quantize_rows(_balance(x, bal.row_scale, col), bits, clip_ratios)
+    step = (q.step * bal.row_scale).astype(np.float32)
+    lo = (q.lo * bal.row_scale).astype(np.float32)
+    scale, zero, col, over = fit_row_scales(step, lo, col, prescale)
+    if over.any() and overflow == "raise":
+        tile = tuple(int(i) for i in np.argwhere(over)[0])
+        amax = float(np.abs(x[tile]).max()) * 2.0 ** int(prescale[tile])
+        raise ValueError(
+            f"{name} tile {tile} (largest magnitude {amax:.4g}) is past what a KVarN record "
+            "holds (its fp16 row scales times its log8 factors); overflow='saturate' stores it "
+            "saturated, as the kernels do (docs/reliability.md)"
+        )
+    return q.codes, scale, zero, col
+
+
 def encode_tiles(
     k_rot: npt.ArrayLike,
     v_rot: npt.ArrayLike,
@@ -140,6 +171,7 @@ def encode_tiles(
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
     raw_keys: npt.ArrayLike = False,
+    overflow: str = "raise",
 ) -> npt.NDArray[np.uint8]:
     """Encode rotated tiles into records.
 
@@ -154,36 +186,39 @@ def encode_tiles(
             Records stay in the same byte format either way.
         raw_keys: bool, scalar or ``[...]``: tiles whose ``k_rot`` is given unrotated; their
             records get the ``KEYS_UNROTATED`` flag. The encoding itself is the same.
+        overflow: ``"raise"`` or ``"saturate"``: what to do with a tile no record can hold
+            (magnitudes past about 1e9, :mod:`kvarn_math.ranges`); ``"saturate"`` stores what
+            the kernels store.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records laid out as :mod:`kvarn_math.layout` says.
 
     Raises:
-        ValueError: on shapes that do not match the preset, or a NaN/Inf anywhere.
+        ValueError: on shapes that do not match the preset, a NaN/Inf anywhere, or (with
+            ``overflow="raise"``) a tile too large for a record.
     """
     p = get_preset(preset)
-    k, v, lay = _check_tiles(k_rot, v_rot, p)
+    k, v, lay = _check_tiles(k_rot, v_rot, p, overflow)
     lead = k.shape[:-2]
     raw = _raw_mask(raw_keys, lead)
     out = np.zeros((*lead, lay.tile_bytes), dtype=np.uint8)
-
-    k_dg = np.swapaxes(k, -1, -2)  # [..., D, G]: rows are channels
-    kb = variance_normalize(k_dg, iterations)
-    k_col = encode_log8(kb.col_scale)
-    kq = quantize_rows(_balance(k_dg, kb.row_scale, k_col), p.key_bits, clip_ratios)
-    vb = variance_normalize(v, iterations)  # [..., G, D]: rows are tokens
-    v_col = encode_log8(vb.col_scale)
-    vq = quantize_rows(_balance(v, vb.row_scale, v_col), p.value_bits, clip_ratios)
+    # keys as [..., D, G] (rows are channels), values as [..., G, D] (rows are tokens)
+    k_codes, k_scale, k_zero, k_col = _encode_rows(
+        np.swapaxes(k, -1, -2), p.key_bits, iterations, clip_ratios, "k", overflow
+    )
+    v_codes, v_scale, v_zero, v_col = _encode_rows(
+        v, p.value_bits, iterations, clip_ratios, "v", overflow
+    )
 
     values: dict[str, npt.NDArray[np.generic]] = {
-        "k_codes": pack(kq.codes, p.key_bits),
-        "k_scale": _fp16(kq.step * kb.row_scale),
-        "k_zero": _fp16(kq.lo * kb.row_scale),
+        "k_codes": pack(k_codes, p.key_bits),
+        "k_scale": k_scale,
+        "k_zero": k_zero,
         "k_token_scale": k_col,
-        "v_codes": pack(vq.codes, p.value_bits),
+        "v_codes": pack(v_codes, p.value_bits),
         "v_channel_scale": v_col,
-        "v_scale": _fp16(vq.step * vb.row_scale),
-        "v_zero": _fp16(vq.lo * vb.row_scale),
+        "v_scale": v_scale,
+        "v_zero": v_zero,
         "flags": np.concatenate(
             [
                 np.where(raw, KEYS_UNROTATED, 0).astype(np.uint8)[..., None],
@@ -265,7 +300,9 @@ def read_fields(records: npt.ArrayLike, preset: str | Preset, head_dim: int) -> 
 def _decode_stored(
     records: npt.ArrayLike, preset: str | Preset, head_dim: int
 ) -> tuple[F32, F32, npt.NDArray[np.bool_]]:
-    """``(k, v_rot, raw_keys)``: keys in the frame the record holds them in."""
+    """``(k, v_rot, raw_keys)``: keys in the frame the record holds them in; records that fail
+    :func:`kvarn_math.ranges.check_records` raise ``ValueError`` naming the record and field."""
+    check_records(records, preset, head_dim)
     f = read_fields(records, preset, head_dim)
     f32 = np.float32
     k_dg = (
@@ -295,6 +332,11 @@ def decode_tiles(records: npt.ArrayLike, preset: str | Preset, head_dim: int) ->
 
         Keys of a record flagged ``KEYS_UNROTATED`` are decoded in their own channels and then
         rotated, so every tile comes back in the one frame.
+
+    Raises:
+        ValueError: naming the record and field, for records that cannot be this format's
+            (:func:`kvarn_math.ranges.check_records`: non-finite or negative scales, reserved
+            flag bits set).
     """
     k, v, raw = _decode_stored(records, preset, head_dim)
     if raw.any():
@@ -309,6 +351,7 @@ def quantize_tiles(
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
     raw_keys: npt.ArrayLike = False,
+    overflow: str = "raise",
 ) -> npt.NDArray[np.uint8]:
     """Rotate (Hadamard over channels) and encode tiles in the original frame.
 
@@ -320,21 +363,18 @@ def quantize_tiles(
         clip_ratios: experimental, see :func:`encode_tiles`.
         raw_keys: bool, scalar or ``[...]``: tiles whose keys are stored in their own channels
             (not rotated; e.g. :func:`choose_key_frames`'s choice). Values are always rotated.
+        overflow: ``"raise"`` or ``"saturate"``, see :func:`encode_tiles`.
 
     Returns:
         ``[..., tile_bytes]`` uint8 records.
     """
-    k_arr = np.asarray(k, dtype=np.float32)
-    v_arr = np.asarray(v, dtype=np.float32)
-    check_finite(k_arr, "k")
-    check_finite(v_arr, "v")
+    p = get_preset(preset)
+    k_arr, v_arr, _ = _check_tiles(k, v, p, overflow)
     raw = _raw_mask(raw_keys, k_arr.shape[:-2])
     k_stored = rotate(k_arr, axis=-1)
     if raw.any():
         k_stored = np.where(raw[..., None, None], k_arr, k_stored)
-    return encode_tiles(
-        k_stored, rotate(v_arr, axis=-1), preset, iterations, clip_ratios, raw_keys=raw
-    )
+    return encode_tiles(k_stored, rotate(v_arr, axis=-1), p, iterations, clip_ratios, raw, overflow)
 
 
 def dequantize_tiles(

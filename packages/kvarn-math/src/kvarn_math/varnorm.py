@@ -37,6 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvarn_math.ranges import pow2, prescale_exponent
+from kvarn_math.rtn import check_all_finite
+
 __all__ = [
     "DEFAULT_ITERATIONS",
     "STD_CLAMP",
@@ -95,9 +98,17 @@ def imbalance(tile: npt.ArrayLike) -> F32:
 
 
 def tile_rms(tile: npt.ArrayLike) -> F32:
-    """``sqrt(mean(x * x))`` over the last two axes in float32, 1 for an all-zero tile."""
+    """``sqrt(mean(x * x))`` over the last two axes in float32, 1 for an all-zero tile.
+
+    A tile whose largest magnitude reaches 2^49 (where the sum of squares could pass
+    float32's range) is first scaled by a power of two, exactly (:mod:`kvarn_math.ranges`)."""
     x = np.asarray(tile, dtype=np.float32)
+    pre = prescale_exponent(x)
+    if pre.any():
+        x = (x * pow2(-pre)[..., None, None]).astype(np.float32)
     rms = np.sqrt(np.mean(x * x, axis=(-2, -1), dtype=np.float32)).astype(np.float32)
+    if pre.any():
+        rms = (rms * pow2(pre)).astype(np.float32)
     return np.where(rms > 0, rms, np.float32(1.0)).astype(np.float32)
 
 
@@ -120,6 +131,7 @@ def variance_normalize(tile: npt.ArrayLike, iterations: int = DEFAULT_ITERATIONS
     raw = np.asarray(tile, dtype=np.float32)
     if raw.ndim < 2 or raw.shape[-1] < 2 or raw.shape[-2] < 2:
         raise ValueError(f"tile must be [..., R, C] with R, C >= 2, got shape {raw.shape}")
+    check_all_finite(raw, "tile", "tiles to normalize")
     rms = tile_rms(raw)
     x = (raw / rms[..., None, None]).astype(np.float32)
     lo_std, hi_std = (np.float32(v) for v in STD_CLAMP)

@@ -21,6 +21,10 @@ from kvarn_kernels._triton import (
 __all__ = ["quantize_tiles_kernel", "stage_tokens_kernel"]
 
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+# kvarn_math.ranges: INPUT_BOUND, PRESCALE_FROM, SHIFT_FROM
+_INPUT_BOUND: tl.constexpr = tl.constexpr(2.0**100)
+_PRESCALE_FROM: tl.constexpr = tl.constexpr(48)
+_SHIFT_FROM: tl.constexpr = tl.constexpr(15)
 
 
 @triton.jit
@@ -115,14 +119,59 @@ def _fp16(x):
 
 
 @triton.jit
+def _exponent(x):
+    # kvarn_math.ranges.float_exponent: floor(log2 x) of x >= 0 from its exponent bits
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _pow2(e):
+    # kvarn_math.ranges.pow2: 2^e for integers e in [-126, 127], exact
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bound_input(x):
+    """kvarn_math.ranges.INPUT_BOUND in saturate mode: ``x`` clipped to +-2^100 (NaN stays)."""
+    return tl.where(tl.abs(x) > _INPUT_BOUND, tl.where(x > 0, _INPUT_BOUND, -_INPUT_BOUND), x)
+
+
+@triton.jit
+def _encode_rows(
+    x, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, BITS: tl.constexpr, PRECISE
+):
+    """kvarn_math.tile's ``_encode_rows`` in saturate mode: one half of a record from the tile
+    ``x`` ``[R, C]`` (rows quantized). Returns ``(codes int32 [R, C], scale fp16 [R], zero fp16
+    [R], column codes int32 [C], overflow)``: tiles past 2^49 are encoded from ``x * 2^-p``,
+    and folded row scales past fp16 move powers of two into the column codes
+    (kvarn_math.ranges.fit_row_scales); ``overflow``: the tile did not fit and was saturated."""
+    x = bound_input(x)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    pre = tl.maximum(_exponent(amax) - _PRESCALE_FROM, 0)
+    x = x * _pow2(-pre)
+    b, row, col = _balance(x, R, C, ITERS, PRECISE)
+    codes, step, lo = _rtn_rows(b, BITS, PRECISE)
+    step = step * row
+    lo = lo * row
+    mag = tl.maximum(step, tl.abs(lo))
+    need = tl.maximum(pre + _exponent(tl.max(mag, axis=0)) - _SHIFT_FROM, 0)
+    room = (255 - tl.max(col, axis=0)) // 16
+    over = need > room
+    shift = tl.minimum(need, room)
+    factor = _pow2(pre - shift)
+    past = over & (mag * factor > _FP16_MAX)
+    mult = tl.where(past, tl.div_rn(_FP16_MAX, tl.where(mag > 0, mag, 1.0)), factor)
+    return codes, _fp16(step * mult), _fp16(lo * mult), col + 16 * shift, over
+
+
+@triton.jit
 def _quantize_keys(
     k, G: tl.constexpr, D: tl.constexpr, ITERS: tl.constexpr, BITS: tl.constexpr, PRECISE
 ):
     """Keys ``[G, D]`` as the record holds them: ``(codes int32 [D, G], k_scale fp16 [D],
-    k_zero fp16 [D], token codes int32 [G])`` (rows are channels, quantized over tokens)."""
-    kb, row, col = _balance(tl.trans(k), D, G, ITERS, PRECISE)
-    codes, step, lo = _rtn_rows(kb, BITS, PRECISE)
-    return codes, _fp16(step * row), _fp16(lo * row), col
+    k_zero fp16 [D], token codes int32 [G], overflow)`` (rows are channels, quantized over
+    tokens)."""
+    return _encode_rows(tl.trans(k), D, G, ITERS, BITS, PRECISE)
 
 
 @triton.jit
@@ -196,7 +245,7 @@ def _load_tile(
     fresh_off = row[:, None] * stride_ft + head.to(tl.int64) * stride_fh + d[None, :]
     fresh = tl.load(fresh_ptr + fresh_off, mask=(~from_stage)[:, None], other=0.0).to(tl.float32)
     if not FRESH_ROTATED:
-        fresh = fwht_rows(fresh, G, D) * rsqrt_d
+        fresh = fwht_rows(bound_input(fresh), G, D) * rsqrt_d
         # Round exactly as the staging write does, so a token quantizes the same way whether it
         # reached its tile through staging or straight from the batch.
         fresh = round_to(fresh, stage_ptr.dtype.element_ty).to(tl.float32)
@@ -230,6 +279,7 @@ def quantize_tiles_kernel(
     stride_ft,
     stride_fh,
     rsqrt_d,
+    count_ptr,
     G: tl.constexpr,
     D: tl.constexpr,
     SG: tl.constexpr,
@@ -253,9 +303,13 @@ def quantize_tiles_kernel(
     FRESH_ROTATED: tl.constexpr,
     PRECISE: tl.constexpr,
     STAGED_QUERIES: tl.constexpr = False,
+    COUNT_OVERFLOW: tl.constexpr = False,
 ):
     """One program = keys or values of one tile of one KV head: gather, rotate, normalize,
     round, pack, store (grid: tiles x KV heads x 2).
+
+    Tiles no record can hold are stored saturated (kvarn_math.ranges); with
+    ``COUNT_OVERFLOW`` each such half-tile adds 1 to the int32 at ``count_ptr``.
 
     ``tiles`` rows: ``block_id, slot, start_pos, num_staged, fresh_index`` (block -1: skip).
     Byte offsets ``stride_cb``/``stride_ch`` of ``cache_u8``; ``cache_f16`` aliases it.
@@ -316,7 +370,9 @@ def quantize_tiles_kernel(
             if KEY_FRAME == 2:
                 raw = tl.load(frames_ptr + tile * tl.num_programs(1) + head) != 0
                 k = tl.where(raw, fwht_rows(k, G, D) * rsqrt_d, k)
-            k_codes, k_scale, k_zero, k_col = _quantize_keys(k, G, D, ITERS, KEY_BITS, PRECISE)
+            k_codes, k_scale, k_zero, k_col, over = _quantize_keys(
+                k, G, D, ITERS, KEY_BITS, PRECISE
+            )
             pack_rows(k_codes, u8 + OFF_KC, G * KEY_BITS // 8, D, G, KEY_BITS)
             tl.store(f16 + OFF_KS // 2 + d, k_scale)
             tl.store(f16 + OFF_KZ // 2 + d, k_zero)
@@ -329,12 +385,16 @@ def quantize_tiles_kernel(
                 value_ptr, stride_vt, stride_vh, stage_v, stride_ss, stride_sp, head, slot,
                 start, num_staged, fresh_index, rsqrt_d, G, D, SG, SINK_ROWS, FRESH_ROTATED,
             )  # fmt: skip
-            vb, v_row, v_col = _balance(v, G, D, ITERS, PRECISE)
-            v_codes, v_step, v_lo = _rtn_rows(vb, VALUE_BITS, PRECISE)
+            v_codes, v_scale, v_zero, v_col, over = _encode_rows(
+                v, G, D, ITERS, VALUE_BITS, PRECISE
+            )
             pack_rows(v_codes, u8 + OFF_VC, D * VALUE_BITS // 8, G, D, VALUE_BITS)
             tl.store(u8 + OFF_VCS + d, v_col.to(tl.uint8))
-            tl.store(f16 + OFF_VS // 2 + g, _fp16(v_step * v_row))
-            tl.store(f16 + OFF_VZ // 2 + g, _fp16(v_lo * v_row))
+            tl.store(f16 + OFF_VS // 2 + g, v_scale)
+            tl.store(f16 + OFF_VZ // 2 + g, v_zero)
+        if COUNT_OVERFLOW:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if over:
+                tl.atomic_add(count_ptr, 1)
 
 
 @triton.jit(do_not_specialize=("num_rows",))
@@ -392,12 +452,12 @@ def stage_tokens_kernel(
     k = tl.load(
         key_ptr + tok[:, None] * stride_kt + head * stride_kh + d[None, :], mask=kmask, other=0.0
     )
-    k = fwht_rows(k.to(tl.float32), BLOCK_T, D) * rsqrt_d
+    k = fwht_rows(bound_input(k.to(tl.float32)), BLOCK_T, D) * rsqrt_d
     tl.store(base + kpos[:, None] * stride_sp, round_to(k, stage_ptr.dtype.element_ty), mask=kmask)
     v = tl.load(
         value_ptr + tok[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0
     )
-    v = fwht_rows(v.to(tl.float32), BLOCK_T, D) * rsqrt_d
+    v = fwht_rows(bound_input(v.to(tl.float32)), BLOCK_T, D) * rsqrt_d
     dst = base + stride_skv + pos[:, None] * stride_sp
     tl.store(dst, round_to(v, stage_ptr.dtype.element_ty), mask=mask)
     if STAGED_QUERIES:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, TileLayout
+from kvarn_math.ranges import OVERFLOW_MODES
 from kvarn_math.tile import KEY_FRAMES
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
@@ -103,6 +104,7 @@ def _launch_quantize(
     query: torch.Tensor | None = None,
     frames: torch.Tensor | None = None,
     frame_queries: torch.Tensor | None = None,
+    overflow_count: torch.Tensor | None = None,
 ) -> None:
     if tiles.shape[0] == 0:
         return
@@ -142,6 +144,7 @@ def _launch_quantize(
         fq,
         *fq_strides,
         float(np.float32(1.0 / math.sqrt(d))),
+        tiles if overflow_count is None else overflow_count,  # unread without a counter
         G=p.group_size,
         D=d,
         SG=sv.ring,
@@ -157,6 +160,7 @@ def _launch_quantize(
         FRESH_ROTATED=fresh_rotated,
         PRECISE=PRECISE_MATH,
         STAGED_QUERIES=frame_queries is not None,
+        COUNT_OVERFLOW=overflow_count is not None,
         num_warps=_num_warps(layout),
     )
 
@@ -184,6 +188,7 @@ def store_kv(
     key_frame: str = "rotated",
     query: torch.Tensor | None = None,
     frame_queries: torch.Tensor | None = None,
+    overflow_count: torch.Tensor | None = None,
 ) -> None:
     """Store one layer's fresh K/V of a step: quantize completed tiles, stage the rest.
 
@@ -212,6 +217,10 @@ def store_kv(
             tile is judged by its request's first query of the step, a different query than
             when the step writes the tile's last token itself; plans without speculative
             commits (``num_committed`` of every row its total) make no such tiles.
+        overflow_count: optional int32 ``[1]`` on the cache's device: each tile half (keys or
+            values) too large for a record (magnitudes past about 1e9) adds 1. Such tiles are
+            stored saturated either way, as ``kvarn_math.encode_tiles(overflow="saturate")``
+            does: a store cannot raise (``docs/reliability.md``).
 
     Launch order: tiles are quantized first (they may read staged tokens whose positions the
     fresh tokens of this step reuse), then the fresh tokens are written to staging.
@@ -238,6 +247,9 @@ def store_kv(
         plan_writes=plan.writes,
     )
     _check_iterations(iterations)
+    if overflow_count is not None:
+        check_tensor("overflow_count", overflow_count, dtype=torch.int32, shape=(1,))
+        check_same_device(kv_cache=kv_cache, overflow_count=overflow_count)
     if key_frame not in KEY_FRAMES:
         raise ValueError(f"key_frame must be one of {KEY_FRAMES}, got {key_frame!r}")
     if key_frame == "auto":
@@ -277,6 +289,7 @@ def store_kv(
         key_frame=key_frame,
         query=query,
         frame_queries=frame_queries,
+        overflow_count=overflow_count,
     )
     rows = plan.writes.shape[0]
     if rows:
@@ -321,8 +334,11 @@ def _dense(
     iterations: int,
     rotated: bool,
     raw_keys: bool | torch.Tensor = False,
+    overflow: str = "raise",
 ) -> torch.Tensor:
     kname, vname = ("k_rot", "v_rot") if rotated else ("k", "v")
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
     check_tensor(kname, k, dtype=MODEL_DTYPES)
     if k.dim() < 2:
         raise ValueError(f"{kname} must be [..., G, D], got shape {list(k.shape)}")
@@ -349,6 +365,7 @@ def _dense(
         # The staging operand is never read (num_staged = 0); it only fixes the rounding dtype.
         staging = k_flat.view(n * g, 1, 1, 1, d)[:1].expand(1, 2, g, 1, d)
         frames = _raw_keys_tensor(raw_keys, lead, k.device)
+        count = torch.zeros(1, dtype=torch.int32, device=k.device) if overflow == "raise" else None
         _launch_quantize(
             k_flat,
             v_flat,
@@ -360,7 +377,14 @@ def _dense(
             rotated,
             key_frame="rotated" if frames is None else "given",
             frames=frames,
+            overflow_count=count,
         )
+        if count is not None and int(count.item()):
+            raise ValueError(
+                f"{int(count.item())} tile halves (keys or values) are past what a KVarN record "
+                "holds (magnitudes past about 1e9; kvarn_math.quantize_tiles names the tile); "
+                "overflow='saturate' stores them saturated, as store_kv does"
+            )
     return records.reshape(*lead, layout.tile_bytes)
 
 
@@ -393,6 +417,7 @@ def quantize_tiles(
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
     raw_keys: bool | torch.Tensor = False,
+    overflow: str = "raise",
 ) -> torch.Tensor:
     """Rotate and encode dense tiles (``kvarn_math.quantize_tiles`` on the GPU).
 
@@ -404,6 +429,8 @@ def quantize_tiles(
         clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
         raw_keys: a bool, or a bool tensor ``[...]`` (one per tile): tiles whose keys are
             stored in their own channels, flagged ``KEYS_UNROTATED``.
+        overflow: ``"raise"`` (``ValueError`` after the launch, one host sync) or
+            ``"saturate"`` for tiles too large for a record (kvarn_math.ranges).
 
     Returns:
         uint8 ``[..., tile_bytes]`` records.  The rotated tokens are rounded to ``k.dtype``
@@ -411,7 +438,7 @@ def quantize_tiles(
         keys are rotated back from there).
     """
     _check_clip_ratios(clip_ratios)
-    return _dense(k, v, preset, iterations, rotated=False, raw_keys=raw_keys)
+    return _dense(k, v, preset, iterations, rotated=False, raw_keys=raw_keys, overflow=overflow)
 
 
 def encode_tiles(
@@ -421,6 +448,7 @@ def encode_tiles(
     iterations: int = DEFAULT_ITERATIONS,
     clip_ratios: tuple[float, ...] = (),
     raw_keys: bool | torch.Tensor = False,
+    overflow: str = "raise",
 ) -> torch.Tensor:
     """Encode dense tiles already in the rotated frame (``kvarn_math.encode_tiles``).
 
@@ -430,6 +458,7 @@ def encode_tiles(
         clip_ratios: must be ``()`` (kvarn-math's experimental clipping is not implemented).
         raw_keys: only ``False``: records of keys in their own channels come from
             :func:`quantize_tiles` (or the store).
+        overflow: ``"raise"`` or ``"saturate"``, as :func:`quantize_tiles`.
 
     Returns:
         uint8 ``[..., tile_bytes]`` records.
@@ -440,4 +469,4 @@ def encode_tiles(
             "encode_tiles on the GPU takes rotated keys only (raw_keys=False); "
             "use quantize_tiles(..., raw_keys=...) for keys in their own channels"
         )
-    return _dense(k_rot, v_rot, preset, iterations, rotated=True)
+    return _dense(k_rot, v_rot, preset, iterations, rotated=True, overflow=overflow)
