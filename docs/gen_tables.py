@@ -7,11 +7,15 @@ replaced with the output of the generator called NAME.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import re
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvarn_math.layout import PRESETS, format_fields, format_table
 from kvarn_math.report import format_report, measure
@@ -89,12 +93,65 @@ def _gpu_coverage() -> str:
     return "\n".join(lines)
 
 
+PACKAGES = DOCS.parent / "packages"
+# (package, source folder, settings module, class) of every settings object.
+SETTINGS = (
+    ("kvarn_kernels", "kvarn-kernels", "kvarn_kernels.settings", "KernelSettings"),
+    ("kvarn_vllm", "kvarn-vllm", "kvarn_vllm.settings", "VllmSettings"),
+    ("kvarn_eval", "kvarn-eval", "kvarn_eval.settings", "EvalSettings"),
+)
+USES = {
+    "engine": "serving knob",
+    "legacy": "keeps an older path",
+    "measurement": "measurements",
+    "run": "where a run finds or records things",
+}
+
+
+def _settings_class(package: str, folder: str, module: str, name: str) -> Any:
+    """The settings class of ``module`` without running its package's ``__init__`` (which
+    needs torch and vLLM, absent from the docs session): the package is entered as an empty
+    namespace over its source folder, and the settings modules import the standard library,
+    kvarn-math and each other only."""
+    if package not in sys.modules:
+        stub = types.ModuleType(package)
+        stub.__path__ = [str(PACKAGES / folder / "src" / package)]
+        sys.modules[package] = stub
+    return getattr(importlib.import_module(module), name)
+
+
+def _default(value: Any) -> str:
+    if value is None or value == ():
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{int(value)}`"
+    return f"`{value}`"
+
+
+def _settings_table(which: str) -> str:
+    """The variables of one package's settings object: default, accepted values, use and why."""
+    (spec,) = [s for s in SETTINGS if s[0] == which]
+    cls = _settings_class(*spec)
+    lines = [
+        "| variable | default | accepts | use | what it does |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        lines.append(
+            f"| `{m['env']}` | {_default(f.default)} | {m['allowed']} | {USES[m['use']]} "
+            f"| {m['doc']} |"
+        )
+    return "\n".join(lines)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "presets": format_table,
     "fields-default": lambda: format_fields("kvarn_k4v2_g128", 128),
     "fields-all": _fields,
     "report": lambda: format_report(measure()),
     "gpu-coverage": _gpu_coverage,
+    **{f"settings-{p}": (lambda p=p: _settings_table(p)) for p, *_ in SETTINGS},
 }
 
 BLOCK = re.compile(

@@ -18,6 +18,17 @@ register_profiles()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@pytest.fixture(autouse=True)
+def _settings_from_the_environment():
+    """The kernels read their settings once (``kvarn_kernels.settings``); a test that changes
+    them does so through ``kernel_testing.set_env``, and every test ends by re-reading them
+    from the environment monkeypatch restored (autouse: torn down after monkeypatch)."""
+    yield
+    from kvarn_kernels import settings
+
+    settings.reload()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cpu = pytest.mark.skip(reason="CPU kernel tests need TRITON_INTERPRET=1")
     skip_gpu = pytest.mark.skip(reason="needs CUDA and TRITON_INTERPRET unset")

@@ -178,3 +178,16 @@ def examples(ci_count: int) -> settings:
     """``ci_count`` hypothesis examples under the ``ci`` profile (25 by default), scaled with the
     loaded profile (``dev`` doubles it, ``nightly`` gives 40x), for tests slow in the interpreter."""
     return settings(max_examples=max(1, ci_count * settings.default.max_examples // 25))
+
+
+def set_env(monkeypatch, name: str, value: str | None) -> None:
+    """Set (``value``) or unset (None) the environment variable ``name`` for one test and
+    re-read the kernels' settings (``kvarn_kernels.settings`` reads them once; conftest re-reads
+    them again after the test, once monkeypatch has restored the environment)."""
+    from kvarn_kernels import settings as kernel_settings
+
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    kernel_settings.reload()

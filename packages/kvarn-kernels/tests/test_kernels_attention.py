@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from kernel_testing import build_paged, examples, staged_reference, through_dtype
+from kernel_testing import build_paged, examples, set_env, staged_reference, through_dtype
+from kvarn_kernels import settings as kernel_settings
 from kvarn_math import get_preset, reference_attention, rotate
 from kvarn_math.testing import assert_close_rms, make_kv
 
@@ -705,7 +706,7 @@ def test_autotuned_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
         0.125,
     )
     plain = kk.decode_attention(q, *args, num_splits=2)
-    monkeypatch.setenv("KVARN_KERNELS_AUTOTUNE", "1")
+    set_env(monkeypatch, "KVARN_KERNELS_AUTOTUNE", "1")
     from kvarn_kernels.attention import autotune_enabled
 
     assert autotune_enabled()
@@ -774,12 +775,12 @@ def test_empty_padding_rows_give_zeros() -> None:
 def test_launch_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_kernels.attention.launch import launch_override
 
-    monkeypatch.setenv("KVARN_KERNELS_ATTN_LAUNCH", "SUB=64, num_stages=1,num_warps=2")
+    set_env(monkeypatch, "KVARN_KERNELS_ATTN_LAUNCH", "SUB=64, num_stages=1,num_warps=2")
     assert launch_override() == {"SUB": 64, "num_stages": 1, "num_warps": 2}
     monkeypatch.setenv("KVARN_KERNELS_ATTN_LAUNCH", "SUB=64,warps=2")
-    with pytest.raises(ValueError, match="KEY=INT with KEY in"):
-        launch_override()
-    monkeypatch.delenv("KVARN_KERNELS_ATTN_LAUNCH")
+    with pytest.raises(ValueError, match="KVARN_KERNELS_ATTN_LAUNCH must be .*KEY=INT with KEY in"):
+        kernel_settings.reload()
+    set_env(monkeypatch, "KVARN_KERNELS_ATTN_LAUNCH", None)
     assert launch_override() == {}
 
 
@@ -881,9 +882,9 @@ def test_batch_invariant_mode(
 
     monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 64)  # several splits at these lengths
     if via == "env":
-        monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+        set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", "1")
     else:  # the argument wins over the environment
-        monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
+        set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", "0")
     invariant = True if via == "argument" else None
     mqa, alone, both = batch_invariance_case("cpu", 64, 2, 4, [250, 90], sinks, window, invariant)
     for j, (a, b) in enumerate(zip(alone, both, strict=True)):
@@ -984,7 +985,7 @@ def test_verify_as_decode_in_the_default_launch(
     kernel would decode (forced here)."""
     from kvarn_kernels.attention import launch
 
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
+    set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", "0")
     if gluon:
         monkeypatch.setattr(launch, "verify_as_decode", lambda *args: True)
     as_rows = []
@@ -1033,7 +1034,7 @@ def test_split_batch_gives_verify_rows_the_splits_of_the_step(
     split count is made to depend on the sizing here.) Batch-invariant mode ignores it."""
     from kvarn_kernels.attention import launch
 
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "0")
+    set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", "0")
     sized: list[int] = []
 
     def splits(num_seqs: int, *args: object, **kwargs: object) -> int:
@@ -1114,14 +1115,14 @@ def test_invariant_split_tiles_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     refused with the variable's name."""
     from kvarn_kernels.attention.launch import fast_split_plan
 
-    monkeypatch.setenv("KVARN_KERNELS_INVARIANT_SPLIT_TILES", "32")
+    set_env(monkeypatch, "KVARN_KERNELS_INVARIANT_SPLIT_TILES", "32")
     assert fast_split_plan(32, 3) == (32, 1)
     assert fast_split_plan(128, 3) == (32, 4)
     assert fast_split_plan(3000, 3) == (64, 47)
     for bad in ("0", "12", "512", "x", "-8"):
         monkeypatch.setenv("KVARN_KERNELS_INVARIANT_SPLIT_TILES", bad)
         with pytest.raises(ValueError, match="KVARN_KERNELS_INVARIANT_SPLIT_TILES"):
-            fast_split_plan(32, 3)
+            kernel_settings.reload()
 
 
 @pytest.mark.parametrize(
@@ -1149,7 +1150,7 @@ def test_staged_splits_of_the_fast_path_walk_every_staged_step_once(
     from kvarn_kernels.attention import launch
 
     if cap is not None:
-        monkeypatch.setenv(launch.STAGED_SPLITS_ENV, str(cap))
+        set_env(monkeypatch, launch.STAGED_SPLITS_ENV, str(cap))
 
     cpu = torch.device("cpu")
     g, d, hkv, hq, b = 128, 64, 2, 4, 3
@@ -1193,7 +1194,7 @@ def test_staged_splits_one_when_sequences_fill_the_gpu(monkeypatch: pytest.Monke
     assert launch.staged_splits(staging, 128, True, None, 263, gpu) == 3
     assert launch.staged_splits(staging, 128, True, None, 264, gpu) == 1
     assert launch.staged_splits(staging, 128, True, None, 4096, torch.device("cpu")) == 3
-    monkeypatch.setenv(launch.STAGED_SPLITS_ENV, "2")
+    set_env(monkeypatch, launch.STAGED_SPLITS_ENV, "2")
     assert launch.staged_splits(staging, 128, True, None, 128, gpu) == 2
 
 
@@ -1201,10 +1202,9 @@ def test_staged_splits_one_when_sequences_fill_the_gpu(monkeypatch: pytest.Monke
 def test_staged_splits_cap_rejects_bad_values(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_kernels.attention import launch
 
-    staging = torch.zeros(kk.staging_shape(1, 1, 64, "kvarn_k4v2_g128", staging_tiles=2, sink=True))
     monkeypatch.setenv(launch.STAGED_SPLITS_ENV, raw)
     with pytest.raises(ValueError, match="KVARN_KERNELS_STAGED_SPLITS must be an integer >= 1"):
-        launch.staged_splits(staging, 128, True, None)
+        kernel_settings.reload()
 
 
 def test_default_launch_of_multi_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_testing import set_env
 from kvarn_kernels import bench
 
 
@@ -79,7 +80,7 @@ def test_report_header_names_the_launch_settings_of_the_environment() -> None:
 
 
 def test_git_sha_from_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv("KVARN_GIT_SHA", "f8c4936")
+    set_env(monkeypatch, "KVARN_GIT_SHA", "f8c4936")
     assert bench._git_sha() == "f8c4936"
 
 

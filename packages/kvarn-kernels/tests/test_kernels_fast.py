@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_testing import set_env
+from kvarn_kernels import settings as kernel_settings
 from kvarn_kernels.attention.launch import fast_decode_applies, fast_decode_supported
 from kvarn_kernels.attention.prep import prepare_queries
 from kvarn_math import rotate, tile_layout
@@ -76,7 +78,7 @@ def test_fast_decode_never_applies_off_the_gpu(monkeypatch: pytest.MonkeyPatch) 
     q = torch.zeros((2, 32, 128), dtype=torch.bfloat16)
     assert fast_decode_supported(lay, 32, 8, q.dtype, None)
     assert not fast_decode_applies(q, lay, 8, None)
-    monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", "0")
+    set_env(monkeypatch, "KVARN_KERNELS_FAST_DECODE", "0")
     assert not fast_decode_applies(q, lay, 8, None)
 
 
@@ -85,16 +87,15 @@ def test_fast_prefetch_reads_the_environment(raw, want, monkeypatch: pytest.Monk
     from kvarn_kernels.attention.launch import fast_prefetch
 
     if raw is None:
-        monkeypatch.delenv("KVARN_KERNELS_FAST_PREFETCH", raising=False)
+        set_env(monkeypatch, "KVARN_KERNELS_FAST_PREFETCH", None)
     else:
-        monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", raw)
+        set_env(monkeypatch, "KVARN_KERNELS_FAST_PREFETCH", raw)
     assert fast_prefetch() == want
 
 
 @pytest.mark.parametrize("raw", ["5", "-1", "yes", "1.5"])
 def test_fast_prefetch_rejects_what_it_cannot_use(raw, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvarn_kernels.attention.launch import fast_prefetch
 
     monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", raw)
     with pytest.raises(ValueError, match=f"KVARN_KERNELS_FAST_PREFETCH.*{raw!r}"):
-        fast_prefetch()
+        kernel_settings.reload()

@@ -12,6 +12,7 @@ from kernel_testing import (
     as_dtype,
     build_paged,
     nan_like_staging,
+    set_env,
     staged_reference,
     unwritten_cache,
 )
@@ -320,7 +321,7 @@ def test_batch_invariant_mode_bit_for_bit(
 
     # Two splits at these lengths (passed on the H200 with 1024, 2026-11-30: commit 493abb8).
     monkeypatch.setattr(launch, "_MIN_SPLIT_TOKENS", 1024)
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+    set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", "1")
     mqa, alone, both = batch_invariance_case(DEV, d, h, group, [2000, 700], sinks, window)
     for j, (a, b) in enumerate(zip(alone, both, strict=True)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), ("batch", j)
@@ -348,7 +349,7 @@ def test_fast_decode_matches_the_triton_kernel(
     9000-token sequence spans nine)."""
     from kvarn_kernels.attention.launch import fast_decode_applies
 
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
+    set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", invariant)
 
     d, g = 128, 128
     lens = [1, g - 1, g + 5, 2000, 5 * g, 9000]
@@ -365,7 +366,7 @@ def test_fast_decode_matches_the_triton_kernel(
     scale = d**-0.5
     outs = {}
     for fast in ("1", "0"):
-        monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", fast)
+        set_env(monkeypatch, "KVARN_KERNELS_FAST_DECODE", fast)
         assert fast_decode_applies(q, tile_layout(preset, d), hkv, None) == (fast == "1")
         outs[fast] = kk.decode_attention(
             q,
@@ -407,7 +408,7 @@ def test_fast_decode_prefetch_changes_no_bit(
     where the record is longer than the 16 KiB one prefetch covers (``kvarn_k4v4_g128``)."""
     from kvarn_kernels.attention.launch import fast_decode_applies
 
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", invariant)
+    set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", invariant)
     d, g, hq, hkv = 128, 128, 32, 8
     lens = [g + 3, 2 * g, 3 * g + 1, 1000, 9000]
     seqs = [
@@ -422,7 +423,7 @@ def test_fast_decode_prefetch_changes_no_bit(
     assert fast_decode_applies(q, tile_layout(preset, d), hkv, None)
     outs = {}
     for prefetch in ("0", "1", "2", "4"):
-        monkeypatch.setenv("KVARN_KERNELS_FAST_PREFETCH", prefetch)
+        set_env(monkeypatch, "KVARN_KERNELS_FAST_PREFETCH", prefetch)
         outs[prefetch] = kk.decode_attention(
             q,
             batch.kv_cache,
@@ -490,7 +491,7 @@ def test_values_only_windows_decode(sink: bool, monkeypatch: pytest.MonkeyPatch)
         q = torch.from_numpy(make_kv((n, hq, d), "gaussian", 100 + step)).to(DEV, dtype)
         outs = {}
         for fast in ("1", "0"):
-            monkeypatch.setenv("KVARN_KERNELS_FAST_DECODE", fast)
+            set_env(monkeypatch, "KVARN_KERNELS_FAST_DECODE", fast)
             outs[fast] = kk.decode_attention(
                 q, cache, staging, torch.from_numpy(table).to(DEV), plan.seq_lens,
                 plan.attention_lens, torch.tensor(slots, dtype=torch.int32, device=DEV), preset,

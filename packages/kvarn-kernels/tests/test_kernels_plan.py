@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import examples
+from kernel_testing import examples, set_env
 from kvarn_kernels import StorePlan, plan_store, plan_store_device
 from kvarn_kernels import plan as plan_module
 from kvarn_math.attention import key_window_start, recent_window_start
@@ -374,9 +374,9 @@ def test_planner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.zeros(1)
     monkeypatch.setattr(plan_module, "INTERPRET", True)
     assert plan_module._triton_planner(cpu)
-    monkeypatch.setenv("KVARN_KERNELS_TORCH_PLANNER", "1")
+    set_env(monkeypatch, "KVARN_KERNELS_TORCH_PLANNER", "1")
     assert not plan_module._triton_planner(cpu)
-    monkeypatch.setenv("KVARN_KERNELS_TORCH_PLANNER", "0")
+    set_env(monkeypatch, "KVARN_KERNELS_TORCH_PLANNER", "0")
     monkeypatch.setattr(plan_module, "INTERPRET", False)
     assert not plan_module._triton_planner(cpu)
 

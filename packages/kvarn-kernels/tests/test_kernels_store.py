@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import as_dtype, examples, nan_like_staging, unwritten_cache
+from kernel_testing import as_dtype, examples, nan_like_staging, set_env, unwritten_cache
+from kvarn_kernels import settings as kernel_settings
 from kvarn_math import (
     PRESETS,
     decode_tiles,
@@ -570,12 +571,12 @@ def test_store_warps_override(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_math.layout import tile_layout
 
     layout = tile_layout("kvarn_k4v2_g128", 128)
-    monkeypatch.delenv(STORE_WARPS_ENV, raising=False)
+    set_env(monkeypatch, STORE_WARPS_ENV, None)
     assert _num_warps(layout) == 8  # the H200's best of 8, 16 and 32 at 128 x 128
     assert _num_warps(tile_layout("kvarn_k4v2_g128", 256)) == 16
     assert _num_warps(tile_layout("kvarn_k4v2_g64", 64)) == 4
-    monkeypatch.setenv(STORE_WARPS_ENV, "32")
+    set_env(monkeypatch, STORE_WARPS_ENV, "32")
     assert _num_warps(layout) == 32
     monkeypatch.setenv(STORE_WARPS_ENV, "7")
     with pytest.raises(ValueError, match="KVARN_KERNELS_STORE_WARPS must be 4, 8, 16 or 32"):
-        _num_warps(layout)
+        kernel_settings.reload()

@@ -6,6 +6,8 @@ import kvarn_kernels as kk
 import numpy as np
 import pytest
 import torch
+from kernel_testing import set_env
+from kvarn_kernels import settings as kernel_settings
 from kvarn_kernels.attention.launch import _query_block, query_block_sizes
 
 
@@ -19,7 +21,7 @@ def test_query_block_sizes_cover_every_query_length(group: int) -> None:
 
 
 def test_query_block_sizes_batch_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
+    set_env(monkeypatch, "KVARN_KERNELS_BATCH_INVARIANT", "1")
     assert query_block_sizes(4) == [4]  # 16 rows, as a decode block
     assert query_block_sizes(16) == [1]
 
@@ -64,19 +66,19 @@ def test_warmup_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvarn_kernels.warmup import WARMUP_THREADS_ENV, warmup_threads
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.delenv(WARMUP_THREADS_ENV, raising=False)
+    set_env(monkeypatch, WARMUP_THREADS_ENV, None)
     assert warmup_threads(None, cuda) == (1 if INTERPRET else 4)  # the default
     assert warmup_threads(8, cpu) == 1  # off CUDA: one at a time
     assert warmup_threads(8, cuda) == (1 if INTERPRET else 8)
-    monkeypatch.setenv(WARMUP_THREADS_ENV, "6")
+    set_env(monkeypatch, WARMUP_THREADS_ENV, "6")
     assert warmup_threads(None, cuda) == (1 if INTERPRET else 6)
-    monkeypatch.setenv("KVARN_KERNELS_AUTOTUNE", "1")
+    set_env(monkeypatch, "KVARN_KERNELS_AUTOTUNE", "1")
     assert warmup_threads(None, cuda) == 1  # autotuning times launches: one at a time
-    monkeypatch.delenv("KVARN_KERNELS_AUTOTUNE")
+    set_env(monkeypatch, "KVARN_KERNELS_AUTOTUNE", None)
     for bad in ("0", "-2", "many", "1.5"):
         monkeypatch.setenv(WARMUP_THREADS_ENV, bad)
         with pytest.raises(ValueError, match=f"{WARMUP_THREADS_ENV} must be a positive.*{bad}"):
-            warmup_threads(None, cpu)
+            kernel_settings.reload()
     for bad_arg in (0, True, 2.0):
         with pytest.raises(ValueError, match="warm-up threads must be a positive integer"):
             warmup_threads(bad_arg, cpu)  # type: ignore[arg-type]

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvarn_eval.settings import EvalSettings
+
 __all__ = [
     "MMLU_SEED",
     "MMLU_SPLIT",
@@ -71,8 +73,8 @@ def read_text(path: str | os.PathLike[str]) -> str:
 
 def _wikitext_candidates() -> list[Path]:
     candidates = []
-    if env := os.environ.get("KVARN_DATA"):
-        candidates.append(Path(env) / WIKITEXT_FILE)
+    if folder := EvalSettings.from_env().data:
+        candidates.append(Path(folder) / WIKITEXT_FILE)
     # src/kvarn_eval/data.py -> packages/kvarn-eval/src/kvarn_eval: parents[4] is the repository
     here = Path(__file__).resolve()
     if len(here.parents) > 4:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvarn_eval.settings import EvalSettings
+
 __all__ = [
     "BUILTIN_MODELS",
     "DEFAULT_MODEL",
@@ -121,8 +123,8 @@ class LoadedModel:
 
 def cache_dir() -> Path:
     """Root of kvarn's caches: ``$KVARN_CACHE``, else ``~/.cache/kvarn``."""
-    env = os.environ.get("KVARN_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "kvarn"
+    folder = EvalSettings.from_env().cache
+    return Path(folder) if folder else Path.home() / ".cache" / "kvarn"
 
 
 def _package_dir(spec: BuiltinModel) -> Path:

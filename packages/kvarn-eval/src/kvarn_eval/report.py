@@ -19,6 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvarn_eval.settings import EvalSettings
+
 __all__ = [
     "FAMILY_COLORS",
     "environment_info",
@@ -54,8 +56,8 @@ def git_sha(start: Path | None = None) -> str | None:
     ``$KVARN_GIT_SHA`` wins when set: code run from an exported tree (``git archive``, no
     ``.git``) can name its commit instead of reporting whatever checkout surrounds it.
     """
-    if os.environ.get(GIT_SHA_ENV):
-        return os.environ[GIT_SHA_ENV].strip()
+    if sha := EvalSettings.from_env().git_sha:
+        return sha
     where = start or Path(__file__).resolve().parent
     try:
         sha = subprocess.run(

@@ -10,6 +10,8 @@ import os
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvarn_kernels import settings
+
 try:  # libdevice gives correctly rounded exp/log/rint on the GPU; the interpreter lacks it
     from triton.language.extra import libdevice  # type: ignore[import-untyped]
 except ImportError:  # pragma: no cover - every supported Triton has it
@@ -44,9 +46,7 @@ PRECISE_MATH = (not INTERPRET) and libdevice is not None
 _INTERP: tl.constexpr = tl.constexpr(INTERPRET)
 # PTX unpacking (unpack_nibbles / unpack_crumbs) on the GPU; KVARN_KERNELS_NO_ASM=1
 # falls back to the portable bit operations (same results), e.g. to rule the asm out.
-_ASM_UNPACK: tl.constexpr = tl.constexpr(
-    not INTERPRET and os.environ.get("KVARN_KERNELS_NO_ASM", "0") != "1"
-)
+_ASM_UNPACK: tl.constexpr = tl.constexpr(not INTERPRET and not settings.current().no_asm)
 
 
 @triton.jit

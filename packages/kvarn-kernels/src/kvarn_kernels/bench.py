@@ -31,6 +31,8 @@ import torch
 import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import get_preset, tile_layout
 
+from kvarn_kernels import settings
+
 __all__ = ["main", "measure_hbm_bandwidth"]
 
 _GIB = 1 << 30
@@ -96,8 +98,8 @@ def measure_hbm_bandwidth(device: torch.device, quick: bool) -> float:
 def _git_sha() -> str | None:
     """``HEAD`` of the checkout holding this file; ``$KVARN_GIT_SHA`` wins when set (code run
     from an exported tree, as kvarn-eval's ``report.git_sha``)."""
-    if os.environ.get("KVARN_GIT_SHA"):
-        return os.environ["KVARN_GIT_SHA"].strip()
+    if sha := settings.current().git_sha:
+        return sha
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -570,27 +572,19 @@ def _store_sweep(
     """The store's decode-step and prefill costs (:func:`_store_cost`) at ``shape`` (name,
     query heads, KV heads, head_dim) for each of :data:`STORE_VARIANTS`; a variant that fails
     (e.g. out of registers) is recorded with its error and the sweep goes on."""
-    from kvarn_kernels.quantize.launch import STORE_WARPS_ENV
-
     rows = []
     for key_frame, iters, warps in STORE_VARIANTS:
         name, hq, hkv, d = shape
         row: dict[str, Any] = {"preset": preset, "shape": name, "key_frame": key_frame}
         row["iterations"] = iters
         row["warps"] = warps or "default"
-        old = os.environ.pop(STORE_WARPS_ENV, None)
-        if warps:
-            os.environ[STORE_WARPS_ENV] = warps
         try:
-            row.update(
-                _store_cost(preset, hkv, d, batch, dtype, device, quick, key_frame, hq, iters)
-            )
+            with settings.override(store_warps=int(warps) if warps else None):
+                row.update(
+                    _store_cost(preset, hkv, d, batch, dtype, device, quick, key_frame, hq, iters)
+                )
         except Exception as exc:  # a variant that does not compile or run is a result too
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        finally:
-            os.environ.pop(STORE_WARPS_ENV, None)
-            if old is not None:
-                os.environ[STORE_WARPS_ENV] = old
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -759,8 +753,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store_batch = 256
     presets = args.presets
     if args.autotune:
-        # Read at every launch (kvarn_kernels.attention.launch.autotune_enabled).
+        # the environment too, so that launch_env below records it
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "1"
+        settings.reload()
     from kvarn_kernels.attention.launch import batch_invariant, fast_prefetch
 
     t0 = time.time()
@@ -882,6 +877,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["autotune_choices"] = _autotune_choices()
     if args.sweep:
         os.environ["KVARN_KERNELS_AUTOTUNE"] = "0"
+        settings.reload()
         verify = args.verify if args.sweep == "verify" else 0
         report["sweep"] = [
             r

@@ -41,7 +41,6 @@ number of accepted drafts is known only on the GPU).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -52,6 +51,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, get_preset
 
+from kvarn_kernels import settings
 from kvarn_kernels._triton import INTERPRET
 from kvarn_kernels.cache import staging_rows
 
@@ -605,7 +605,7 @@ def _check_out(out: StorePlan, b: int, tiles: int, writes: int, window_keys: boo
 def _triton_planner(seq_lens: torch.Tensor) -> bool:
     """The Triton planner runs where the kernels do (CUDA, or anywhere under the interpreter);
     ``KVARN_KERNELS_TORCH_PLANNER=1`` keeps the torch operations."""
-    if os.environ.get("KVARN_KERNELS_TORCH_PLANNER", "0") not in ("", "0"):
+    if settings.current().torch_planner:
         return False
     return seq_lens.device.type == "cuda" or INTERPRET
 

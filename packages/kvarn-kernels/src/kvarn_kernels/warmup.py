@@ -18,7 +18,6 @@ thread pool and their variants compile side by side.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from kvarn_math.tile import KEY_FRAMES
 
+from kvarn_kernels import settings
 from kvarn_kernels._guards import check_preset
 from kvarn_kernels._triton import INTERPRET
 from kvarn_kernels.attention import autotune_enabled, decode_attention, multi_query_attention
@@ -54,10 +54,7 @@ def warmup_threads(threads: int | None, device: torch.device) -> int:
     kernel it runs, so runs one kernel at a time) and with autotuning (its timings would
     include the other threads' launches)."""
     if threads is None:
-        raw = os.environ.get(WARMUP_THREADS_ENV, "4")
-        if not raw.strip().isdigit() or int(raw) < 1:
-            raise ValueError(f"{WARMUP_THREADS_ENV} must be a positive integer, got {raw!r}")
-        threads = int(raw)
+        threads = settings.current().warmup_threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"warm-up threads must be a positive integer, got {threads!r}")
     return 1 if INTERPRET or device.type != "cuda" or autotune_enabled() else threads

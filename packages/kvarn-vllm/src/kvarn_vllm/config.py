@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvarn_kernels.settings import KernelSettings
 from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Preset, get_preset
 from kvarn_math.tile import KEY_FRAMES
+
+from kvarn_vllm.settings import VllmSettings
 
 __all__ = [
     "INVARIANT_ENV",
@@ -36,8 +39,6 @@ sink rows cost ``G`` staging tokens per request and layer); default ``1`` keeps 
 RECENT_ENV = "KVARN_VLLM_RECENT_TILES"
 """Environment variable: complete tiles before the open one that attention reads exact from
 staging besides their records (default ``1``; ``0`` gives their staging to the KV cache)."""
-DEFAULT_RECENT_TILES = 1
-MAX_RECENT_TILES = 4
 INVARIANT_ENV = "KVARN_KERNELS_BATCH_INVARIANT"
 """Environment variable: ``1`` runs attention in batch-invariant mode (a token's output bits
 do not depend on the batch, CUDA-graph padding or speculative verify); default ``0``. It makes
@@ -58,7 +59,6 @@ KEY_FRAME_ENV = "KVARN_VLLM_KEY_FRAME"
 """Environment variable: ``auto`` (default) stores each tile's keys Hadamard-rotated or in their
 own channels, whichever loses less of the attention scores of the step's queries (the record
 says which); ``rotated`` always rotates them (the plain format; attention then skips the flag)."""
-DEFAULT_KEY_FRAME = "auto"
 WINDOW_KEYS_ENV = "KVARN_VLLM_WINDOW_KEYS"
 """Environment variable: ``1`` keeps the keys of the exact windows (the first tile, the recent
 tiles) exact too; ``0`` keeps only their values exact and reads their keys from the records,
@@ -208,12 +208,14 @@ def staging_tiles_for(num_speculative_tokens: int | None, group_size: int) -> in
 
 
 def env_flag(name: str, default: bool) -> bool:
-    """A ``0``/``1`` environment variable (unset: ``default``).
+    """A ``0``/``1`` environment variable (unset or blank: ``default``), parsed as
+    :class:`VllmSettings` parses its flags: for modules that still read their one variable
+    themselves (``KVARN_VLLM_WARMUP``, ``KVARN_VLLM_DENSE_CONTEXT``).
 
     Raises:
         ValueError: any other value, naming the variable.
     """
-    raw = os.environ.get(name, "1" if default else "0").strip()
+    raw = os.environ.get(name, "").strip() or ("1" if default else "0")
     if raw not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return raw == "1"
@@ -230,12 +232,12 @@ def spec_full_graphs() -> bool:
     attention eager between them. ``0`` declares single-token decodes only, as before
     2026-12-03 (H200, SmolLM2-shaped DFlash, 32 x 256 tokens: 1,456.4 tokens/s with it,
     349.3 without, the same greedy output)."""
-    return env_flag(SPEC_GRAPHS_ENV, True)
+    return VllmSettings.from_env().spec_full_graphs
 
 
 def sink_from_env() -> bool:
     """The :data:`SINK_ENV` setting: ``0`` turns the exact first tile off, ``1`` (default) on."""
-    return env_flag(SINK_ENV, True)
+    return VllmSettings.from_env().exact_sink
 
 
 def recent_from_env() -> int:
@@ -244,13 +246,7 @@ def recent_from_env() -> int:
     Raises:
         ValueError: anything else, naming the variable.
     """
-    raw = os.environ.get(RECENT_ENV, str(DEFAULT_RECENT_TILES)).strip()
-    if not raw.isdigit() or int(raw) > MAX_RECENT_TILES:
-        raise ValueError(
-            f"{RECENT_ENV} must be an integer from 0 to {MAX_RECENT_TILES} (complete tiles read "
-            f"exact from staging), got {raw!r}"
-        )
-    return int(raw)
+    return VllmSettings.from_env().recent_tiles
 
 
 def key_frame_from_env() -> str:
@@ -259,13 +255,7 @@ def key_frame_from_env() -> str:
     Raises:
         ValueError: anything else, naming the variable.
     """
-    raw = os.environ.get(KEY_FRAME_ENV, DEFAULT_KEY_FRAME).strip()
-    if raw not in KEY_FRAMES:
-        raise ValueError(
-            f"{KEY_FRAME_ENV} must be one of {', '.join(KEY_FRAMES)} (each tile's key frame "
-            f"chosen from the queries, or always rotated), got {raw!r}"
-        )
-    return raw
+    return VllmSettings.from_env().key_frame
 
 
 def default_window_keys(preset: Preset | str) -> bool:
@@ -279,18 +269,21 @@ def default_window_keys(preset: Preset | str) -> bool:
 def window_keys_from_env(preset: Preset | str) -> bool:
     """The :data:`WINDOW_KEYS_ENV` setting: ``0`` values-only windows, ``1`` keys too, unset
     :func:`default_window_keys` of ``preset``."""
-    return env_flag(WINDOW_KEYS_ENV, default_window_keys(preset))
+    value = VllmSettings.from_env().window_keys
+    return default_window_keys(preset) if value is None else value
 
 
 def invariant_from_env() -> bool:
-    """The :data:`INVARIANT_ENV` setting: ``1`` on, ``0`` (default) off."""
-    return env_flag(INVARIANT_ENV, False)
+    """The :data:`INVARIANT_ENV` setting (kvarn-kernels' ``KernelSettings.batch_invariant``,
+    read afresh): ``1`` on, ``0`` (default) off."""
+    return KernelSettings.from_env().batch_invariant
 
 
 def verify_as_decode_from_env(speculative: bool) -> bool:
     """The :data:`VERIFY_AS_DECODE_ENV` setting: ``1`` on, ``0`` off; unset, on with
     speculative decoding (``speculative``)."""
-    return env_flag(VERIFY_AS_DECODE_ENV, speculative)
+    value = VllmSettings.from_env().verify_as_decode
+    return speculative if value is None else value
 
 
 def parse_kv_cache_dtype(
@@ -320,13 +313,15 @@ def parse_kv_cache_dtype(
             f"unknown KVarN kv_cache_dtype {kv_cache_dtype!r}; expected one of "
             f"{', '.join(preset_names())}"
         ) from None
+    env = VllmSettings.from_env()
+    speculative = bool(num_speculative_tokens)
     return KvarnConfig(
         preset=preset,
         staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
-        sink=sink_from_env(),
-        batch_invariant=invariant_from_env(),
-        recent_tiles=recent_from_env(),
-        key_frame=key_frame_from_env(),
-        window_keys=window_keys_from_env(preset),
-        verify_as_decode=verify_as_decode_from_env(bool(num_speculative_tokens)),
+        sink=env.exact_sink,
+        batch_invariant=KernelSettings.from_env().batch_invariant,
+        recent_tiles=env.recent_tiles,
+        key_frame=env.key_frame,
+        window_keys=default_window_keys(preset) if env.window_keys is None else env.window_keys,
+        verify_as_decode=speculative if env.verify_as_decode is None else env.verify_as_decode,
     )

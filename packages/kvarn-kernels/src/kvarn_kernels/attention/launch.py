@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -11,6 +10,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 from kvarn_math.layout import Preset, TileLayout
 
+from kvarn_kernels import settings
 from kvarn_kernels._format import offset_constants
 from kvarn_kernels._guards import (
     MODEL_DTYPES,
@@ -50,11 +50,6 @@ _MAX_SPLITS = 64
 # shape, against the default launch (2026-11-30, docs/kernels.md): 4-tile splits cost 27% at
 # batch 64 x 16K, 1024 positions 12%, 2048 positions 5% (and 4-5% at batch 256).
 _MIN_SPLIT_TOKENS = 2048
-# Batch-invariant splits of the Gluon decode kernel hold this many tiles (1024 positions at
-# G = 128; KVARN_KERNELS_INVARIANT_SPLIT_TILES changes it): its query rows come prepared, so a
-# split costs little besides its partial. H200 (twenty-first run): 0.96-1.16x the default
-# launch's time at 16-64 x 4K-16K.
-_FAST_SPLIT_TILES = 8
 # Batch-invariant multi-query calls of at most this many query tokens per sequence (verify
 # blocks of speculative decoding) run where the Gluon decode kernel applies as decode rows,
 # one per token, so that a verify row and a decode row share their bits.
@@ -67,7 +62,7 @@ def autotune_enabled() -> bool:
     Off by default: tuning benchmarks several configs on the device, which must not happen
     inside a CUDA graph capture; an engine that enables it must warm every shape up first.
     """
-    return os.environ.get("KVARN_KERNELS_AUTOTUNE", "0") == "1"
+    return settings.current().autotune
 
 
 def batch_invariant(override: bool | None = None) -> bool:
@@ -84,7 +79,7 @@ def batch_invariant(override: bool | None = None) -> bool:
     """
     if override is not None:
         return bool(override)
-    return os.environ.get("KVARN_KERNELS_BATCH_INVARIANT", "0") == "1"
+    return settings.current().batch_invariant
 
 
 def split_plan(max_steps: int, sub: int, group_size: int) -> tuple[int, int]:
@@ -102,26 +97,10 @@ def split_plan(max_steps: int, sub: int, group_size: int) -> tuple[int, int]:
     return steps, -(-max_steps // steps)
 
 
-_LAUNCH_KEYS = ("SUB", "num_warps", "num_stages", "maxnreg")
-
-
 def launch_override() -> dict[str, int]:
     """``KVARN_KERNELS_ATTN_LAUNCH="SUB=128,num_warps=4"``: fixed launch parameters
     for the untuned kernel (for measurements; an engine leaves it unset)."""
-    raw = os.environ.get("KVARN_KERNELS_ATTN_LAUNCH", "").strip()
-    if not raw:
-        return {}
-    out: dict[str, int] = {}
-    for item in raw.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in _LAUNCH_KEYS or not value.strip().isdigit():
-            raise ValueError(
-                f"KVARN_KERNELS_ATTN_LAUNCH must be comma-separated KEY=INT with KEY in "
-                f"{_LAUNCH_KEYS}, got {raw!r}"
-            )
-        out[key] = int(value)
-    return out
+    return settings.current().launch_override
 
 
 def untuned_launch(
@@ -152,23 +131,14 @@ def launch_splits(
 
 def fast_decode_enabled() -> bool:
     """``KVARN_KERNELS_FAST_DECODE=0`` turns the Gluon decode kernel off (default on)."""
-    return os.environ.get("KVARN_KERNELS_FAST_DECODE", "1") != "0"
-
-
-# Tiles ahead whose record the Gluon decode kernel prefetches into L2. H200, Llama-3.1-8B
-# shape, values-only windows (2026-12-02, docs/kernels.md): 1 tile ran 2.8-8.5% faster than
-# none at batch 16-256 x 4K-16K (2.5-5.4% batch-invariant), 2 tiles a little less.
-_FAST_PREFETCH = 1
+    return settings.current().fast_decode
 
 
 def fast_prefetch() -> int:
     """``KVARN_KERNELS_FAST_PREFETCH=N`` (0-4): the Gluon decode kernel prefetches into L2 the
     record ``N`` tiles ahead of the one it reads (default 1; 0: no prefetch). It changes no
     output bit."""
-    raw = os.environ.get("KVARN_KERNELS_FAST_PREFETCH", str(_FAST_PREFETCH)).strip()
-    if raw not in ("0", "1", "2", "3", "4"):
-        raise ValueError(f"KVARN_KERNELS_FAST_PREFETCH must be an integer 0..4, got {raw!r}")
-    return int(raw)
+    return settings.current().fast_prefetch
 
 
 def fast_decode_applies(
@@ -232,12 +202,7 @@ def invariant_split_tiles() -> int:
     Longer splits mean fewer partials at large batch and fewer programs at small batch; the
     bits then differ from those of another ``N``, so every engine that must agree uses one
     value."""
-    raw = os.environ.get("KVARN_KERNELS_INVARIANT_SPLIT_TILES", str(_FAST_SPLIT_TILES)).strip()
-    if not raw.isdigit() or int(raw) not in {1 << i for i in range(9)}:
-        raise ValueError(
-            f"KVARN_KERNELS_INVARIANT_SPLIT_TILES must be a power of two from 1 to 256, got {raw!r}"
-        )
-    return int(raw)
+    return settings.current().invariant_split_tiles
 
 
 def fast_split_plan(table_width: int, staged_splits: int) -> tuple[int, int]:
@@ -316,12 +281,8 @@ def staged_splits(
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if programs >= 2 * sms:
             splits = 1
-    raw = os.environ.get(STAGED_SPLITS_ENV, "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{STAGED_SPLITS_ENV} must be an integer >= 1, got {raw!r}")
-        splits = min(splits, int(raw))
-    return splits
+    cap = settings.current().staged_splits
+    return splits if cap is None else min(splits, cap)
 
 
 def verify_as_decode(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
@@ -13,6 +12,7 @@ from kvarn_math.ranges import OVERFLOW_MODES
 from kvarn_math.tile import KEY_FRAMES
 from kvarn_math.varnorm import DEFAULT_ITERATIONS
 
+from kvarn_kernels import settings
 from kvarn_kernels._format import offset_constants
 from kvarn_kernels._guards import (
     MODEL_DTYPES,
@@ -44,11 +44,9 @@ def _num_warps(layout: TileLayout) -> int:
     # tiles on an H200 (2026-12-03, 64-tile prefill chunk, 8 KV heads, key frames chosen, two
     # sweeps): 0.788 ms with 8 warps, 0.915 with 16, 1.095 with 32; so 8 up to 128x128, 16
     # past it (128x256: the largest tile, _MAX_TILE_ELEMENTS).
-    raw = os.environ.get(STORE_WARPS_ENV, "").strip()
-    if raw:
-        if raw not in ("4", "8", "16", "32"):
-            raise ValueError(f"{STORE_WARPS_ENV} must be 4, 8, 16 or 32, got {raw!r}")
-        return int(raw)
+    warps = settings.current().store_warps
+    if warps is not None:
+        return warps
     elems = layout.group_size * layout.head_dim
     return 4 if elems <= 4096 else 8 if elems <= 16384 else 16
 
