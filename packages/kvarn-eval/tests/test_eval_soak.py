@@ -1,0 +1,183 @@
+"""The soak's client half (scripts/soak.py) against a fake OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+
+
+def _load():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _load()
+
+
+class FakeServer:
+    """/health, /metrics and /v1/completions (streamed as chunked server-sent events, or one
+    JSON body), deterministic text; ``nan_every`` answers NaN log-probabilities,
+    ``fail_every`` a 500, ``drift`` changes greedy answers after the first ``drift`` probes."""
+
+    def __init__(self, nan_every: int = 0, fail_every: int = 0, drift: int = 0) -> None:
+        self.nan_every, self.fail_every, self.drift = nan_every, fail_every, drift
+        self.completions = self.aborted = self.preemptions = 0
+        self.greedy_prompts: list[str] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request_line = (await reader.readline()).decode().split()
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        body = json.loads(await reader.readexactly(length)) if length else None
+        path = request_line[1]
+        try:
+            if path == "/health":
+                await self._send(writer, 200, b"")
+            elif path == "/metrics":
+                text = (
+                    "# HELP vllm:num_preemptions_total x\n"
+                    f'vllm:num_preemptions_total{{model_name="m"}} {self.preemptions}.0\n'
+                    f'vllm:generation_tokens_total{{model_name="m"}} {4 * self.completions}.0\n'
+                    'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+                )
+                await self._send(writer, 200, text.encode(), "text/plain")
+            else:
+                await self._complete(writer, body)
+        except ConnectionError:
+            self.aborted += 1
+        finally:
+            writer.close()
+
+    async def _send(self, writer: asyncio.StreamWriter, status: int, data: bytes, kind="") -> None:
+        head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(data)}\r\n"
+        writer.write((head + (f"Content-Type: {kind}\r\n" if kind else "") + "\r\n").encode())
+        writer.write(data)
+        await writer.drain()
+
+    async def _complete(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> None:
+        self.completions += 1
+        n = self.completions
+        self.preemptions += n % 3 == 0
+        if self.fail_every and n % self.fail_every == 0:
+            await self._send(writer, 500, b'{"error": "boom"}')
+            return
+        text = f" answer to {body['prompt'][-12:]!r}"
+        if body.get("temperature") == 0.0 and not body.get("stream"):
+            self.greedy_prompts.append(body["prompt"])
+            if self.drift and len(self.greedy_prompts) > self.drift:
+                text += " drifted"
+        choice: dict[str, Any] = {"text": text, "finish_reason": "length"}
+        if body.get("logprobs"):
+            bad = self.nan_every and n % self.nan_every == 0
+            choice["logprobs"] = {"token_logprobs": [-0.5, float("nan") if bad else -1.0]}
+        if not body.get("stream"):
+            await self._send(writer, 200, json.dumps({"choices": [choice]}).encode())
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in [*text.split(" "), None]:
+            event = "[DONE]" if piece is None else json.dumps({"choices": [{"text": piece}]})
+            data = f"data: {event}\n\n".encode()
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def _with_server(fake: FakeServer, body):  # type: ignore[no-untyped-def]
+    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        return await body(f"http://127.0.0.1:{port}")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _args(**kw: Any):  # type: ignore[no-untyped-def]
+    defaults = dict(
+        minutes=2.0 / 60,
+        concurrency=4,
+        seed=1,
+        long_repeats=2,
+        probe_tokens=8,
+        poll_seconds=0.5,
+        warmup_seconds=0.0,
+        memory_slack_mib=256.0,
+    )
+    return type("Args", (), defaults | kw)()
+
+
+def test_soak_client_passes_on_a_healthy_server() -> None:
+    fake = FakeServer()
+    result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, _args())))
+    load = result["load"]
+    assert result["passed"], result
+    assert load["requests"] > 20 and load["failed"] == 0
+    assert load["cancelled"] > 0 and fake.aborted + load["cancelled"] > 0
+    kinds = set(load["by_kind"])
+    assert {"long-plain", "short-plain", "long-stream", "short-stream"} <= kinds
+    assert any(k.endswith("-cancelled") for k in kinds)
+    assert result["probes_same"] == result["probes"] == 6
+    delta = result["metrics_delta"]
+    assert delta["vllm:num_preemptions"] > 0
+    assert delta["vllm:generation_tokens"] == 4 * load["requests"] + 4 * 6  # + the probes after
+    assert len(result["samples"]) >= 2 and result["healthy_after"]
+
+
+@pytest.mark.parametrize(
+    ("fake", "what"),
+    [
+        (FakeServer(nan_every=2), "non-finite log-probability"),
+        (FakeServer(fail_every=7), "status 500"),
+    ],
+)
+def test_soak_client_reports_bad_answers(fake: FakeServer, what: str) -> None:
+    result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, _args())))
+    assert not result["passed"]
+    problems = [p for f in result["load"]["failures"] for p in f["problems"]]
+    assert any(what in p for p in problems), problems
+
+
+def test_soak_client_reports_probes_that_change() -> None:
+    fake = FakeServer(drift=12)  # the two runs before the load agree, the one after does not
+    result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, _args())))
+    assert not result["passed"] and result["probes_same"] == 0
+    assert result["probe_mismatches"][0]["after"].endswith("drifted")
+
+
+def test_metrics_and_memory_helpers() -> None:
+    totals = soak.parse_metrics('# c\na_total{x="1"} 2\na_total{x="2"} 3.5\nb 1e3\n')
+    assert soak.metric(totals, "a") == 5.5 and soak.metric(totals, "b") == 1000.0
+    assert soak.metric(totals, "c") is None
+    samples = [{"t": 0, "gpu_mib": 10.0}, {"t": 5, "gpu_mib": 500.0}, {"t": 9, "gpu_mib": 600}]
+    assert soak.memory_steady(samples, 4, 256) is True
+    assert soak.memory_steady(samples, 0, 256) is False
+    assert soak.memory_steady([{"t": 1, "gpu_mib": None}], 0, 1) is None
+
+
+def test_serve_command_has_the_soaks_settings() -> None:
+    args = soak.argparse.Namespace(
+        kv_cache_dtype="kvarn_k4v2_g128", cache_tokens=6144, max_model_len=2048,
+        max_num_seqs=32, gpu_memory_utilization=0.3, port=8011, extra=["--enforce-eager"],
+    )  # fmt: skip
+    cmd = soak.serve_command("/m", args)
+    text = " ".join(cmd)
+    assert "--kv-cache-dtype kvarn_k4v2_g128" in text and "--enable-prefix-caching" in text
+    assert "--num-gpu-blocks-override 48" in text  # 6144 tokens in 128-token tiles
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and cmd[-1] == "--enforce-eager"
