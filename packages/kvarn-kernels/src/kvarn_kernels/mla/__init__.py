@@ -1,0 +1,19 @@
+"""MLA latent cache: quantize-on-write, decode attention in latent space, dequantize/gather."""
+
+from kvarn_kernels.mla.launch import (
+    allocate_mla_cache,
+    choose_mla_splits,
+    dequantize_latent,
+    mla_cache_shape,
+    mla_decode_attention,
+    store_latent,
+)
+
+__all__ = [
+    "allocate_mla_cache",
+    "choose_mla_splits",
+    "dequantize_latent",
+    "mla_cache_shape",
+    "mla_decode_attention",
+    "store_latent",
+]

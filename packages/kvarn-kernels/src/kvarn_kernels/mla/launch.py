@@ -1,0 +1,313 @@
+"""Launchers of the MLA latent-cache kernels (format: :mod:`kvarn_math.mla`).
+
+* :func:`store_latent`: quantize-on-write of token rows into their records (``slot_mapping``
+  as vLLM's ``concat_and_cache_mla``; a slot ``< 0`` is padding and writes nothing).
+* :func:`mla_decode_attention`: one query token per sequence, absorbed-weight MLA in latent
+  space over the quantized tiles plus the exact open tail in a staging ring; split over the
+  context with a combine kernel; fixed grid and no host synchronization (CUDA-graph safe).
+* :func:`dequantize_latent`: whole tiles back to ``[latent | rope]`` rows in the model dtype,
+  for prefill continuation chunks and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl  # type: ignore[import-untyped]
+from kvarn_math.mla import MLALayout, MLAPreset, get_mla_preset, mla_layout
+
+from kvarn_kernels._guards import check_tensor
+from kvarn_kernels._triton import PRECISE_MATH
+from kvarn_kernels.mla.kernel import (
+    mla_combine_kernel,
+    mla_decode_kernel,
+    mla_dequantize_kernel,
+    mla_store_kernel,
+)
+
+__all__ = [
+    "mla_cache_shape",
+    "allocate_mla_cache",
+    "store_latent",
+    "dequantize_latent",
+    "mla_decode_attention",
+    "choose_mla_splits",
+]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_DOT_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_TARGET_PROGRAMS = 264  # about two waves of programs on a 132-SM H100
+
+
+def _layout(preset: str | MLAPreset, latent_dim: int, rope_dim: int) -> MLALayout:
+    return mla_layout(get_mla_preset(preset), latent_dim, rope_dim)
+
+
+def _offsets(lay: MLALayout) -> dict[str, int]:
+    o = lay.offsets
+    return {
+        "OFF_CODES": o["latent_codes"],
+        "OFF_SCALE": o["latent_scale"],
+        "OFF_ZERO": o["latent_zero"],
+        "OFF_ROPE": o["rope_codes"],
+        "OFF_ROPE_SCALE": o["rope_scale"],
+    }
+
+
+def mla_cache_shape(
+    num_blocks: int, preset: str | MLAPreset, latent_dim: int = 512, rope_dim: int = 64
+) -> tuple[int, int]:
+    """``(num_blocks, tile_bytes)``: one record per paged block (one layer)."""
+    return (num_blocks, _layout(preset, latent_dim, rope_dim).tile_bytes)
+
+
+def allocate_mla_cache(
+    num_blocks: int,
+    preset: str | MLAPreset,
+    latent_dim: int = 512,
+    rope_dim: int = 64,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """A zeroed uint8 cache of :func:`mla_cache_shape`."""
+    shape = mla_cache_shape(num_blocks, preset, latent_dim, rope_dim)
+    return torch.zeros(shape, dtype=torch.uint8, device=device)
+
+
+def _check_cache(cache: torch.Tensor, lay: MLALayout) -> None:
+    check_tensor("cache", cache, dtype=torch.uint8, ndim=2, shape=(None, lay.tile_bytes))
+    if cache.stride(1) != 1 or cache.stride(0) % 2:
+        raise ValueError(
+            f"cache rows must be contiguous with an even row stride, got strides {cache.stride()}"
+        )
+
+
+def store_latent(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    preset: str | MLAPreset,
+) -> None:
+    """Quantize token rows into the cache (in place).
+
+    Args:
+        latent: ``[T, L]`` fp16/bf16/fp32 latent ``c_kv`` (after its norm).
+        rope: ``[T, R]`` RoPE key ``k_pe`` after RoPE, same dtype.
+        cache: uint8 ``[num_blocks, tile_bytes]``.
+        slot_mapping: int32/int64 ``[T]``: token ``t`` goes to row ``slot % G`` of block
+            ``slot // G``; ``< 0`` skips the token.
+        preset: the MLA preset.
+    """
+    check_tensor("latent", latent, dtype=_FLOATS, ndim=2, last_dim_contiguous=True)
+    t, width = latent.shape
+    check_tensor(
+        "rope", rope, dtype=latent.dtype, ndim=2, shape=(t, None), last_dim_contiguous=True
+    )
+    lay = _layout(preset, width, rope.shape[1])
+    _check_cache(cache, lay)
+    check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,))
+    if t == 0:
+        return
+    p = lay.preset
+    mla_store_kernel[(t,)](
+        latent,
+        latent.stride(0),
+        rope,
+        rope.stride(0),
+        slot_mapping,
+        cache,
+        cache.view(torch.float16),
+        cache.view(torch.int8),
+        cache.stride(0),
+        L=width,
+        R=rope.shape[1],
+        G=p.group_size,
+        BITS=p.latent_bits,
+        W=p.channel_group,
+        PRECISE=PRECISE_MATH,
+        **_offsets(lay),
+        num_warps=4,
+    )
+
+
+def dequantize_latent(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    preset: str | MLAPreset,
+    latent_dim: int = 512,
+    rope_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tiles ``block_ids`` (int32 ``[N]``) to ``[N * G, L + R]`` rows ``[latent | rope]``."""
+    lay = _layout(preset, latent_dim, rope_dim)
+    _check_cache(cache, lay)
+    check_tensor("block_ids", block_ids, dtype=(torch.int32, torch.int64), ndim=1)
+    g, n = lay.group_size, block_ids.shape[0]
+    if out is None:
+        out = torch.empty((n * g, latent_dim + rope_dim), dtype=dtype, device=cache.device)
+    check_tensor(
+        "out", out, dtype=_FLOATS, shape=(n * g, latent_dim + rope_dim), last_dim_contiguous=True
+    )
+    if n == 0:
+        return out
+    p = lay.preset
+    block_t = 32
+    mla_dequantize_kernel[(n, g // block_t)](
+        cache,
+        cache.view(torch.float16),
+        cache.view(torch.int8),
+        cache.stride(0),
+        block_ids,
+        out,
+        out.stride(0),
+        L=latent_dim,
+        R=rope_dim,
+        G=g,
+        BITS=p.latent_bits,
+        W=p.channel_group,
+        BLOCK_T=block_t,
+        **_offsets(lay),
+        num_warps=4,
+    )
+    return out
+
+
+def choose_mla_splits(batch: int, head_blocks: int, max_tiles: int) -> int:
+    """Split-K factor from host sizes only (so a captured graph keeps it): enough programs to
+    fill the GPU, at least one tile per split, at most 64 splits."""
+    want = max(1, _TARGET_PROGRAMS // max(1, batch * head_blocks))
+    return max(1, min(want, max_tiles, 64))
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    staging: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    quantized_lens: torch.Tensor,
+    staging_slots: torch.Tensor,
+    preset: str | MLAPreset,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    heads_per_program: int | None = None,
+) -> torch.Tensor:
+    """Absorbed-weight MLA decode over the quantized latent cache plus the staged tail.
+
+    Args:
+        q_latent: ``[B, H, L]`` the query's no-RoPE part absorbed through ``W_UK`` (fp16, bf16
+            or fp32; the dots take this dtype's operands, fp32 accumulation).
+        q_rope: ``[B, H, R]`` the query's RoPE part after RoPE, same dtype.
+        cache: uint8 ``[num_blocks, tile_bytes]``.
+        staging: ``[num_slots, S * G, L + R]`` exact rows ``[latent | rope]``: position ``p``
+            of a sequence at ``staging[slot, p % (S * G)]``.
+        block_table: int32 ``[B, max_blocks]``.
+        seq_lens: int32 ``[B]`` keys of each sequence (the query's own token included).
+        quantized_lens: int32 ``[B]``, multiples of ``G``: positions read from records; the
+            rest ``[quantized_len, seq_len)`` are read from staging.
+        staging_slots: int32 ``[B]``.
+        preset: the MLA preset.
+        scale: softmax scale.
+        out: optional ``[B, H, L]`` output in q's dtype.
+        num_splits: split-K factor (``None``: :func:`choose_mla_splits`).
+        heads_per_program: query heads sharing one dequantized tile (power of two >= 16;
+            ``None``: ``min(next_pow2(H), 32)``).
+
+    Returns:
+        ``[B, H, L]`` attention output in latent space (multiply by ``W_UV`` per head).
+    """
+    check_tensor("q_latent", q_latent, dtype=_FLOATS, ndim=3, last_dim_contiguous=True)
+    bsz, heads, width = q_latent.shape
+    check_tensor(
+        "q_rope", q_rope, dtype=q_latent.dtype, shape=(bsz, heads, None), last_dim_contiguous=True
+    )
+    rdim = q_rope.shape[2]
+    lay = _layout(preset, width, rdim)
+    _check_cache(cache, lay)
+    g = lay.group_size
+    check_tensor(
+        "staging",
+        staging,
+        dtype=_FLOATS,
+        ndim=3,
+        shape=(None, None, width + rdim),
+        last_dim_contiguous=True,
+    )
+    if staging.shape[1] % g or staging.shape[1] == 0:
+        raise ValueError(f"staging rows must be a positive multiple of G={g}, got {staging.shape}")
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, shape=(bsz, None))
+    for name, t in (
+        ("seq_lens", seq_lens),
+        ("quantized_lens", quantized_lens),
+        ("staging_slots", staging_slots),
+    ):
+        check_tensor(name, t, dtype=torch.int32, shape=(bsz,), contiguous=True)
+    if out is None:
+        out = torch.empty_like(q_latent)
+    check_tensor(
+        "out", out, dtype=q_latent.dtype, shape=(bsz, heads, width), last_dim_contiguous=True
+    )
+    if bsz == 0:
+        return out
+    hb = heads_per_program or min(max(16, 1 << (heads - 1).bit_length()), 32)
+    if hb < 16 or hb & (hb - 1):
+        raise ValueError(f"heads_per_program must be a power of two >= 16, got {hb}")
+    head_blocks = -(-heads // hb)
+    max_tiles = block_table.shape[1]
+    splits = num_splits or choose_mla_splits(bsz, head_blocks, max_tiles)
+    per_split = -(-max(max_tiles, 1) // splits)
+    ws_acc = torch.empty((bsz, heads, splits, width), dtype=torch.float32, device=cache.device)
+    ws_ml = torch.empty((bsz, heads, splits, 2), dtype=torch.float32, device=cache.device)
+    p = lay.preset
+    mla_decode_kernel[(bsz, head_blocks, splits)](
+        q_latent,
+        q_rope,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        cache,
+        cache.view(torch.float16),
+        cache.view(torch.int8),
+        cache.stride(0),
+        staging,
+        staging.stride(0),
+        staging.stride(1),
+        block_table,
+        block_table.stride(0),
+        seq_lens,
+        quantized_lens,
+        staging_slots,
+        ws_acc,
+        ws_ml,
+        per_split,
+        float(scale),
+        heads,
+        staging.shape[1],
+        L=width,
+        R=rdim,
+        G=g,
+        BITS=p.latent_bits,
+        W=p.channel_group,
+        HB=hb,
+        BLOCK_T=32 if p.latent_bits < 8 else 16,
+        NUM_SPLITS=splits,
+        DOT_T=_DOT_TYPES[q_latent.dtype],
+        **_offsets(lay),
+        num_warps=4 if hb <= 16 else 8,
+    )
+    mla_combine_kernel[(bsz, heads)](
+        ws_acc,
+        ws_ml,
+        out,
+        out.stride(0),
+        out.stride(1),
+        heads,
+        L=width,
+        NUM_SPLITS=splits,
+        SPLITS_P2=max(2, 1 << (splits - 1).bit_length()),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,147 @@
+"""MLA latent-cache kernels against kvarn-math in Triton's interpreter (small, awkward sizes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kvarn_kernels.mla import (
+    allocate_mla_cache,
+    choose_mla_splits,
+    dequantize_latent,
+    mla_cache_shape,
+    mla_decode_attention,
+    store_latent,
+)
+from kvarn_math.mla import decode_latent_tiles, encode_latent_tiles, mla_layout
+from kvarn_math.testing import make_kv
+from mla_testing import build_batch, reference
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.mark.parametrize(
+    ("preset", "dist", "width"),
+    [
+        ("kvarn_mla_l4_g64", "outlier_channels", 512),
+        ("kvarn_mla_l2_g128", "heavy_tailed", 256),
+        ("kvarn_mla_l8_g128", "gaussian", 512),
+    ],
+)
+def test_store_writes_the_reference_rows(preset: str, dist: str, width: int) -> None:
+    """Tokens in shuffled slots (and padding slots) give kvarn-math's bytes, row by row; rows
+    never written stay zero."""
+    lay = mla_layout(preset, width, 64)
+    g = lay.group_size
+    rows = 24
+    lat = make_kv((g, width), dist, 1)
+    pe = make_kv((g, 64), dist, 2) * 5
+    expect = encode_latent_tiles(lat[None], pe[None], preset)[0]
+    chosen = np.random.default_rng(0).permutation(g)[:rows]
+    slots = torch.tensor([2 * g + int(r) for r in chosen] + [-1], dtype=torch.int64)
+    src_lat = torch.from_numpy(np.concatenate([lat[chosen], lat[:1]]))
+    src_pe = torch.from_numpy(np.concatenate([pe[chosen], pe[:1]]))
+    cache = allocate_mla_cache(3, preset, width, 64)
+    store_latent(src_lat, src_pe, cache, slots, preset)
+    got = cache.numpy()
+    assert (got[:2] == 0).all()
+    for f in lay.fields:
+        per_row = f.nbytes // g
+        for r in range(g):
+            sl = slice(f.offset + r * per_row, f.offset + (r + 1) * per_row)
+            want = expect[sl] if r in chosen else np.zeros(per_row, np.uint8)
+            assert (got[2, sl] == want).all(), (f.name, r)
+
+
+def test_dequantize_matches_decode() -> None:
+    preset = "kvarn_mla_l4_g64"
+    lat = make_kv((2, 64, 512), "heavy_tailed", 3)
+    pe = make_kv((2, 64, 64), "gaussian", 4)
+    rec = encode_latent_tiles(lat, pe, preset)
+    cache = allocate_mla_cache(3, preset)
+    cache[1], cache[2] = torch.from_numpy(rec[0]), torch.from_numpy(rec[1])
+    out = dequantize_latent(
+        cache, torch.tensor([2, 1], dtype=torch.int32), preset, dtype=torch.float32
+    )
+    d_lat, d_pe = decode_latent_tiles(rec[::-1], preset)
+    assert np.array_equal(out[:, :512].numpy(), d_lat.reshape(-1, 512))
+    assert np.array_equal(out[:, 512:].numpy(), d_pe.reshape(-1, 64))
+    half = dequantize_latent(cache, torch.tensor([1], dtype=torch.int32), preset)
+    assert half.dtype == torch.bfloat16
+    # one bf16 step (the interpreter's bf16 conversion need not round to nearest)
+    torch.testing.assert_close(half.float(), out[64:], rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("preset", "heads", "seq_lens", "quantized_lens", "splits"),
+    [
+        # tiles + a tail of 37, the tail wrapping round a 2-tile ring; 20 heads (masked)
+        ("kvarn_mla_l4_g64", 20, [64 * 3 + 37], [64 * 3], 3),
+        # a batch: no key (padding), staging only, tiles only, both; one split and many
+        ("kvarn_mla_l4_g64", 16, [0, 45, 128, 129], [0, 0, 128, 128], 1),
+        ("kvarn_mla_l4_g64", 16, [0, 45, 128, 129], [0, 0, 128, 128], 4),
+        ("kvarn_mla_l2_g128", 16, [128 + 5, 1], [128, 0], 2),
+        ("kvarn_mla_l8_g128", 16, [128 + 100], [128], None),
+    ],
+)
+def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, splits) -> None:
+    batch = build_batch(preset, seq_lens, quantized_lens, ring_tiles=2, dist="outlier_channels")
+    rng = np.random.default_rng(5)
+    q_lat = (rng.standard_normal((len(seq_lens), heads, 512)) / 64).astype(np.float32)
+    q_pe = (rng.standard_normal((len(seq_lens), heads, 64)) / 8).astype(np.float32)
+    scale = 1 / np.sqrt(192)
+    out = mla_decode_attention(
+        torch.from_numpy(q_lat),
+        torch.from_numpy(q_pe),
+        batch.cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        scale,
+        num_splits=splits,
+    )
+    want = reference(batch, q_lat, q_pe, preset, scale)
+    np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_decode_checks_arguments() -> None:
+    preset = "kvarn_mla_l4_g64"
+    batch = build_batch(preset, [70], [64], ring_tiles=1)
+    q = torch.zeros(1, 16, 512)
+    qpe = torch.zeros(1, 16, 64)
+    args = (
+        batch.cache,
+        batch.staging,
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.1,
+    )
+    with pytest.raises(ValueError, match="q_rope must have dtype torch.float32"):
+        mla_decode_attention(q, qpe.half(), *args)
+    with pytest.raises(ValueError, match=r"cache must have shape \[\*, 21120\]"):
+        mla_decode_attention(q, qpe, batch.cache[:, :100], *args[1:])
+    with pytest.raises(ValueError, match="seq_lens must have dtype torch.int32"):
+        mla_decode_attention(q, qpe, *args[:3], batch.seq_lens.long(), *args[4:])
+    with pytest.raises(ValueError, match="heads_per_program must be a power of two"):
+        mla_decode_attention(q, qpe, *args, heads_per_program=24)
+    with pytest.raises(ValueError, match="latent_dim must be one of"):
+        store_latent(
+            torch.zeros(2, 384),
+            torch.zeros(2, 64),
+            batch.cache,
+            torch.zeros(2, dtype=torch.int64),
+            preset,
+        )
+
+
+def test_shapes_and_splits() -> None:
+    assert mla_cache_shape(10, "kvarn_mla_l4_g128") == (10, 330 * 128)
+    assert choose_mla_splits(1, 1, 256) == 64
+    assert choose_mla_splits(64, 4, 256) == 1
+    assert choose_mla_splits(1, 1, 3) == 3
