@@ -145,12 +145,54 @@ def _settings_table(which: str) -> str:
     return "\n".join(lines)
 
 
+RESULTS = DOCS / "results"
+CARDS = {"cpu": "CPU", "h200": "H200"}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _results_index() -> str:
+    """One row per run folder under ``docs/results/``, newest first: the folder (its README when
+    it has one), card, date, title (the README's heading), files, size, and the pages citing it."""
+    pages = sorted(DOCS.glob("*.md"))
+    texts = {page: page.read_text() for page in pages}
+    lines = [
+        "| run | card | date | what | files | size | cited by |",
+        "| --- | --- | --- | --- | ---: | ---: | --- |",
+    ]
+    runs = [d for d in RESULTS.iterdir() if d.is_dir()]
+    for run in sorted(runs, key=lambda d: (d.name.split("-", 1)[1], d.name), reverse=True):
+        kind, _, rest = run.name.partition("-")
+        date = rest[:10]
+        files = [f for f in run.rglob("*") if f.is_file()]
+        readme = run / "README.md"
+        if readme.is_file():
+            title = readme.read_text().splitlines()[0].lstrip("# ").strip()
+            name = f"[{run.name}]({run.name}/README.md)"
+        else:
+            shown = sorted(f.name for f in files if f.parent == run)[:4]
+            title = "no README; files: " + ", ".join(f"`{f}`" for f in shown)
+            name = run.name
+        cited = [
+            f"[{p.stem}](../{p.name})" for p in pages if f"results/{run.name}/" in texts[p]
+        ]
+        size = _size(sum(f.stat().st_size for f in files))
+        lines.append(
+            f"| {name} | {CARDS.get(kind, kind)} | {date} | {title.replace('|', '/')} "
+            f"| {len(files)} | {size} | {', '.join(cited) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "presets": format_table,
     "fields-default": lambda: format_fields("kvarn_k4v2_g128", 128),
     "fields-all": _fields,
     "report": lambda: format_report(measure()),
     "gpu-coverage": _gpu_coverage,
+    "results-index": _results_index,
     **{f"settings-{p}": (lambda p=p: _settings_table(p)) for p, *_ in SETTINGS},
 }
 
