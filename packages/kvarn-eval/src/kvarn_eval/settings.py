@@ -46,6 +46,15 @@ class EvalSettings:
         allowed="a commit id",
     )
 
+    gpu_files: str | None = _setting(
+        "KVARN_GPU_FILES",
+        "the GPU machine's model files (`SmolLM2-135M-Instruct.Q4_1.gguf`, the Gemma-3 GGUF; "
+        "the parts' `env.sh` sets it to `/tmp/kvarn-gpu/files`): the default folder of "
+        "`--gguf` in `packages/kvarn-eval/scripts/e2e_smoke.py`, `e2e_spec.py` and `soak.py` "
+        "(unset: the working folder) and of `tools/gpu/setup.sh`'s `GGUF` (unset: the parts' "
+        "`files/`)",
+    )
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EvalSettings:
         """The settings in ``environ`` (default ``os.environ``), each stripped."""

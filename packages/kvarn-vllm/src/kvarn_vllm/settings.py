@@ -139,17 +139,6 @@ class VllmSettings:
         "when unset), shared by every configuration (a second process found every kernel "
         "there on the H200, twenty-sixth run)",
     )
-    gpu_files: str | None = setting(
-        "KVARN_GPU_FILES",
-        None,
-        str,
-        "a folder",
-        "the GPU machine's model files (`SmolLM2-135M-Instruct.Q4_1.gguf`, the Gemma-3 GGUF): "
-        "the default folder of `--gguf` in `packages/kvarn-vllm/scripts/e2e_smoke.py` and "
-        "`e2e_spec.py` (unset: the working folder) and of `tools/gpu/setup.sh` (unset: "
-        "`/tmp/kvarn-gpu/files`)",
-        use="run",
-    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VllmSettings:
