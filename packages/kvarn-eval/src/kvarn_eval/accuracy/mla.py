@@ -110,12 +110,14 @@ class MLAConversion:
 
     Attributes:
         rank: latent width ``L`` (``kv_lora_rank``).
-        nope_freqs: lowest RoPE frequencies whose non-principal components are kept without RoPE.
+        rope_pairs: complex pairs of the shared RoPE key (its width ``R`` is twice this).
+        nope_freqs: lowest RoPE frequencies whose pairs not in the RoPE key are kept without RoPE.
         balance: scale the NoPE keys to the values' mean energy before the PCA.
         whiten: scale each latent channel to unit variance.
     """
 
     rank: int
+    rope_pairs: int = 32
     nope_freqs: int = 8
     balance: bool = True
     whiten: bool = True
@@ -157,9 +159,9 @@ class MLAAttention(nn.Module):
     """A converted attention layer: latent ``c = W_dkv x`` ``[L]``, RoPE key ``k_pe`` ``[D]``.
 
     Buffers (float32 unless noted): ``w_dkv [L, hidden]``, ``u_nope [n, L]`` (NoPE keys from the
-    latent), ``u_v [G*D, L]`` (values from the latent), ``w_kpe [D, hidden]`` (pre-RoPE shared
-    key), ``mix [D/2, G, G]`` complex64 (the per-frequency unitary), ``nope_index`` (int64,
-    which frequencies are NoPE).
+    latent), ``u_v [G*D, L]`` (values from the latent), ``w_kpe [R, hidden]`` (pre-RoPE shared
+    key), ``mix [D/2, G, G]`` complex64 (the per-frequency unitary), ``rope_c, rope_i`` and
+    ``nope_c, nope_i`` (int64: the component and frequency of each RoPE and NoPE pair).
     """
 
     def __init__(self, original: nn.Module, buffers: dict[str, torch.Tensor], heads: int) -> None:
@@ -177,11 +179,18 @@ class MLAAttention(nn.Module):
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent ``[B, T, L]`` and RoPE key after RoPE ``[B, T, D]`` of hidden states ``x``."""
+        """Latent ``[B, T, L]`` and RoPE key after RoPE ``[B, T, R]`` of hidden states ``x``."""
         latent = x @ self.w_dkv.T
-        k_pe = x @ self.w_kpe.T
-        k_pe = k_pe * cos + _rotate_half(k_pe) * sin
-        return latent, k_pe
+        return latent, self._rope(x @ self.w_kpe.T, cos, sin)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on ``[..., R]`` in ``[Re | Im]`` layout, pair ``j`` at frequency ``rope_i[j]``."""
+        half = self.head_dim // 2
+        c = cos[..., :half][..., self.rope_i]
+        s = sin[..., :half][..., self.rope_i]
+        if x.dim() == 4:  # [B, T, H, R]
+            c, s = c[:, :, None], s[:, :, None]
+        return x * torch.cat([c, c], -1) + _rotate_half(x) * torch.cat([s, s], -1)
 
     def forward(
         self,
@@ -193,22 +202,20 @@ class MLAAttention(nn.Module):
         b, t, _ = hidden_states.shape
         cos, sin = position_embeddings
         q = self.q_proj(hidden_states).view(b, t, self.heads, self.head_dim)
-        q_rot = q * cos[:, :, None] + _rotate_half(q) * sin[:, :, None]
         group = torch.arange(self.heads) // (self.heads // self.kv_heads)
         u = self.mix[:, group]  # [D/2, H, G]: U_i[g(h), c]
-        zq_rot = _complex_pairs(q_rot)  # [B, T, H, D/2]
-        q_pe = _real_pairs(zq_rot * u[..., 0].conj().T)  # component 0, exact RoPE
-        zq = _complex_pairs(q)[..., self.nope_index]  # [B, T, H, n_low], pre-RoPE
-        u_low = u[self.nope_index][..., 1:].permute(1, 0, 2)  # [H, n_low, G-1]
-        q_nope = zq[..., None] * u_low.conj()  # [B, T, H, n_low, G-1]
-        q_nope = _real_pairs(q_nope.reshape(b, t, self.heads, -1))
+        zq = _complex_pairs(q)  # [B, T, H, D/2], pre-RoPE
+        # q' = zq_i * conj(U_i[g, c]) for each kept pair (c, i); RoPE commutes with the mix
+        q_pe = zq[..., self.rope_i] * u[self.rope_i, :, self.rope_c].conj().T
+        q_pe = self._rope(_real_pairs(q_pe), cos, sin)
+        q_nope = _real_pairs(zq[..., self.nope_i] * u[self.nope_i, :, self.nope_c].conj().T)
 
         latent, k_pe = self.project(hidden_states, cos, sin)
         collect = _COLLECT.get()
         if collect is not None:
             collect.append((self.layer_idx, latent[0].numpy().copy(), k_pe[0].numpy().copy()))
         config = _ACTIVE.get()
-        keys_q = torch.cat([q_pe, q_nope], dim=-1).transpose(1, 2)  # [B, H, T, D + n]
+        keys_q = torch.cat([q_pe, q_nope], dim=-1).transpose(1, 2)  # [B, H, T, R + n]
         k_exact, v_exact = self._expand(latent, k_pe)
         if config is None or config.method is None:
             keys, values = k_exact, v_exact
@@ -287,41 +294,55 @@ def convert_layer(
 ) -> tuple[MLAAttention, dict[str, float]]:
     """Convert one attention layer from its calibration inputs ``x`` ``[N, hidden]``.
 
-    Returns the converted module and statistics: ``dropped_key_energy`` (fraction of the
-    pre-RoPE key energy in dropped components), ``latent_energy`` (fraction of the balanced
-    ``[nope; v]`` energy the latent keeps).
+    Each (component ``c``, frequency ``i``) pair of the mixed keys is scored by its share of
+    the attention logits, ``E|w_ci|^2 * mean_h E|q'_hci|^2``; the ``rope_pairs`` best form the
+    RoPE key, the others of the ``nope_freqs`` lowest frequencies go to the latent without RoPE,
+    the rest are dropped. Returns the module and statistics: ``dropped_logit_share`` (share of
+    that score dropped), ``nope_logit_share``, ``latent_energy`` (fraction of the balanced
+    ``[nope; v]`` energy the latent keeps), ``nope_angle_per_1k_tokens`` (the largest RoPE angle
+    a NoPE pair ignores over 1,024 tokens).
     """
     d = attn.head_dim
+    half = d // 2
     w_k = attn.k_proj.weight.detach().double()  # [G*D, hidden]
     w_v = attn.v_proj.weight.detach().double()
+    w_q = attn.q_proj.weight.detach().double()
     g = w_k.shape[0] // d
     xd = x.double()
     z = _complex_pairs((xd @ w_k.T).view(-1, g, d))  # [N, G, D/2]
     mix = _principal_mix(z)  # [D/2, G, G]
-    # A map from the key weights' rows to components: w[c, i] = sum_g conj(U[i, g, c]) z[g, i]
+    comp_energy = torch.einsum("igc,igh,ihc->ci", mix.conj(), _cov(z), mix).real  # [G, D/2]
+    zq_energy = (_complex_pairs((xd @ w_q.T).view(-1, heads, d)).abs() ** 2).mean(0)  # [H, D/2]
+    group = torch.arange(heads) // (heads // g)
+    q_energy = torch.einsum("hi,ihc->ci", zq_energy, mix[:, group].abs() ** 2) / heads
+    score = comp_energy * q_energy  # [G, D/2]
+    order = torch.argsort(score.flatten(), descending=True)
+    rope_sel = torch.zeros(g * half, dtype=torch.bool)
+    rope_sel[order[: settings.rope_pairs]] = True
+    rope_sel = rope_sel.view(g, half)
+    low = torch.arange(half) >= half - settings.nope_freqs
+    nope_sel = ~rope_sel & low[None, :]
+    rope_c, rope_i = rope_sel.nonzero(as_tuple=True)
+    nope_c, nope_i = nope_sel.nonzero(as_tuple=True)
+    # from the key weights' rows to components: w[c, i] = sum_g conj(U[i, g, c]) z[g, i]
     zw = _complex_pairs(w_k.T.reshape(-1, g, d))  # [hidden, G, D/2]
     comp = torch.einsum("igc,xgi->xci", mix.conj(), zw)  # [hidden, G, D/2]
-    w_kpe = _real_pairs(comp[:, 0]).T  # [D, hidden]
-    # the nope_freqs lowest frequencies (the highest indices) keep their other components
-    nope_index = torch.arange(d // 2 - settings.nope_freqs, d // 2)
-    w_nope = _real_pairs(comp[:, 1:, nope_index].transpose(1, 2).reshape(x.shape[1], -1)).T
-    energy = (z.abs() ** 2).sum(0)  # [G, D/2]
-    comp_energy = torch.einsum("igc,igh,ihc->ci", mix.conj(), _cov(z), mix).real  # [G, D/2]
-    kept = comp_energy[0].sum() + comp_energy[1:, nope_index].sum()
-    dropped = 1.0 - float(kept / (energy.sum() / z.shape[0]))
+    w_kpe = _real_pairs(comp[:, rope_c, rope_i]).T  # [R, hidden]
+    w_nope = _real_pairs(comp[:, nope_c, nope_i]).T  # [n, hidden]
 
     nope = xd @ w_nope.T
     vals = xd @ w_v.T
-    alpha = math.sqrt(float(vals.pow(2).sum() / nope.pow(2).sum())) if settings.balance else 1.0
+    alpha = 1.0
+    if settings.balance and nope.shape[1]:
+        alpha = math.sqrt(float(vals.pow(2).sum() / nope.pow(2).sum()))
     stacked = torch.cat([alpha * nope, vals], dim=1)  # [N, n + G*D]
-    cov = stacked.T @ stacked / stacked.shape[0]
-    evals, evecs = torch.linalg.eigh(cov)
+    evals, evecs = torch.linalg.eigh(stacked.T @ stacked / stacked.shape[0])
     evals, evecs = evals.flip(0), evecs.flip(1)
     p = evecs[:, : settings.rank]  # [n + G*D, L]
-    sigma = evals[: settings.rank].clamp_min(1e-12).sqrt() if settings.whiten else None
     w_dkv = p.T @ torch.cat([alpha * w_nope, w_v], dim=0)  # [L, hidden]
     up = p.clone()
-    if sigma is not None:
+    if settings.whiten:
+        sigma = evals[: settings.rank].clamp_min(1e-12).sqrt()
         w_dkv = w_dkv / sigma[:, None]
         up = up * sigma[None, :]
     n = w_nope.shape[0]
@@ -331,12 +352,17 @@ def convert_layer(
         "u_v": up[n:].float(),
         "w_kpe": w_kpe.float(),
         "mix": mix.to(torch.complex64),
-        "nope_index": nope_index,
+        "rope_c": rope_c,
+        "rope_i": rope_i,
+        "nope_c": nope_c,
+        "nope_i": nope_i,
     }
+    total = float(score.sum())
     stats = {
-        "dropped_key_energy": dropped,
+        "dropped_logit_share": float(score[~rope_sel & ~nope_sel].sum()) / total,
+        "nope_logit_share": float(score[nope_sel].sum()) / total,
         "latent_energy": float(evals[: settings.rank].sum() / evals.sum()),
-        "nope_angle_per_1k_tokens": 1024 * rope_theta ** (-(d - 2 * settings.nope_freqs) / d),
+        "nope_angle_per_1k_tokens": 1024 * rope_theta ** (-2 * (half - settings.nope_freqs) / d),
     }
     return MLAAttention(attn, buffers, heads), stats
 
