@@ -38,6 +38,7 @@ __all__ = [
     "widen_cache_dtype_literal",
     "wrap_attention_kv_cache_spec",
     "wrap_backend_selection",
+    "wrap_hybrid_block_alignment",
     "triton_prefill",
     "wrap_draft_decode_metadata",
     "wrap_v1_runner_steps",
@@ -250,6 +251,34 @@ def wrap_attention_kv_cache_spec(make_spec: SpecFn) -> bool:
         return original(self, vllm_config)
 
     Attention.get_kv_cache_spec = _mark(get_kv_cache_spec, original)  # type: ignore[method-assign]
+    return True
+
+
+def wrap_hybrid_block_alignment(align: Callable[[Any, Any, list[Any]], Any]) -> bool:
+    """Let ``align(vllm_config, backend_cls, backends)`` answer the private classmethod
+    ``Platform._align_hybrid_block_size`` first (vLLM 0.26 and 0.33; CUDA and CPU
+    platforms inherit it); vLLM's own alignment runs when it returns None.
+
+    ``backends`` are the model's non-recurrent backends (``Platform._find_non_ssm_backends``
+    where it exists, 0.33), else ``[backend_cls]``.
+
+    Returns:
+        True when the wrapper was installed now, False when it already was.
+    """
+    from vllm.platforms.interface import Platform
+
+    original = Platform.__dict__["_align_hybrid_block_size"].__func__
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+        find = getattr(cls, "_find_non_ssm_backends", None)
+        backends = list(find(vllm_config)) if find is not None else [backend_cls]
+        if align(vllm_config, backend_cls, backends) is None:
+            original(cls, vllm_config, backend_cls)
+
+    Platform._align_hybrid_block_size = classmethod(_mark(_align_hybrid_block_size, original))
     return True
 
 

@@ -94,20 +94,16 @@ def _make_spec(layer, vllm_config):
             f"{where}: --kv-cache-dtype-skip-layers is not supported with KVarN yet (mixed "
             "page formats in one pool); remove it"
         )
-    if model_config is not None and getattr(model_config, "is_hybrid", False):
-        raise ValueError(
-            f"{where}: hybrid (Mamba/linear-attention) models are not served by kvarn-vllm "
-            "yet: vLLM 0.26 aligns their pages from bf16 sizes. Use kv_cache_dtype auto or fp8"
-        )
     block_size = cache_config.block_size
     try:
-        return make_layer_spec(
+        spec = make_layer_spec(
             config,
             block_size=block_size,
             num_kv_heads=layer.num_kv_heads,
             head_size=layer.head_size,
             head_size_v=layer.head_size_v,
             sliding_window=layer.sliding_window,
+            hybrid=model_config is not None and getattr(model_config, "is_hybrid", False),
         )
     except ValueError as exc:
         hint = ""
@@ -117,6 +113,19 @@ def _make_spec(layer, vllm_config):
                 f"size to the tile) or pass --block-size {config.block_size}"
             )
         raise ValueError(f"{where}: {exc}.{hint}") from None
+    from kvarn_vllm.hybrid import hybrid_page_mismatch
+
+    reason = hybrid_page_mismatch(vllm_config, spec.page_size_bytes)
+    if reason is not None:
+        raise ValueError(f"{where}: {reason}")
+    return spec
+
+
+def _align_hybrid(vllm_config, backend_cls, backends):
+    """``Platform._align_hybrid_block_size`` for ``kvarn_*`` dtypes; else None."""
+    from kvarn_vllm.hybrid import align_hybrid_block_size
+
+    return align_hybrid_block_size(vllm_config, backend_cls, backends)
 
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -232,10 +241,30 @@ LEDGER: tuple[Patch, ...] = (
         "(kvarn_math.layout) is neither, so pages would be sized wrong.",
         how="Wrap the method: for layers whose kv_cache_dtype is kvarn_* return "
         "KvarnFullAttentionSpec / KvarnSlidingWindowSpec (uint8, page = num_kv_heads * "
-        "tile_bytes, block_size = G); also refuse skip-layers and hybrid models clearly.",
+        "tile_bytes, block_size = G, or whole tiles in a hybrid model); also refuse "
+        "skip-layers, and a hybrid page the alignment (hybrid-block-size) did not match, "
+        "clearly.",
         remove_when="vLLM >= 0.28: AttentionBackend.customize_spec (state_content_bytes).",
         scope="process",
         apply=lambda: compat.wrap_attention_kv_cache_spec(_make_spec),
+    ),
+    Patch(
+        name="hybrid-block-size",
+        target="vllm.platforms.interface.Platform._align_hybrid_block_size",
+        why="In a hybrid model (Mamba-2 or gated delta net beside attention) one block of an "
+        "attention layer must take the bytes of one recurrent state. vLLM 0.26 computes the "
+        "block from bytes per token of the dtype; 0.33 from the backend's customize_spec on "
+        "a one-token spec, but a tile record has no whole bytes per token (106.125 for "
+        "kvarn_k4v2_g128 at head_dim 128). Either way the attention page would not match the "
+        "padded state page, and vLLM would pad it back to the state's size or refuse.",
+        how="Wrap the classmethod: for kvarn_* dtypes kvarn_vllm.hybrid computes the block as "
+        "the fewest whole tiles (times vLLM's kernel, chunk and checkpoint alignment) whose "
+        "page covers one recurrent state, sets block_size, mamba_block_size and "
+        "mamba_page_size_padded as vLLM does; other dtypes go to vLLM unchanged.",
+        remove_when="vLLM's hybrid alignment takes a backend's page per block of tiles "
+        "(a customize_spec that may declare tokens_per_state > 1), not in 0.33.",
+        scope="process",
+        apply=lambda: compat.wrap_hybrid_block_alignment(_align_hybrid),
     ),
     Patch(
         name="request-rows",

@@ -104,12 +104,17 @@ def make_layer_spec(
     head_size: int,
     head_size_v: int,
     sliding_window: int | None,
+    hybrid: bool = False,
 ) -> Any:
     """The spec of one decoder attention layer served from a KVarN cache.
 
+    ``hybrid``: the model has recurrent layers too; its blocks hold whole tiles, as many as
+    :mod:`kvarn_vllm.hybrid` aligned them to (one kernel block is still one tile).
+
     Raises:
         ValueError: for a head size the format does not serve, K and V head sizes that
-            differ, or a ``block_size`` other than the preset's tile.
+            differ, or a ``block_size`` other than the preset's tile (a multiple of it when
+            ``hybrid``).
     """
     import torch
 
@@ -119,7 +124,9 @@ def make_layer_spec(
             f"{config.name} stores K and V tiles of one head_dim; got head_size {head_size} "
             f"and head_size_v {head_size_v}"
         )
-    if block_size != config.block_size:
+    if hybrid:
+        kvarn_page_bytes(config, block_size, num_kv_heads, head_size)  # whole tiles only
+    elif block_size != config.block_size:
         raise ValueError(
             f"block_size must equal the {config.name} tile size {config.block_size} "
             f"(one vLLM block is one tile), got {block_size}"
