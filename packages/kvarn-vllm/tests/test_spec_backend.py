@@ -41,14 +41,22 @@ def test_page_bytes_and_shape_agree(registered, name, head_dim, kv_heads):
 
 
 def test_bytes_per_token_beat_bf16():
+    """The page of a ``kvarn_k4v2_g128`` layer at head_dim 128 with 8 KV heads, against a byte
+    count made by hand from the record's definition (docs/format.md), not from the layout code:
+    per KV head, 4-bit key codes 128 x 128 / 2 = 8,192, fp16 key scale and zero per channel
+    256 + 256, one-byte token factors 128, 2-bit value codes 128 x 128 / 4 = 4,096, one-byte
+    channel factors 128, fp16 value scale and zero per token 256 + 256, flags 16: 13,584 bytes
+    (every field a multiple of 16, so no padding), 106.125 bytes per token and head against
+    bf16's 512."""
     cfg = parse_kv_cache_dtype("kvarn_k4v2_g128")
     spec = make_layer_spec(
         cfg, block_size=128, num_kv_heads=8, head_size=128, head_size_v=128, sliding_window=None
     )
-    bf16_page = 128 * 8 * 2 * 128 * 2
-    assert bf16_page / spec.page_size_bytes == pytest.approx(
-        tile_layout("kvarn_k4v2_g128", 128).ratio_to_fp16
-    )
+    record = 8_192 + 256 + 256 + 128 + 4_096 + 128 + 256 + 256 + 16
+    assert record == 13_584
+    assert spec.page_size_bytes == 8 * record
+    bf16_page = 128 * 8 * 2 * 128 * 2  # tokens x heads x (K, V) x head_dim x 2 bytes
+    assert bf16_page / spec.page_size_bytes == pytest.approx(512 / 106.125)  # 4.82x
     assert bf16_page / spec.page_size_bytes > 4.5
 
 
