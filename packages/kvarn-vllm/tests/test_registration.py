@@ -26,22 +26,50 @@ def test_vllm_plugin_loader_finds_it():
     assert loaded.get("kvarn") is plugin.register
 
 
-def test_register_is_idempotent(registered):
+def _patched_symbols():
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention import selector
 
-    before = (selector._cached_get_attn_backend, Attention.get_kv_cache_spec)
-    args_before = len(__import__("vllm.config.cache", fromlist=["x"]).CacheDType.__args__)
+    return (
+        selector._cached_get_attn_backend,
+        Attention.get_kv_cache_spec,
+        EngineArgs._set_default_max_num_seqs_and_batched_tokens_args,
+    )
+
+
+def _cache_dtype_names():
+    from vllm.config import cache
+
+    return tuple(cache.CacheDType.__args__), tuple(getattr(cache, "KV_CACHE_DTYPES", ()))
+
+
+def test_register_is_idempotent(registered):
+    """A second register() (vLLM calls it from several entry points) changes nothing; every
+    wrapper wraps vLLM's own function once; exactly the installed release's ledger entries
+    are applied; the kvarn presets are known cache dtypes once."""
+    from kvarn_vllm.config import preset_names
+
+    before = (_patched_symbols(), _cache_dtype_names())
     plugin.register()
     plugin.register()
     patches.apply_process_patches()
-    assert (selector._cached_get_attn_backend, Attention.get_kv_cache_spec) == before
-    # Wrapped once: the wrapper's original is vLLM's own function.
-    assert not compat.is_wrapped(selector._cached_get_attn_backend.__kvarn_original__)
-    assert not compat.is_wrapped(Attention.get_kv_cache_spec.__kvarn_original__)
-    assert len(__import__("vllm.config.cache", fromlist=["x"]).CacheDType.__args__) == args_before
+    assert (_patched_symbols(), _cache_dtype_names()) == before
+    for fn in _patched_symbols():
+        if compat.is_wrapped(fn):
+            assert not compat.is_wrapped(fn.__kvarn_original__)
+    adapter = releases.current()
+    process = {p.name for p in patches.LEDGER if p.scope == "process"}
+    assert process & set(adapter.patches) <= patches.applied()
+    assert not (patches.applied() - set(adapter.patches)), "an entry of another release"
+    selector_fn, spec_fn, _ = _patched_symbols()
+    assert compat.is_wrapped(selector_fn)
+    assert compat.is_wrapped(spec_fn) == ("kv-cache-spec" in adapter.patches)
+    literal, registry = _cache_dtype_names()
+    known = registry if "kv-cache-dtype-values" not in adapter.patches else literal
+    for name in preset_names():
+        assert known.count(name) == 1, name
     assert plugin.registered()
-    assert {p.name for p in patches.LEDGER if p.scope == "process"} <= patches.applied()
 
 
 def test_custom_backend_registered(registered):
@@ -53,11 +81,55 @@ def test_custom_backend_registered(registered):
     assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
 
 
+def _resolve(dotted: str):
+    """The object a ``vllm.a.b.C.d`` path names in the installed vLLM."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
 def test_ledger_entries_are_documented():
+    """Every entry names its releases and what was checked on each; every vLLM symbol its
+    target names exists in the installed vLLM when the installed release applies it; each
+    series an entry lists has an adapter; every adapter's public extension points exist."""
+    import re
+
+    import vllm
+
     assert len({p.name for p in patches.LEDGER}) == len(patches.LEDGER)
+    served = {name for adapter in releases.ADAPTERS for name in adapter.series_names()}
+    installed = releases.current()
     for p in patches.LEDGER:
-        assert p.target and p.why and p.how and p.remove_when
-        assert p.scope in ("process", "worker")
+        assert p.scope in ("process", "worker"), p.name
+        assert p.releases and set(p.releases) <= served, (p.name, p.releases)
+        for series in p.releases:
+            assert re.search(rf"\b{re.escape(series)}\.\d", p.checked), (p.name, series)
+        if installed.series_names().isdisjoint(p.releases):
+            continue
+        # "vllm.m.Class.a / b / c" names Class.a, Class.b and Class.c
+        symbols = []
+        for first, rest in re.findall(r"(vllm(?:\.\w+)+)((?:\s*/\s*\w+)*)", p.target):
+            parent = first.rsplit(".", 1)[0]
+            symbols += [first, *(f"{parent}.{n}" for n in re.findall(r"\w+", rest))]
+        assert symbols, f"{p.name}: its target names no vllm.* symbol"
+        for symbol in symbols:
+            try:
+                _resolve(symbol)
+            except (ImportError, AttributeError) as exc:
+                raise AssertionError(f"{p.name}: {symbol} not in vLLM {vllm.__version__}") from exc
+    for symbol in installed.public:
+        _resolve(symbol)
+    for adapter in releases.ADAPTERS:
+        assert adapter.checked and all(adapter.covers(v) for v in adapter.checked), adapter
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.26.2.dev5+gabc", "0.26.0rc1"])

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import textwrap
 
+import _releases
 import pytest
+import torch
 from kvarn_vllm import releases
 
 # Common prologue: vLLM's CPU platform (this host has no GPU vLLM recognizes), a handler
@@ -169,3 +171,54 @@ def test_no_adapter_outside_the_served_series(version):
     assert releases.current(version) is None
     with pytest.raises(releases.UnsupportedVllmVersion, match=version.replace(".", r"\.")):
         releases.check_supported(version)
+
+
+def _attention_layer(vllm_config, head_dim, num_kv_heads, sliding_window=None):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    torch.set_default_dtype(torch.float16)
+    try:
+        with set_current_vllm_config(vllm_config):
+            return Attention(
+                num_heads=2 * num_kv_heads,
+                head_size=head_dim,
+                scale=head_dim**-0.5,
+                num_kv_heads=num_kv_heads,
+                cache_config=vllm_config.cache_config,
+                per_layer_sliding_window=sliding_window,
+                prefix="model.layers.0.self_attn.attn",
+            )
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("preset", "head_dim", "sliding_window"),
+    [("kvarn_k4v2_g128", 128, None), ("kvarn_k2v2_g128", 64, None), ("kvarn_k4v2_g64", 128, 256)],
+)
+def test_layer_spec_and_cache_follow_the_tile_layout(
+    vllm_config_factory, preset, head_dim, sliding_window
+):
+    """On the installed release, a kvarn layer gets the kvarn backend, a spec whose page is
+    num_kv_heads tile records, and a cache vLLM's way that kvarn views as records, each
+    block's records one contiguous page."""
+    from kvarn_math.layout import tile_layout
+    from kvarn_vllm.backend import backend_class
+    from kvarn_vllm.config import parse_kv_cache_dtype
+
+    config = parse_kv_cache_dtype(preset)
+    vc = vllm_config_factory(preset)
+    vc.cache_config.block_size = config.block_size
+    layer = _attention_layer(vc, head_dim, num_kv_heads=2, sliding_window=sliding_window)
+    assert layer.attn_backend is backend_class(preset)
+    spec = _releases.worker_spec(layer, vc)
+    expected = "KvarnSlidingWindowSpec" if sliding_window else "KvarnFullAttentionSpec"
+    assert type(spec).__name__ == expected and spec.kvarn_preset == preset
+    tile = tile_layout(config.preset, head_dim).tile_bytes
+    assert spec.dtype is torch.uint8 and spec.block_size == config.block_size
+    assert spec.page_size_bytes == 2 * tile
+    cache = _releases.layer_cache(layer.attn_backend, spec, num_blocks=3)
+    recs = _releases.records(cache)
+    assert tuple(recs.shape) == (3, 2, tile) and recs.dtype in (torch.uint8, torch.int8)
+    assert recs.stride() == (2 * tile, tile, 1)

@@ -299,6 +299,7 @@ register_suite(
         needs_gpu=True,
         loads_model=False,
         preflight=_check_serving,
+        after=("throughput",),  # reuses its engines' records instead of starting them again
     )
 )
 register_suite(

@@ -183,6 +183,8 @@ class Suite:
         loads_model: uses the transformers model of ``--model`` (loaded once, on CPU).
         preflight: raises (``MissingDependencyError``, ``ValueError``) before anything runs
             when the suite cannot run here, saying what to install or change.
+        after: suites this one runs after when they are selected too, whatever the order
+            typed (``capacity`` reads the engines ``throughput`` started).
     """
 
     name: str
@@ -191,6 +193,7 @@ class Suite:
     needs_gpu: bool = False
     loads_model: bool = True
     preflight: Callable[[BenchOptions], None] | None = None
+    after: tuple[str, ...] = ()
 
 
 SUITES: dict[str, Suite] = {}
@@ -264,7 +267,23 @@ def _resolve(spec: str | Sequence[str] | None, gpu: bool) -> list[Suite]:
         chosen += [s for s in group if s not in chosen]
     if not chosen:
         raise ValueError(f"no suite selected by {spec!r}")
-    return chosen
+    return _run_order(chosen)
+
+
+def _run_order(chosen: list[Suite]) -> list[Suite]:
+    """``chosen`` in their order, except that a suite waits for the chosen suites it runs
+    ``after``."""
+    names = {s.name for s in chosen}
+    ordered: list[Suite] = []
+    waiting = list(chosen)
+    while waiting:
+        done = {s.name for s in ordered}
+        suite = next((s for s in waiting if names.isdisjoint(set(s.after) - done)), None)
+        if suite is None:
+            raise ValueError(f"suites {[s.name for s in waiting]} wait for each other")
+        ordered.append(suite)
+        waiting.remove(suite)
+    return ordered
 
 
 def leading_bos(tokenizer: Any) -> int | None:

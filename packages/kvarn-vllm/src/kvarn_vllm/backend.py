@@ -75,6 +75,16 @@ def unsupported_reasons(cfg: Any, preset: Preset, non_causal_ok: bool = False) -
         reasons.append("the checkpoint carries per-head KV quantization scales")
     if cfg.use_pcp:
         reasons.append("prefill context parallelism is enabled")
+    # Fields vLLM 0.33 added to the selector's config (absent on 0.26).
+    if getattr(cfg, "use_dcp", False):
+        reasons.append("decode context parallelism is enabled")
+    if getattr(cfg, "use_rswa", False):
+        reasons.append("it uses the model's rswa window")
+    if getattr(cfg, "use_adaptive_verification", False):
+        reasons.append(
+            "adaptive verification is on (it trims drafts on the device; kvarn plans "
+            "from the host's query lengths)"
+        )
     if cfg.block_size is not None and cfg.block_size != preset.group_size:
         reasons.append(
             f"--block-size {cfg.block_size} conflicts with {preset.name}, whose tile is "
@@ -110,13 +120,36 @@ def _base_class() -> type:
 
         @staticmethod
         def get_builder_cls():
-            from kvarn_vllm.metadata import KvarnMetadataBuilder
+            from kvarn_vllm.builder import KvarnMetadataBuilder
 
             return KvarnMetadataBuilder
 
         @classmethod
-        def get_supported_kernel_block_sizes(cls) -> list:
+        def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list:
+            # kv_cache_spec: passed from vLLM 0.31 on; one kernel block is one tile anyway
             return [cls.preset.group_size]
+
+        @classmethod
+        def customize_spec(cls, spec: Any) -> Any:
+            """The page of one block from the tile layout (vLLM 0.28+ calls this, and 0.33's
+            adapter relies on it; 0.26 has the ``kv-cache-spec`` ledger entry instead):
+            :func:`kvarn_vllm.spec.packed_spec`."""
+            from kvarn_vllm.spec import packed_spec
+
+            return packed_spec(parse_kv_cache_dtype(cls.preset.name), spec)
+
+        @classmethod
+        def supported_kv_cache_layouts(cls) -> tuple:
+            # Layer-outermost layouts: each layer's records are one [blocks, heads, tile]
+            # array, as the kernels read them (vLLM 0.29+).
+            from vllm.v1.kv_cache_layout import KVCacheLayout
+
+            return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+
+        @classmethod
+        def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+            # kvarn plans each step's stores from the host's query lengths (vLLM 0.33)
+            return False
 
         @classmethod
         def get_preferred_block_size(cls, default_block_size: int) -> int:

@@ -28,6 +28,7 @@ from kvarn_vllm.releases import (
 __all__ = [
     "UnsupportedVllmVersion",
     "add_torch_dtypes",
+    "cache_records",
     "calling_layer_name",
     "check_version",
     "flash_attn_prefill",
@@ -137,11 +138,12 @@ def wrap_backend_selection(select: SelectFn) -> bool:
         return False
 
     @functools.wraps(original)
-    def _cached_get_attn_backend(backend, attn_selector_config, num_heads=None):
+    def _cached_get_attn_backend(backend, attn_selector_config, num_heads=None, **kwargs):
+        # kwargs: 0.33's keyword-only _run_kv_cache_dtype (part of its cache key)
         chosen = select(backend, attn_selector_config, num_heads)
         if chosen is not None:
             return chosen
-        return original(backend, attn_selector_config, num_heads)
+        return original(backend, attn_selector_config, num_heads, **kwargs)
 
     wrapped = _mark(_cached_get_attn_backend, original)
     selector._cached_get_attn_backend = wrapped  # type: ignore[assignment]
@@ -316,9 +318,10 @@ def wrap_v2_runner_attn_preparation(on_real_batch: StepFn, on_dummy_batch: StepF
         return original_real(self, input_batch)
 
     @functools.wraps(original_dummy)
-    def prepare_dummy_attn(self, input_batch):
+    def prepare_dummy_attn(self, input_batch, *args, **kwargs):
+        # args: 0.30+'s valid_state_slots
         on_dummy_batch(input_batch)
-        return original_dummy(self, input_batch)
+        return original_dummy(self, input_batch, *args, **kwargs)
 
     runner_cls.prepare_attn = _mark(prepare_attn, original_real)
     runner_cls.prepare_dummy_attn = _mark(prepare_dummy_attn, original_dummy)
@@ -468,6 +471,24 @@ def triton_prefill() -> Callable[..., Any] | None:
     from vllm.v1.attention.ops.triton_prefill_attention import context_attention_fwd
 
     return context_attention_fwd
+
+
+def cache_records(kv_cache: Any) -> Any:
+    """A layer's KV cache as ``[num_blocks, num_kv_heads, tile_bytes]`` uint8 records.
+
+    vLLM 0.26 allocates it in that shape (the backend's ``get_kv_cache_shape``); from 0.29 on
+    vLLM hands every layer a ``[B, H, N, C]`` view, here ``[num_blocks, num_kv_heads, 1,
+    tile_bytes]`` (one state of ``G`` tokens per block and head, ``customize_spec``), whose
+    state axis this drops. Any other tensor is returned unchanged.
+    """
+    if getattr(kv_cache, "dim", None) is not None and kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(
+                f"a kvarn KV cache view must hold one tile per block and head, got shape "
+                f"{tuple(kv_cache.shape)}"
+            )
+        return kv_cache[:, :, 0]
+    return kv_cache
 
 
 def forward_context_layer(layer_name: str) -> Any:

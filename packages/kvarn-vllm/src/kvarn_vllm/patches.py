@@ -1,13 +1,15 @@
 """The patch ledger: every change to vLLM behaviour that is not a public extension point.
 
-Each entry says why it exists, how it works and when it can go. All of them touch private
-vLLM symbols only through :mod:`kvarn_vllm.compat`, and are applied only when
-:func:`kvarn_vllm.compat.check_version` accepts the installed vLLM. Applying is
-idempotent: a second call finds the wrappers in place and does nothing.
+Each entry says why it exists, how it works, when it can go, on which vLLM release series it
+is applied (``releases``) and against which releases it was checked (``checked``). All of them
+touch private vLLM symbols only through :mod:`kvarn_vllm.compat`; the adapter of the installed
+release (:mod:`kvarn_vllm.releases`) applies the entries listing its series and nothing else,
+and no entry is applied on a release no adapter covers. Applying is idempotent: a second call
+finds the wrappers in place and does nothing.
 
-Public extension points used besides the ledger (no patching): the
-``vllm.general_plugins`` entry point, and ``register_backend(AttentionBackendEnum.CUSTOM,
-...)``.
+Public extension points used besides the ledger (no patching): the ``vllm.general_plugins``
+entry point and ``register_backend(AttentionBackendEnum.CUSTOM, ...)`` on every release; on
+0.33 also ``register_kv_cache_dtype`` and ``AttentionBackend.customize_spec``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class Patch:
         scope: ``process`` (every process, at ``register()``) or ``worker`` (applied by the
             metadata builder, in GPU workers only).
         apply: does it; idempotent.
+        releases: the vLLM release series it is applied on (``"0.26"``, ``"0.33"``); the
+            adapter of each series (:mod:`kvarn_vllm.releases`) applies exactly these.
+        checked: against which releases it was checked, and how (sources read, CPU tests,
+            GPU runs).
     """
 
     name: str
@@ -47,6 +53,8 @@ class Patch:
     remove_when: str
     scope: str
     apply: Callable[[], object] = field(repr=False)
+    releases: tuple[str, ...] = ("0.26",)
+    checked: str = "0.26.0: sources read, CPU tests, H200/H100 runs"
 
 
 # --- the hooks the patches install ------------------------------------------------------
@@ -60,6 +68,14 @@ def _select_backend(selected_backend, cfg, num_heads):
 
     config = parse_kv_cache_dtype(cfg.kv_cache_dtype)
     layer = compat.calling_layer_name() or "<unknown layer>"
+    adapter = releases.check_supported()
+    unserved = adapter.unserved()
+    if unserved:
+        raise ValueError(
+            f"attention layer {layer!r}: kvarn-vllm on vLLM {releases.vllm_version()} "
+            f"({adapter.name}) does not serve {'; '.join(unserved)}. Use kv_cache_dtype auto "
+            "or fp8 for this model and these settings."
+        )
     name = getattr(selected_backend, "name", selected_backend)
     if selected_backend is not None and name != "CUSTOM":
         raise ValueError(
@@ -204,6 +220,8 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM >= 0.33: register_kv_cache_dtype() does all of this publicly.",
         scope="process",
         apply=_widen_cache_dtype,
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. Not applied on 0.33: "
+        "the vllm-0.33 adapter calls vllm.config.cache.register_kv_cache_dtype instead",
     ),
     Patch(
         name="default-max-num-seqs",
@@ -218,6 +236,9 @@ LEDGER: tuple[Patch, ...] = (
         "KV pool) or vLLM lets a KV-cache dtype suggest scheduler defaults.",
         scope="process",
         apply=lambda: compat.wrap_default_max_num_seqs(_default_max_num_seqs),
+        releases=("0.26", "0.33"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read (same "
+        "signature, defaults still 1024 on large GPUs), CPU tests",
     ),
     Patch(
         name="backend-selection",
@@ -233,6 +254,9 @@ LEDGER: tuple[Patch, ...] = (
         "(not yet in 0.33; a platform plugin is the alternative).",
         scope="process",
         apply=lambda: compat.wrap_backend_selection(_select_backend),
+        releases=("0.26", "0.33"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read (the "
+        "function gained a keyword-only _run_kv_cache_dtype, passed through), CPU tests",
     ),
     Patch(
         name="kv-cache-spec",
@@ -247,6 +271,8 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM >= 0.28: AttentionBackend.customize_spec (state_content_bytes).",
         scope="process",
         apply=lambda: compat.wrap_attention_kv_cache_spec(_make_spec),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. Not applied on 0.33: the "
+        "backend's public customize_spec gives the page there",
     ),
     Patch(
         name="hybrid-block-size",
@@ -284,6 +310,9 @@ LEDGER: tuple[Patch, ...] = (
         "new-request signal would still be needed for speculative decoding).",
         scope="worker",
         apply=_install_step_hook,
+        releases=("0.26", "0.33"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read "
+        "(prepare_dummy_attn gained valid_state_slots, passed through), CPU tests; no GPU run",
     ),
     Patch(
         name="request-ids-v1",
@@ -302,6 +331,9 @@ LEDGER: tuple[Patch, ...] = (
         "new-request signal would still be needed for speculative decoding).",
         scope="worker",
         apply=_install_v1_step_hook,
+        releases=("0.26", "0.33"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read (same "
+        "signatures), CPU tests; no GPU run",
     ),
     Patch(
         name="draft-steps",
@@ -317,6 +349,9 @@ LEDGER: tuple[Patch, ...] = (
         "CommonAttentionMetadata (not in 0.33).",
         scope="worker",
         apply=_install_draft_hook,
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. Absent from 0.30.0 on "
+        "(drafters build metadata through _build_attn_metadata(step=...)): speculative "
+        "decoding with kvarn is refused at start-up on 0.33",
     ),
     Patch(
         name="dflash-context-store",
@@ -333,6 +368,8 @@ LEDGER: tuple[Patch, ...] = (
         "lengths) to do_kv_cache_update (not in 0.33).",
         scope="worker",
         apply=_install_dflash_hook,
+        checked="0.26.0: sources read, CPU tests, H200 runs. Not applied on 0.33 (speculative "
+        "decoding with kvarn is refused there)",
     ),
 )
 
@@ -346,10 +383,10 @@ def applied() -> frozenset[str]:
 
 
 def _apply(scope: str) -> None:
-    adapter = releases.check_supported()
+    series = releases.check_supported().series_names()
     with _lock:
         for patch in LEDGER:
-            wanted = patch.scope == scope and patch.name in adapter.patches
+            wanted = patch.scope == scope and not series.isdisjoint(patch.releases)
             if wanted and patch.name not in _applied:
                 patch.apply()
                 _applied.add(patch.name)

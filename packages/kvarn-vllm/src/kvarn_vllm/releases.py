@@ -14,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Any
 
 __all__ = [
     "ADAPTERS",
+    "VLLM_026",
+    "VLLM_033",
     "Adapter",
     "UnsupportedVllmVersion",
     "check_supported",
@@ -62,22 +65,36 @@ class Adapter:
         name: e.g. ``"vllm-0.26"``.
         series: the ``(major, minor)`` release series it covers; every patch release of a
             covered series is served.
-        checked: the releases whose installed sources and CPU tests it was checked against.
-        patches: names of the :data:`kvarn_vllm.patches.LEDGER` entries it applies.
+        checked: the releases its public calls and ledger entries were checked against.
         public: the public vLLM extension points it calls, as ``module.symbol`` (for the
             docs and the tests; :attr:`register_public` does the calling).
         register_public: registers kvarn through those extension points (idempotent).
+        unserved: ``unserved(vllm_config)`` lists what kvarn does not serve on these
+            releases for that configuration (each reason says what works instead); the
+            backend selection refuses a ``kvarn_*`` layer with them at start-up.
     """
 
     name: str
     series: tuple[tuple[int, int], ...]
     checked: tuple[str, ...]
-    patches: tuple[str, ...]
     public: tuple[str, ...] = ()
     register_public: Callable[[], None] = field(default=lambda: None, repr=False)
+    unserved_in: Callable[[Any], list[str]] = field(default=lambda config: [], repr=False)
 
     def covers(self, version: str) -> bool:
         return parse_version(version)[:2] in self.series
+
+    def series_names(self) -> frozenset[str]:
+        """``{"0.26"}``: the names the ledger's ``releases`` fields use."""
+        return frozenset(f"{major}.{minor}" for major, minor in self.series)
+
+    @property
+    def patches(self) -> tuple[str, ...]:
+        """The ledger entries applied on these releases."""
+        from kvarn_vllm.patches import LEDGER
+
+        names = self.series_names()
+        return tuple(p.name for p in LEDGER if not names.isdisjoint(p.releases))
 
     def register_process(self) -> None:
         """Everything ``register()`` does in every vLLM process on these releases."""
@@ -91,28 +108,81 @@ class Adapter:
 
         return patches.applied()
 
+    def unserved(self, vllm_config: Any = None) -> list[str]:
+        """What kvarn does not serve here for ``vllm_config`` (default: vLLM's current one)."""
+        if vllm_config is None:
+            from vllm.config import get_current_vllm_config
 
-_V026_PATCHES = (
-    "kv-cache-dtype-values",
-    "default-max-num-seqs",
-    "backend-selection",
-    "kv-cache-spec",
-    "hybrid-block-size",
-    "request-rows",
-    "request-ids-v1",
-    "draft-steps",
-    "dflash-context-store",
-)
+            vllm_config = get_current_vllm_config()
+        return self.unserved_in(vllm_config)
+
 
 VLLM_026 = Adapter(
     name="vllm-0.26",
     series=((0, 26),),
     checked=("0.26.0",),
-    patches=_V026_PATCHES,
     public=("vllm.v1.attention.backends.registry.register_backend",),
 )
 
-ADAPTERS: tuple[Adapter, ...] = (VLLM_026,)
+
+def _register_cache_dtypes_033() -> None:
+    """``--kv-cache-dtype kvarn_*`` through vLLM 0.33's public ``register_kv_cache_dtype``:
+    each preset stores ``torch.uint8`` records. Its quant mode is ``KVQuantMode.NONE``, as
+    every unknown name was on 0.26: kvarn's backend dispatches its own kernels, and 0.33's
+    ``KVQuantMode.CUSTOM`` shares its value with ``OCTAVE_K3V4`` (an alias, so code asking
+    ``is_octave`` would answer True)."""
+    import torch
+    from vllm.config.cache import get_kv_cache_dtype_handler, register_kv_cache_dtype
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    from kvarn_vllm.config import preset_names
+
+    def torch_dtype(self: Any) -> torch.dtype:
+        return torch.uint8
+
+    def quant_mode(self: Any) -> KVQuantMode:
+        return KVQuantMode.NONE
+
+    for name in preset_names():
+        if get_kv_cache_dtype_handler(name) is None:
+            members = {"name": name, "torch_dtype": torch_dtype, "quant_mode": quant_mode}
+            register_kv_cache_dtype(name)(type("KvarnCacheDType", (), members))
+
+
+def _unserved_033(vllm_config: Any) -> list[str]:
+    reasons = []
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        reasons.append(
+            "speculative decoding (kvarn's draft and verify hooks follow vLLM 0.26's model "
+            "runners; 0.30 rebuilt the drafters' metadata path), served on vLLM 0.26.x"
+        )
+    cache_config = getattr(vllm_config, "cache_config", None)
+    if cache_config is not None and cache_config.kv_cache_dtype_skip_layers:
+        reasons.append("--kv-cache-dtype-skip-layers (mixed page formats in one pool)")
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and getattr(model_config, "is_hybrid", False):
+        reasons.append(
+            "hybrid (Mamba/linear-attention) models (their page alignment is not adapted "
+            "to 0.33 yet)"
+        )
+    return reasons
+
+
+VLLM_033 = Adapter(
+    name="vllm-0.33",
+    series=((0, 33),),
+    checked=("0.33.0",),
+    public=(
+        "vllm.v1.attention.backends.registry.register_backend",
+        "vllm.config.cache.register_kv_cache_dtype",
+        "vllm.v1.attention.backend.AttentionBackend.customize_spec",
+        "vllm.v1.attention.backend.AttentionBackend.supported_kv_cache_layouts",
+    ),
+    register_public=_register_cache_dtypes_033,
+    unserved_in=_unserved_033,
+)
+
+ADAPTERS: tuple[Adapter, ...] = (VLLM_026, VLLM_033)
 """Every adapter, oldest release first."""
 
 

@@ -19,7 +19,7 @@ from kvarn_math.layout import tile_layout
 
 from kvarn_vllm.config import KvarnConfig
 
-__all__ = ["kvarn_page_bytes", "make_layer_spec", "spec_classes"]
+__all__ = ["kvarn_page_bytes", "make_layer_spec", "packed_spec", "spec_classes"]
 
 
 def kvarn_page_bytes(
@@ -143,3 +143,56 @@ def make_layer_spec(
     if sliding_window is not None:
         return sliding_cls(sliding_window=sliding_window, **common)
     return full_cls(**common)
+
+
+def packed_spec(config: KvarnConfig, spec: Any) -> Any:
+    """vLLM 0.28+'s ``AttentionBackend.customize_spec`` for a kvarn layer.
+
+    ``spec`` is the ``FullAttentionSpec`` / ``SlidingWindowSpec`` vLLM built from the layer.
+    A block of ``k * G`` tokens becomes ``KvarnFullAttentionSpec`` / ``KvarnSlidingWindowSpec``
+    holding ``k`` states of ``G`` tokens per KV head (``tokens_per_state=G``), each a
+    ``tile_bytes`` record: vLLM then views a layer's cache as ``[num_blocks, num_kv_heads, k,
+    tile_bytes]`` uint8. vLLM also sizes probe specs of fewer tokens than a tile (one token,
+    for sliding-window block sizes and hybrid alignment); those keep their class and get the
+    record's bytes per token, rounded up.
+
+    Raises:
+        ValueError: for a head size the format does not serve, or K and V head sizes that
+            differ.
+    """
+    import dataclasses
+
+    import torch
+
+    config.check_head_dim(spec.head_size)
+    if spec.head_size_v != spec.head_size:
+        raise ValueError(
+            f"{config.name} stores K and V tiles of one head_dim; got head_size "
+            f"{spec.head_size} and head_size_v {spec.head_size_v}"
+        )
+    layout = tile_layout(config.preset, spec.head_size)
+    group = config.preset.group_size
+    if spec.block_size % group:
+        per_token = -(-layout.tile_bytes // group)
+        return dataclasses.replace(
+            spec, dtype=torch.uint8, state_content_bytes=per_token, tokens_per_state=1
+        )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full_cls, sliding_cls = spec_classes()
+    if isinstance(spec, SlidingWindowSpec):
+        target = sliding_cls
+    elif isinstance(spec, FullAttentionSpec):
+        target = full_cls
+    else:
+        raise ValueError(
+            f"{config.name} serves full and sliding-window attention, got {type(spec).__name__}"
+        )
+    kwargs = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    kwargs.update(
+        dtype=torch.uint8,
+        state_content_bytes=layout.tile_bytes,
+        tokens_per_state=group,
+        kvarn_preset=config.name,
+    )
+    return target(**kwargs)
