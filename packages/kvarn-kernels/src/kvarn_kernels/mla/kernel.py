@@ -175,6 +175,15 @@ def mla_dequantize_kernel(
 
 
 @triton.jit
+def _dot(a, b, DOT_T: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; fp32 operands in IEEE precision (not TF32)."""
+    if tl.float32 == DOT_T:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _attend_chunk(
     q0,
     q1,
@@ -198,13 +207,13 @@ def _attend_chunk(
     DOT_T: tl.constexpr,
 ):
     """One online-softmax step over a chunk of keys (planes ``x0..x{PER-1}``, RoPE ``pe``)."""
-    s = tl.dot(qpe, tl.trans(pe.to(DOT_T)))
-    s += tl.dot(q0, tl.trans(x0.to(DOT_T)))
+    s = _dot(qpe, tl.trans(pe.to(DOT_T)), DOT_T)
+    s += _dot(q0, tl.trans(x0.to(DOT_T)), DOT_T)
     if PER > 1:
-        s += tl.dot(q1, tl.trans(x1.to(DOT_T)))
+        s += _dot(q1, tl.trans(x1.to(DOT_T)), DOT_T)
     if PER > 2:
-        s += tl.dot(q2, tl.trans(x2.to(DOT_T)))
-        s += tl.dot(q3, tl.trans(x3.to(DOT_T)))
+        s += _dot(q2, tl.trans(x2.to(DOT_T)), DOT_T)
+        s += _dot(q3, tl.trans(x3.to(DOT_T)), DOT_T)
     s = tl.where(valid[None, :], s * sm_scale, -1.0e30)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
@@ -212,12 +221,12 @@ def _attend_chunk(
     p = tl.where(valid[None, :], p, 0.0)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
     pd = p.to(DOT_T)
-    a0 = a0 * alpha[:, None] + tl.dot(pd, x0.to(DOT_T))
+    a0 = a0 * alpha[:, None] + _dot(pd, x0.to(DOT_T), DOT_T)
     if PER > 1:
-        a1 = a1 * alpha[:, None] + tl.dot(pd, x1.to(DOT_T))
+        a1 = a1 * alpha[:, None] + _dot(pd, x1.to(DOT_T), DOT_T)
     if PER > 2:
-        a2 = a2 * alpha[:, None] + tl.dot(pd, x2.to(DOT_T))
-        a3 = a3 * alpha[:, None] + tl.dot(pd, x3.to(DOT_T))
+        a2 = a2 * alpha[:, None] + _dot(pd, x2.to(DOT_T), DOT_T)
+        a3 = a3 * alpha[:, None] + _dot(pd, x3.to(DOT_T), DOT_T)
     return m_new, l_sum, a0, a1, a2, a3
 
 
