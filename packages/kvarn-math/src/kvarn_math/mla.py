@@ -73,7 +73,7 @@ MLA_FORMAT_VERSION = 1
 """Version of the latent record byte format (independent of the dense ``FORMAT_VERSION``)."""
 MLA_GROUP_SIZES = (64, 128)
 MLA_LATENT_DIMS = (256, 512)
-MLA_ROPE_DIMS = (32, 64)
+MLA_ROPE_DIMS = (32, 64, 128)
 _FP16_MAX = float(np.finfo(np.float16).max)
 F32 = npt.NDArray[np.float32]
 

@@ -25,10 +25,21 @@ import numpy.typing as npt
 from kvarn_math.baselines import fp8_e4m3_round
 from kvarn_math.hadamard import rotate, unrotate
 from kvarn_math.log8 import decode_log8, encode_log8
+from kvarn_math.mla import get_mla_preset, mla_layout, roundtrip_latent
 from kvarn_math.rtn import check_bits, dequantize_rows, quantize_rows
 from kvarn_math.varnorm import variance_normalize
 
-__all__ = ["LatentRecipe", "bf16_round", "fp16_round", "rope_roundtrip", "ROPE_MODES"]
+__all__ = [
+    "ROPE_MODES",
+    "Bf16Latent",
+    "Fp8DsMla",
+    "LatentRecipe",
+    "MLAFormat",
+    "bf16_round",
+    "fp16_round",
+    "rope_bytes",
+    "rope_roundtrip",
+]
 
 F32 = npt.NDArray[np.float32]
 ROPE_MODES = ("bf16", "fp8", "int8")
@@ -160,3 +171,59 @@ class LatentRecipe:
         if self.axis == "channel":
             return np.swapaxes(back, -1, -2).astype(np.float32)
         return back.reshape(n, g, width).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Bf16Latent:
+    """The bf16 latent cache (vLLM's default ``auto`` on a bf16 model): 2 (L + R) bytes."""
+
+    name: str = "bf16"
+    group_size: int = 1
+
+    def bytes_per_token(self, latent: int, rope: int) -> float:
+        return 2.0 * (latent + rope)
+
+    def roundtrip(self, latent: npt.ArrayLike, rope: npt.ArrayLike) -> tuple[F32, F32]:
+        return bf16_round(latent), bf16_round(rope)
+
+
+@dataclass(frozen=True)
+class Fp8DsMla:
+    """vLLM's ``fp8_ds_mla`` layout: the latent in float8 e4m3 with one float32 scale per 128
+    channels (``max|x| / 448``), the RoPE key in bf16: 656 bytes a token at 512 + 64."""
+
+    name: str = "fp8_ds_mla"
+    group_size: int = 1
+    tile: int = 128
+
+    def bytes_per_token(self, latent: int, rope: int) -> float:
+        return latent + 4.0 * latent / self.tile + 2.0 * rope
+
+    def roundtrip(self, latent: npt.ArrayLike, rope: npt.ArrayLike) -> tuple[F32, F32]:
+        x = np.asarray(latent, dtype=np.float32)
+        groups = x.reshape(*x.shape[:-1], -1, self.tile)
+        scale = np.abs(groups).max(axis=-1, keepdims=True) / np.float32(448)
+        scale = np.where(scale > 0, scale, np.float32(1))
+        back = (fp8_e4m3_round(groups / scale) * scale).reshape(x.shape).astype(np.float32)
+        return back, bf16_round(rope)
+
+
+@dataclass(frozen=True)
+class MLAFormat:
+    """A :mod:`kvarn_math.mla` preset as a method (its records encoded and decoded)."""
+
+    preset: str
+
+    @property
+    def name(self) -> str:
+        return self.preset
+
+    @property
+    def group_size(self) -> int:
+        return get_mla_preset(self.preset).group_size
+
+    def bytes_per_token(self, latent: int, rope: int) -> float:
+        return mla_layout(self.preset, latent, rope).bytes_per_token
+
+    def roundtrip(self, latent: npt.ArrayLike, rope: npt.ArrayLike) -> tuple[F32, F32]:
+        return roundtrip_latent(latent, rope, self.preset)
