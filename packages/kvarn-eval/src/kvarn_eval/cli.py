@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn_eval import __version__
+from kvarn_eval.longctx_suites import add_longctx_arguments, longctx_options_from_args
 from kvarn_eval.models import BUILTIN_MODELS, DEFAULT_MODEL, MissingDependencyError
 from kvarn_eval.serving.options import KERNEL_KEY_FRAMES, KERNEL_WINDOWS, ServingOptions
 from kvarn_eval.suites import (
@@ -41,7 +42,7 @@ QUICK = {"num_chunks": 2, "chunk_len": 512, "items": 6}
 
 
 # suites that serve --greedy-model (when given) instead of --model
-_SERVED_MODEL_SUITES = frozenset({"vllm_greedy", "vllm_perplexity"})
+_SERVED_MODEL_SUITES = frozenset({"vllm_greedy", "vllm_perplexity", "longctx"})
 
 
 def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -436,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="greedy tokens per prompt in the CPU greedy suite (32)",
     )
     _add_gpu_arguments(bench)
+    add_longctx_arguments(bench)
 
     report_parser = sub.add_parser(
         "report",
@@ -490,6 +492,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         greedy_tokens=args.greedy_tokens,
         mmlu_subjects=args.mmlu_subjects,
         serving=serving_options_from_args(args),
+        longctx=longctx_options_from_args(args),
     )
 
 

@@ -122,6 +122,10 @@ def suite_plan(name: str, options: BenchOptions) -> str | None:
             f"{_count(engines, 'vLLM engine')} on {model} (the caches, the bf16 reference, "
             f"the noise run): {s.ppl_chunks} chunks x {s.ppl_tokens} tokens"
         )
+    if name == "longctx":
+        from kvarn_eval.gpu_longctx import plan_line
+
+        return plan_line(options)
     if name == "kernels":
         grid = "quick" if s.kernel_quick else "full"
         return f"kvarn_kernels.bench, {grid} grid, presets {s.kernel_presets}"

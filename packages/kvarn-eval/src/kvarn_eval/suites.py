@@ -17,6 +17,7 @@ from typing import Any
 
 from kvarn_math.baselines import Method
 
+from kvarn_eval.longctx import LongCtxOptions
 from kvarn_eval.models import DEFAULT_MODEL, LoadedModel, load_model
 from kvarn_eval.serving.options import ServingOptions
 
@@ -65,6 +66,7 @@ class BenchOptions:
         mmlu_subjects: comma-separated MMLU subjects of the ``mmlu`` suite (``None``: all,
             taken round-robin).
         serving: options of the GPU suites.
+        longctx: options of the long-context suites (``longctx``, ``longctx_cpu``).
     """
 
     model: str = DEFAULT_MODEL
@@ -88,6 +90,7 @@ class BenchOptions:
     greedy_tokens: int = 32
     mmlu_subjects: str | None = None
     serving: ServingOptions = field(default_factory=ServingOptions)
+    longctx: LongCtxOptions = field(default_factory=LongCtxOptions)
 
     def __post_init__(self) -> None:
         for name in ("num_chunks", "items", "block_size"):
@@ -556,3 +559,4 @@ register_suite(
 
 # The GPU suites register themselves on import (they import this module's names, so last).
 from kvarn_eval import gpu_suites as _gpu_suites  # noqa: E402, F401
+from kvarn_eval import longctx_suites as _longctx_suites  # noqa: E402, F401

@@ -252,6 +252,10 @@ def run(job: dict[str, Any], record: dict[str, Any], save: Callable[[], None]) -
         _run_greedy(llm, job, record)
     elif kind == "perplexity":
         _run_perplexity(llm, job, record)
+    elif kind == "longctx":
+        from kvarn_eval.gpu_longctx import run_workload
+
+        run_workload(llm, job, record, save)
     else:
         raise ValueError(f"unknown workload kind {kind!r}")
 
