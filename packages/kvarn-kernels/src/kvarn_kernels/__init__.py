@@ -18,6 +18,13 @@ from kvarn_kernels.cache import (
     staging_shape,
 )
 from kvarn_kernels.dequantize import decode_tiles, dequantize, dequantize_tiles
+from kvarn_kernels.mla import (
+    allocate_mla_cache,
+    dequantize_latent,
+    mla_cache_shape,
+    mla_decode_attention,
+    store_latent,
+)
 from kvarn_kernels.plan import (
     StorePlan,
     key_window_start,
@@ -65,4 +72,9 @@ __all__ = [
     "unrotate",
     "warmup",
     "window_start",
+    "allocate_mla_cache",
+    "dequantize_latent",
+    "mla_cache_shape",
+    "mla_decode_attention",
+    "store_latent",
 ]

@@ -34,6 +34,16 @@ from kvarn_math.layout import (
     tile_layout,
 )
 from kvarn_math.log8 import decode_log8, encode_log8
+from kvarn_math.mla import (
+    DEFAULT_MLA_PRESET,
+    MLA_PRESETS,
+    MLAPreset,
+    decode_latent_tiles,
+    encode_latent_tiles,
+    get_mla_preset,
+    mla_layout,
+    mla_reference_attention,
+)
 from kvarn_math.packing import pack, packed_size, unpack
 from kvarn_math.ranges import OVERFLOW_MODES, check_records
 from kvarn_math.rtn import RowQuantized, dequantize_rows, quantize_rows
@@ -100,4 +110,12 @@ __all__ = [
     "unpack",
     "unrotate",
     "variance_normalize",
+    "DEFAULT_MLA_PRESET",
+    "MLA_PRESETS",
+    "MLAPreset",
+    "decode_latent_tiles",
+    "encode_latent_tiles",
+    "get_mla_preset",
+    "mla_layout",
+    "mla_reference_attention",
 ]

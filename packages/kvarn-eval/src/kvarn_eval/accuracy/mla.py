@@ -289,13 +289,55 @@ def _principal_mix(z: torch.Tensor) -> torch.Tensor:
     return vecs.flip(-1)
 
 
-def convert_layer(
-    attn: nn.Module, x: torch.Tensor, settings: MLAConversion, rope_theta: float, heads: int
-) -> tuple[MLAAttention, dict[str, float]]:
-    """Convert one attention layer from its calibration inputs ``x`` ``[N, hidden]``.
+def _pair_importance(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_k: torch.Tensor,
+    mix: torch.Tensor,
+    heads: int,
+    rope_theta: float,
+    chunk_len: int,
+) -> torch.Tensor:
+    """``[G, D/2]``: each mixed pair's attention-weighted logit energy,
+    ``sum_{h,t} |q'_hci(t)|^2 sum_s p_h(t, s) |w_ci(s)|^2`` over the first two calibration
+    chunks, ``p`` the original layer's causal attention (so a sink token that most queries
+    attend to counts as much as it is read)."""
+    d = mix.shape[0] * 2
+    g = mix.shape[-1]
+    group = torch.arange(heads) // (heads // g)
+    u2 = mix[:, group].abs() ** 2  # [D/2, H, G]
+    pos = torch.arange(chunk_len, dtype=torch.float64)
+    inv = rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos[:, None] * inv[None, :]
+    phase = torch.polar(torch.ones_like(ang), ang)  # [T, D/2]
+    total = torch.zeros(g, d // 2, dtype=torch.float64)
+    for start in range(0, min(x.shape[0], 2 * chunk_len), chunk_len):
+        xc = x[start : start + chunk_len]
+        zq = _complex_pairs((xc @ w_q.T).view(-1, heads, d))  # [T, H, D/2]
+        zk = _complex_pairs((xc @ w_k.T).view(-1, g, d))  # [T, G, D/2]
+        qr, kr = zq * phase[:, None], zk * phase[:, None]
+        logits = torch.einsum("thi,shi->hts", qr, kr[:, group].conj()).real / math.sqrt(d)
+        mask = torch.ones(chunk_len, chunk_len, dtype=torch.bool).tril()
+        p = logits.masked_fill(~mask, float("-inf")).softmax(-1)  # [H, T, S]
+        w2 = torch.einsum("igc,sgi->sci", mix.conj(), zk).abs() ** 2  # [S, G, D/2]
+        read = torch.einsum("hts,sci->htci", p, w2)
+        total += torch.einsum("thi,ihc,htci->ci", zq.abs() ** 2, u2, read)
+    return total
 
-    Each (component ``c``, frequency ``i``) pair of the mixed keys is scored by its share of
-    the attention logits, ``E|w_ci|^2 * mean_h E|q'_hci|^2``; the ``rope_pairs`` best form the
+
+def convert_layer(
+    attn: nn.Module,
+    x: torch.Tensor,
+    settings: MLAConversion,
+    rope_theta: float,
+    heads: int,
+    chunk_len: int,
+) -> tuple[MLAAttention, dict[str, float]]:
+    """Convert one attention layer from its calibration inputs ``x`` ``[N, hidden]`` (chunks
+    of ``chunk_len`` tokens, each from position 0).
+
+    Each (component ``c``, frequency ``i``) pair of the mixed keys is scored by its
+    attention-weighted logit energy (:func:`_pair_importance`); the ``rope_pairs`` best form the
     RoPE key, the others of the ``nope_freqs`` lowest frequencies go to the latent without RoPE,
     the rest are dropped. Returns the module and statistics: ``dropped_logit_share`` (share of
     that score dropped), ``nope_logit_share``, ``latent_energy`` (fraction of the balanced
@@ -311,11 +353,7 @@ def convert_layer(
     xd = x.double()
     z = _complex_pairs((xd @ w_k.T).view(-1, g, d))  # [N, G, D/2]
     mix = _principal_mix(z)  # [D/2, G, G]
-    comp_energy = torch.einsum("igc,igh,ihc->ci", mix.conj(), _cov(z), mix).real  # [G, D/2]
-    zq_energy = (_complex_pairs((xd @ w_q.T).view(-1, heads, d)).abs() ** 2).mean(0)  # [H, D/2]
-    group = torch.arange(heads) // (heads // g)
-    q_energy = torch.einsum("hi,ihc->ci", zq_energy, mix[:, group].abs() ** 2) / heads
-    score = comp_energy * q_energy  # [G, D/2]
+    score = _pair_importance(xd, w_q, w_k, mix, heads, rope_theta, chunk_len)  # [G, D/2]
     order = torch.argsort(score.flatten(), descending=True)
     rope_sel = torch.zeros(g * half, dtype=torch.bool)
     rope_sel[order[: settings.rope_pairs]] = True
@@ -382,7 +420,9 @@ def convert_model(
     inputs = collect_attention_inputs(model, calibration)
     stats = []
     for layer, x in zip(model.model.layers, inputs, strict=True):
-        new, st = convert_layer(layer.self_attn, x, settings, theta, config.num_attention_heads)
+        new, st = convert_layer(
+            layer.self_attn, x, settings, theta, config.num_attention_heads, len(calibration[0])
+        )
         layer.self_attn = new
         stats.append(st)
     return stats
