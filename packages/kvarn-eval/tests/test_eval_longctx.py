@@ -254,3 +254,16 @@ def test_gpu_suite_against_the_stand_in(
     assert gen["fp8"]["exact_match"] == 1.0 and gen["kvarn_k4v2_g128"]["mean_lcp"] == 9
     assert (out / "longctx.png").is_file()
     assert {t["title"].split(":")[0] for t in result["tables"]} == {"longctx"}
+
+
+def test_dry_run_prints_the_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "bench", "--suites", "longctx", "--dry-run", "--greedy-model", "m.gguf",
+        "--longctx-caches", "fp8@TRITON_ATTN,kvarn", "--longctx-lengths", "2048,4096",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # six kvarn presets, fp8, the bf16 reference put first, the noise run
+    assert "longctx: 9 vLLM engines on m.gguf" in out and "lengths 2048,4096" in out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--suites", "longctx", "--longctx-lengths", "x"])

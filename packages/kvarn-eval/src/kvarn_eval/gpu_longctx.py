@@ -105,8 +105,9 @@ def longctx_jobs(
     engine_in_process: bool = False,
     gpu_memory_utilization: float = 0.3,
 ) -> list[EngineJob]:
-    """One job per cache (retrieval and long generations), then the noise run (the reference
-    cache again, long generations only, ``noise_max_num_seqs`` at once).
+    """The reference's job, the noise run (the reference cache again, long generations only,
+    ``noise_max_num_seqs`` at once), then one job per compared cache (retrieval and long
+    generations), in the order of ``options.caches``.
 
     Args:
         options: the suite's options (``caches`` etc.).
@@ -142,13 +143,15 @@ def longctx_jobs(
         "longgen_tokens": options.longgen_tokens,
     }
     meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
+    # the noise run right after the reference: a short time budget drops compared caches
+    # first, and without the floor the long generations' agreement cannot be read
     plan = [("reference", reference, {}, reference.label, True)]
-    plan += [("compare", c, {}, c.label, True) for c in caches]
     if longgen_count and options.noise_max_num_seqs:
         n = options.noise_max_num_seqs
         plan.append(
             ("noise", reference, {"max_num_seqs": n}, f"{reference.label} seqs<={n}", False)
         )
+    plan += [("compare", c, {}, c.label, True) for c in caches]
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if engine_in_process else {}
     return [
         EngineJob(
