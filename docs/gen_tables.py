@@ -175,9 +175,7 @@ def _results_index() -> str:
             shown = sorted(f.name for f in files if f.parent == run)[:4]
             title = "no README; files: " + ", ".join(f"`{f}`" for f in shown)
             name = run.name
-        cited = [
-            f"[{p.stem}](../{p.name})" for p in pages if f"results/{run.name}/" in texts[p]
-        ]
+        cited = [f"[{p.stem}](../{p.name})" for p in pages if f"results/{run.name}/" in texts[p]]
         size = _size(sum(f.stat().st_size for f in files))
         lines.append(
             f"| {name} | {CARDS.get(kind, kind)} | {date} | {title.replace('|', '/')} "
