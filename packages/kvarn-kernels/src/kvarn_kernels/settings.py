@@ -1,7 +1,7 @@
 """kvarn-kernels' settings: every ``KVARN_KERNELS_*`` environment variable in one frozen object.
 
 :class:`KernelSettings` is read from the environment and validated once, on the first call of
-:func:`current` (the launchers call it); a bad value raises ``ValueError`` naming the variable,
+:func:`current` (when ``kvarn_kernels`` is imported: ``_triton`` reads ``no_asm``); a bad value raises ``ValueError`` naming the variable,
 the values it accepts and what arrived. A process that changes the environment afterwards
 calls :func:`reload`; :func:`override` replaces fields for a block of code (benchmarks).
 ``docs/settings.md`` is generated from the fields' metadata (``python docs/gen_tables.py``).
