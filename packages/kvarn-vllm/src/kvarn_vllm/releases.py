@@ -160,7 +160,8 @@ def _unserved_033(vllm_config: Any) -> list[str]:
     if cache_config is not None and cache_config.kv_cache_dtype_skip_layers:
         reasons.append("--kv-cache-dtype-skip-layers (mixed page formats in one pool)")
     model_config = getattr(vllm_config, "model_config", None)
-    if model_config is not None and getattr(model_config, "is_hybrid", False):
+    hybrid = model_config is not None and getattr(model_config, "is_hybrid", False)
+    if hybrid and "hybrid-block-size" not in VLLM_033.patches:
         reasons.append(
             "hybrid (Mamba/linear-attention) models (their page alignment is not adapted "
             "to 0.33 yet)"
