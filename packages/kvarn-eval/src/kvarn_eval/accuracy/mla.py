@@ -6,20 +6,25 @@ DeepSeek's multi-head latent attention caches, per token and layer, a latent ``c
 converts a real grouped-query model into that form from its own weights and activations (the
 idea of TransMLA, arXiv:2502.07864, and MHA2MLA, arXiv:2502.14837), without training:
 
-1. **Shared RoPE key** (TransMLA's RoRoPE): write each KV head's pre-RoPE key as 32 complex
-   numbers ``z[g, i] = k[g, i] + j k[g, i + D/2]`` (the ``rotate_half`` pairs). RoPE multiplies
-   ``z[:, i]`` by one phase for every head, so a unitary mix ``U_i`` across the KV heads commutes
-   with it. ``U_i`` is the principal basis of ``z[:, i]`` over calibration tokens; component 0 of
-   every frequency forms the shared ``D``-wide RoPE key (``k_pe``, after RoPE as DeepSeek caches
-   it); a query of KV group ``g`` reads it through ``q_i * conj(U_i[g, 0])``: exact.
-2. **NoPE part**: the other components of the ``nope_freqs`` lowest frequencies rotate by less
-   than a few hundredths of a radian over the context, so they are kept without RoPE (pre-RoPE key
-   and query); the other components of the higher frequencies are dropped (the conversion's loss,
-   besides the latent's rank).
+1. **Shared RoPE key** (TransMLA's RoRoPE): write each KV head's pre-RoPE key as ``D/2``
+   complex numbers ``z[g, i] = k[g, i] + j k[g, i + D/2]`` (the ``rotate_half`` pairs). RoPE
+   multiplies ``z[:, i]`` by one phase for every head, so a unitary mix ``U_i`` across the KV
+   heads commutes with it: ``w[:, i] = U_i^H z[:, i]``, ``U_i`` the principal axes of ``z[:, i]``
+   over calibration tokens. The ``rope_pairs`` components ``w[c, i]`` with the largest
+   attention-weighted logit energy form the shared RoPE key (``k_pe``, width ``2 * rope_pairs``,
+   after RoPE as DeepSeek caches it); a query of KV group ``g`` reads component ``(c, i)``
+   through ``q_i * conj(U_i[g, c])``: exact.
+2. **NoPE part**: the other components of the ``nope_freqs`` lowest frequencies turn by less
+   than about a radian over 1K tokens, so they are kept without RoPE (pre-RoPE key and query),
+   in the latent; the other components are dropped (the conversion's loss, with the rank).
 3. **Latent** (data-aware low rank, not a weight SVD): ``[alpha * nope; v]`` over calibration
    tokens is factored by PCA into ``rank`` channels (``alpha`` balances the key and value energy),
    and each latent channel is scaled to unit variance (like the RMS-normalized latent of DeepSeek;
    the scales fold into the up-projections, exactly).
+
+Measured on SmolLM2-135M (``docs/mla.md``): the model has no spare RoPE capacity; dropping even
+1% of that logit energy moves a layer's output by 10-50%, so a 64-wide RoPE key (32 of its 96
+pairs) costs much of its perplexity without training.
 
 The attention of :class:`MLAAttention` is computed in float32 in the expanded form (keys and
 values up-projected from the latent); the absorbed form gives the same numbers. With
