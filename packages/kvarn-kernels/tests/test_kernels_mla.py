@@ -11,6 +11,7 @@ from kvarn_kernels.mla import (
     dequantize_latent,
     mla_cache_shape,
     mla_decode_attention,
+    stage_latent,
     store_latent,
 )
 from kvarn_math.mla import decode_latent_tiles, encode_latent_tiles, mla_layout
@@ -145,3 +146,32 @@ def test_shapes_and_splits() -> None:
     assert choose_mla_splits(1, 1, 256) == 64
     assert choose_mla_splits(64, 4, 256) == 1
     assert choose_mla_splits(1, 1, 3) == 3
+
+
+def test_stage_then_decode_reads_the_staged_rows() -> None:
+    """Rows staged token by token (one padding token skipped) are what decode reads."""
+    preset = "kvarn_mla_l4_g64"
+    batch = build_batch(preset, [64 + 20], [64], ring_tiles=1)
+    lat, pe = batch.tails[0]
+    staging = torch.full_like(batch.staging, float("nan"))
+    pos = torch.arange(64, 84)
+    slots = batch.staging_slots.expand(20).clone()
+    stage_latent(torch.from_numpy(lat), torch.from_numpy(pe), staging, slots, pos)
+    stage_latent(
+        torch.zeros(1, 512), torch.zeros(1, 64), staging, torch.tensor([-1]), torch.tensor([70])
+    )
+    assert torch.equal(staging[0, 0:20, :512], torch.from_numpy(lat))
+    assert torch.isnan(staging[0, 20:]).all()
+    q = torch.randn(1, 16, 512) / 32
+    qpe = torch.randn(1, 16, 64) / 8
+    args = (
+        batch.block_table,
+        batch.seq_lens,
+        batch.quantized_lens,
+        batch.staging_slots,
+        preset,
+        0.1,
+    )
+    a = mla_decode_attention(q, qpe, batch.cache, staging, *args, num_splits=2)
+    b = mla_decode_attention(q, qpe, batch.cache, batch.staging, *args, num_splits=2)
+    assert torch.equal(a, b)

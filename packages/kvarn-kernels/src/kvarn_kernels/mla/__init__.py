@@ -6,6 +6,7 @@ from kvarn_kernels.mla.launch import (
     dequantize_latent,
     mla_cache_shape,
     mla_decode_attention,
+    stage_latent,
     store_latent,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "dequantize_latent",
     "mla_cache_shape",
     "mla_decode_attention",
+    "stage_latent",
     "store_latent",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "mla_cache_shape",
     "allocate_mla_cache",
     "store_latent",
+    "stage_latent",
     "dequantize_latent",
     "mla_decode_attention",
     "choose_mla_splits",
@@ -127,6 +128,35 @@ def store_latent(
         **_offsets(lay),
         num_warps=4,
     )
+
+
+def stage_latent(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    staging: torch.Tensor,
+    staging_slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Copy token rows into the staging ring (exact, in staging's dtype), where
+    :func:`mla_decode_attention` reads the open tile: ``staging[slot, p % (S * G)] =
+    [latent | rope]``. Torch indexing only (no host sync, CUDA-graph safe).
+
+    Args:
+        latent: ``[T, L]``; rope: ``[T, R]``.
+        staging: ``[num_slots, S * G, L + R]``.
+        staging_slots: int ``[T]``: each token's slot (its sequence's), ``< 0`` skips it.
+        positions: int ``[T]``: each token's position in its sequence.
+    """
+    t, width = latent.shape
+    check_tensor("rope", rope, shape=(t, staging.shape[2] - width))
+    check_tensor("staging_slots", staging_slots, dtype=(torch.int32, torch.int64), shape=(t,))
+    check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,))
+    keep = staging_slots >= 0
+    slots = torch.where(keep, staging_slots, 0).long()
+    rows = (positions % staging.shape[1]).long()
+    new = torch.cat([latent, rope], dim=1).to(staging.dtype)
+    old = staging[slots, rows]
+    staging[slots, rows] = torch.where(keep[:, None], new, old)
 
 
 def dequantize_latent(
