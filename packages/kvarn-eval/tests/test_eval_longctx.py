@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from kvarn_eval import cli
-from kvarn_eval.accuracy.longctx import generate_answers, paired_by_context, score_context
+from kvarn_eval.accuracy.longctx import generate_answers, score_context
 from kvarn_eval.accuracy.methods import select_methods
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, install, pseudo_decode
 from kvarn_eval.gpu_longctx import retrieval_rows
@@ -28,6 +28,7 @@ from kvarn_eval.longctx import (
     build_cells,
     cell_length,
     haystack_ids,
+    paired_by_context,
     repeated_ngram_fraction,
 )
 

@@ -35,6 +35,7 @@ from kvarn_eval.longctx import (
     LongCtxOptions,
     answer_found,
     max_new_tokens,
+    paired_by_context,
     repeated_ngram_fraction,
 )
 from kvarn_eval.serving.runner import EngineJob
@@ -65,10 +66,11 @@ def write_prompts(
 
     Returns:
         The file, its sha256 and one metadata dict per retrieval item (task, length, context
-        key, depth, answer ids), in the order of the file's questions.
+        key, prompt tokens, depth, answer text, tokens to generate), in the order of the
+        file's questions.
     """
     contexts: list[list[int]] = []
-    questions: list[tuple[int, list[int]]] = []
+    questions: list[tuple[int, list[int], int]] = []  # (context, question ids, max tokens)
     items: list[dict[str, Any]] = []
     for (task, length), cell in cells.items():
         for context in cell:
@@ -169,7 +171,8 @@ def longctx_jobs(
 
 def run_workload(llm: Any, job: dict[str, Any], record: dict[str, Any], save: Any) -> None:
     """The worker's ``longctx`` workload: every retrieval prompt at once, then every long
-    generation at once, greedy, ``ignore_eos``; the generated ids go into ``record``."""
+    generation at once, greedy, ``ignore_eos``; the generated texts and ids go into
+    ``record``."""
     from vllm import SamplingParams
 
     work = job["workload"]
@@ -205,17 +208,6 @@ def run_workload(llm: Any, job: dict[str, Any], record: dict[str, Any], save: An
         record["longgen_sample"] = outs[0].outputs[0].text[:600] if outs else ""
 
 
-def _paired(mine: Sequence[bool], ref: Sequence[bool], keys: Sequence[str]) -> tuple[float, float]:
-    from kvarn_eval.accuracy.summary import weighted_mean_and_se
-
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for a, b, k in zip(mine, ref, keys, strict=True):
-        sums[k] = sums.get(k, 0.0) + float(a) - float(b)
-        counts[k] = counts.get(k, 0) + 1
-    return weighted_mean_and_se([sums[k] / counts[k] for k in sums], list(counts.values()))
-
-
 def retrieval_rows(
     label: str, right: Sequence[bool], ref: Sequence[bool] | None, items: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -245,7 +237,7 @@ def retrieval_rows(
         }
         if ref is not None:
             base = [ref[i] for i in idx]
-            row["change"], row["change_se"] = _paired(
+            row["change"], row["change_se"] = paired_by_context(
                 mine, base, [items[i]["context"] for i in idx]
             )
             row["agreement"] = sum(a == b for a, b in zip(mine, base)) / len(idx)

@@ -43,6 +43,7 @@ __all__ = [
     "build_cell",
     "build_cells",
     "max_new_tokens",
+    "paired_by_context",
     "cell_length",
     "answer_found",
     "haystack_ids",
@@ -450,6 +451,28 @@ def answer_found(text: str, answer: str) -> bool:
         re.search(rf"(?<!\d){re.escape(v.strip())}(?!\d)", text) is not None
         for v in answer.split(",")
     )
+
+
+def paired_by_context(
+    mine: Sequence[bool], ref: Sequence[bool], contexts: Sequence[Any]
+) -> tuple[float, float]:
+    """Mean of (mine right) - (reference right) over items and its standard error, the
+    items clustered by context (per-context means weighted by their item counts).
+
+    Args:
+        mine: per item, this method right.
+        ref: per item, the reference right (same items, same order).
+        contexts: per item, its context (any hashable key).
+    """
+    from kvarn_eval.accuracy.summary import weighted_mean_and_se
+
+    sums: dict[Any, float] = {}
+    counts: dict[Any, int] = {}
+    for a, b, c in zip(mine, ref, contexts, strict=True):
+        sums[c] = sums.get(c, 0.0) + float(a) - float(b)
+        counts[c] = counts.get(c, 0) + 1
+    keys = list(sums)
+    return weighted_mean_and_se([sums[k] / counts[k] for k in keys], [counts[k] for k in keys])
 
 
 def max_new_tokens(item: LongItem) -> int:

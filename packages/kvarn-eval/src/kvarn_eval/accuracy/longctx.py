@@ -30,14 +30,12 @@ from kvarn_eval.accuracy.pseudo_decode import (
     pseudo_decode,
     with_cache,
 )
-from kvarn_eval.accuracy.summary import weighted_mean_and_se
-from kvarn_eval.longctx import LongContext, answer_found, max_new_tokens
+from kvarn_eval.longctx import LongContext, answer_found, max_new_tokens, paired_by_context
 
 __all__ = [
     "evaluate_longctx",
     "generate_answers",
     "longctx_tables",
-    "paired_by_context",
     "score_context",
 ]
 
@@ -88,26 +86,6 @@ def score_context(
     ``decode`` gives)."""
     outs = generate_answers(model, context)
     return [answer_found(decode(o), it.answer_text) for o, it in zip(outs, context.items)]
-
-
-def paired_by_context(
-    mine: Sequence[bool], ref: Sequence[bool], contexts: Sequence[int]
-) -> tuple[float, float]:
-    """Mean of (mine right) - (reference right) over items and its standard error, the
-    items clustered by context (per-context means weighted by their item counts).
-
-    Args:
-        mine: per item, this method right.
-        ref: per item, the reference right (same items, same order).
-        contexts: per item, its context's index.
-    """
-    sums: dict[int, float] = {}
-    counts: dict[int, int] = {}
-    for a, b, c in zip(mine, ref, contexts, strict=True):
-        sums[c] = sums.get(c, 0.0) + float(a) - float(b)
-        counts[c] = counts.get(c, 0) + 1
-    keys = list(sums)
-    return weighted_mean_and_se([sums[k] / counts[k] for k in keys], [counts[k] for k in keys])
 
 
 def evaluate_longctx(
