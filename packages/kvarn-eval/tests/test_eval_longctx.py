@@ -18,7 +18,7 @@ from kvarn_eval import cli
 from kvarn_eval.accuracy.longctx import generate_answers, score_context
 from kvarn_eval.accuracy.methods import select_methods
 from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, install, pseudo_decode
-from kvarn_eval.gpu_longctx import retrieval_rows
+from kvarn_eval.gpu_longctx import depth_rows, retrieval_rows
 from kvarn_eval.longctx import (
     ANSWER_SLACK,
     TASKS,
@@ -155,6 +155,11 @@ def test_measures() -> None:
     rows = retrieval_rows("c", [False, False, True, True], [True] * 4, items)
     assert [(r["task"], r["items"]) for r in rows] == [("all", 4), ("passkey", 4)]
     assert rows[0]["change"] == -0.5 and rows[0]["change_se"] == pytest.approx(se)
+    deep = [{**m, "depth": d} for m, d in zip(items, (0.1, 0.2, 0.5, 0.9), strict=True)]
+    thirds = depth_rows("c", [False, False, True, True], [True] * 4, deep)
+    assert [(r["task"], r["items"], r["accuracy"]) for r in thirds] == [
+        ("first third", 2, 0.0), ("middle third", 1, 1.0), ("last third", 1, 1.0),
+    ]  # fmt: skip
 
 
 def test_greedy_answers_equal_full_passes(tok: Any, hay: list[int]) -> None:
@@ -255,6 +260,7 @@ def test_gpu_suite_against_the_stand_in(
     assert gen["fp8"]["exact_match"] == 1.0 and gen["kvarn_k4v2_g128"]["mean_lcp"] == 9
     assert (out / "longctx.png").is_file()
     assert {t["title"].split(":")[0] for t in result["tables"]} == {"longctx"}
+    assert {d["task"] for d in result["depth"]} <= {"first third", "middle third", "last third"}
 
 
 def test_dry_run_prints_the_engines(capsys: pytest.CaptureFixture[str]) -> None:

@@ -245,6 +245,36 @@ def retrieval_rows(
     return rows
 
 
+DEPTH_BINS = (
+    (0.0, 1 / 3, "first third"),
+    (1 / 3, 2 / 3, "middle third"),
+    (2 / 3, 1.01, "last third"),
+)
+
+
+def depth_rows(
+    label: str, right: Sequence[bool], ref: Sequence[bool] | None, items: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Rows of one cache per third of the context where the asked needle sits, over every
+    task and length (the first tile and the recent ones stay exact in a kvarn cache): the
+    fields of :func:`retrieval_rows`, ``task`` naming the third."""
+    rows = []
+    for lo, hi, name in DEPTH_BINS:
+        idx = [i for i, m in enumerate(items) if lo <= m["depth"] < hi]
+        if not idx:
+            continue
+        mine = [right[i] for i in idx]
+        row: dict[str, Any] = {"cache": label, "task": name, "length": None, "items": len(idx)}
+        row["accuracy"] = sum(mine) / len(idx)
+        if ref is not None:
+            base = [ref[i] for i in idx]
+            keys = [items[i]["context"] for i in idx]
+            row["change"], row["change_se"] = paired_by_context(mine, base, keys)
+            row["agreement"] = sum(a == b for a, b in zip(mine, base)) / len(idx)
+        rows.append(row)
+    return rows
+
+
 def _fmt_change(row: dict[str, Any]) -> str:
     if row.get("change") is None:
         return f"{100 * row['accuracy']:.1f}"
@@ -276,6 +306,7 @@ def longctx_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) 
             answer_found(t, m["answer"]) for t, m in zip(reference["retrieval_texts"], items)
         ]
     retrieval: list[dict[str, Any]] = []
+    depth: list[dict[str, Any]] = []
     generation: list[dict[str, Any]] = []
     status: list[list[str]] = []
     for r in records:
@@ -290,8 +321,10 @@ def longctx_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) 
         if texts:
             right = [answer_found(t, m["answer"]) for t, m in zip(texts, mine_items)]
             same = ref_right is not None and len(mine_items) == len(items)
-            for row in retrieval_rows(label, right, ref_right if same else None, mine_items):
+            base = ref_right if same else None
+            for row in retrieval_rows(label, right, base, mine_items):
                 retrieval.append({**row, "bits_per_element": bits, "role": role(r)})
+            depth += depth_rows(label, right, base, mine_items)
         gen = r.get("longgen_outputs")
         if gen:
             row = {"cache": label, "role": role(r), "bits_per_element": bits}
@@ -305,14 +338,16 @@ def longctx_result(records: Sequence[dict[str, Any]], settings: dict[str, Any]) 
         "settings": settings,
         "reference": None if reference is None else reference["meta"].get("label"),
         "retrieval": retrieval,
+        "depth": depth,
         "generation": generation,
-        "tables": _tables(retrieval, generation, status, settings),
+        "tables": _tables(retrieval, depth, generation, status, settings),
         "plot_file": "longctx",
     }
 
 
 def _tables(
     retrieval: list[dict[str, Any]],
+    depth: list[dict[str, Any]],
     generation: list[dict[str, Any]],
     status: list[list[str]],
     settings: dict[str, Any],
@@ -343,6 +378,11 @@ def _tables(
         for r in sorted(retrieval, key=lambda r: (r["task"], r["length"]))
         if r["task"] != "all"
     ]
+    thirds = {(d["cache"], d["task"]): d for d in depth}
+    by_depth = [
+        [c, *[_fmt_change(thirds[(c, n)]) if (c, n) in thirds else "-" for _, _, n in DEPTH_BINS]]
+        for c in caches
+    ]
     gen_rows = [
         [
             g["cache"] + (" (reference)" if g["role"] == "reference" else ""),
@@ -367,6 +407,12 @@ def _tables(
             "agreement: items right or wrong alike with the reference",
             "header": ["task", "length", "cache", "items", "accuracy % (change ± SE)", "agree %"],
             "rows": detail,
+        },
+        {
+            "title": "longctx: retrieval accuracy % by where the asked needle sits, over all "
+            "tasks and lengths (change ± paired SE)",
+            "header": ["cache", *[name for _, _, name in DEPTH_BINS]],
+            "rows": by_depth,
         },
         {
             "title": f"longctx: long generations, {settings.get('longgen_prompts')} passages of "
