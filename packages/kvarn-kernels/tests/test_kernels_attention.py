@@ -246,10 +246,10 @@ def test_decode_head_dim_256(seed: int, preset: str) -> None:
 
 @pytest.mark.parametrize("lens", [[60], [130]])
 def test_exact_tokens_keep_fp16_precision_for_bf16_models(lens: list[int]) -> None:
-    """Staged (exact) tokens are scored and weighted with fp16 operands whatever the model
-    dtype, so a bf16 model's error against the reference stays at the fp16 bound, with keys
-    whose outlier channels make large logits (a rotated query rounded to bf16, as before
-    2026-12-02, erred several times more here)."""
+    """Staged (exact) tokens of a bf16 model are scored and weighted with the query and the
+    probabilities kept to 16 bits (two bf16 parts), so the error against the reference stays
+    within the fp16 bound, with keys whose outlier channels make large logits (a rotated query
+    rounded to bf16, as before 2026-12-02, erred several times more here)."""
     case = {
         "preset": "kvarn_k4v2_g64",
         "head_dim": 64,
@@ -267,9 +267,10 @@ def test_exact_tokens_keep_fp16_precision_for_bf16_models(lens: list[int]) -> No
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tokens_at_fp16s_limit_stay_finite(dtype: torch.dtype) -> None:
     """Tokens of +-65504 in every channel: rotated they reach sqrt(D) x 65504, past fp16's
-    range, which bf16 staging holds. The exact tokens' fp16 dot operands saturate instead of
-    becoming infinities (the H200 GPU test of this case gave NaN, 2026-12-03); the quantized
-    tile's record saturates its fp16 scales."""
+    range, which bf16 staging holds. The exact tokens stay finite (the H200 GPU test of this
+    case gave NaN, 2026-12-03, when they became fp16 infinities; bf16 rows are now dot operands
+    as they are, test_kernels_attention_range); the quantized tile's record saturates its fp16
+    scales."""
     from kernel_testing import nan_like_staging, unwritten_cache
     from kvarn_math import tile_layout
 

@@ -28,7 +28,6 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._triton import (
     INTERPRET,
-    fp16_operand,
     fwht_rows,
     load_packed,
     log8_factor,
@@ -49,6 +48,7 @@ __all__ = [
 
 # A finite "minus infinity" for the running max, so exp2 of differences stays 0 or 1.
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+_INTERP: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -80,11 +80,10 @@ def _exact_step(q, qpos, window, pos, valid, m_i, l_i, acc, k_ptrs, v_ptrs, FP32
     k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)  # [SUB, D] rotated
     if FP32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif k.dtype == tl.bfloat16:
+        s = _bf16_dot(q, tl.trans(k))  # bf16 keys past fp16's range as they are
     else:
-        # fp16 operands for bf16 models too: the rotated query keeps 11 significant bits, not
-        # bf16's 8 (bf16 keys convert exactly within fp16's range, which the records' fp16
-        # scales assume anyway; past it they saturate).
-        s = tl.dot(q.to(tl.float16), tl.trans(fp16_operand(k)))
+        s = tl.dot(q.to(tl.float16), tl.trans(k))
     vis = _visible(pos, qpos, window, 0, False) & valid[None, :]  # valid bounds the positions
     s = tl.where(vis, s, float("-inf"))
     p, m_i, l_i, acc = _online_update(s, m_i, l_i, acc)
@@ -97,9 +96,30 @@ def _exact_values(p, acc, v_ptrs, valid, FP32):
     v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
     if FP32:
         acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    elif v.dtype == tl.bfloat16:
+        acc += _bf16_dot(p, v)
     else:
-        acc += tl.dot(p.to(tl.float16), fp16_operand(v))  # p <= 1: 11 significant bits
+        acc += tl.dot(p.to(tl.float16), v)  # p <= 1: 11 significant bits
     return acc
+
+
+@triton.jit
+def _bf16_dot(x, y):
+    """``x @ y`` (fp32) of fp32 ``x`` and bf16 ``y``, the exact rows of a bf16 model: ``y`` as
+    it is (a bf16 model's massive activations pass fp16's 65504, where an fp16 operand would
+    saturate them) and ``x`` as two bf16 parts, ``hi + lo``, which keep 16 significant bits
+    (more than fp16's 11: queries and probabilities) over fp32's range (probabilities under
+    fp16's 6e-8 still weigh values of 1e20). Every product is exact in the fp32 accumulator."""
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    if _INTERP:
+        # The interpreter's bf16 x bf16 dot reads the operands' bits wrongly: the same
+        # products (exact in fp32) through an fp32 dot.
+        yf = y.to(tl.float32)
+        out = tl.dot(hi.to(tl.float32), yf, input_precision="ieee")
+        return tl.dot(lo.to(tl.float32), yf, out, input_precision="ieee")
+    else:
+        return tl.dot(lo, y, tl.dot(hi, y))
 
 
 @triton.jit
