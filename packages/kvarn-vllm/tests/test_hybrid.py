@@ -131,7 +131,13 @@ def _silu_and_mul_without_op(self, *, compile_native: bool = True) -> None:
     super(SiluAndMul, self).__init__(compile_native=compile_native)
 
 
-def _build(model_dir: str, cache_dtype: str, prefix_caching: bool, align: bool = True):
+def _build(
+    model_dir: str,
+    cache_dtype: str,
+    prefix_caching: bool,
+    align: bool = True,
+    max_num_batched_tokens: int = MAX_MODEL_LEN,
+):
     """The layers of the model, its block size updated as a worker does, and every layer's
     spec: ``(vllm_config, {layer name: layer}, {layer name: spec})``."""
     import torch
@@ -158,9 +164,10 @@ def _build(model_dir: str, cache_dtype: str, prefix_caching: bool, align: bool =
         cache_config=CacheConfig(cache_dtype=cache_dtype, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=8,
-            max_num_batched_tokens=MAX_MODEL_LEN,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=MAX_MODEL_LEN,
             is_encoder_decoder=False,
+            enable_chunked_prefill=True,
         ),
         device_config=DeviceConfig(device="cpu"),
         load_config=LoadConfig(load_format="dummy"),
@@ -362,3 +369,17 @@ def test_hybrid_sliding_window_layers_follow_the_dense_policy():
         make_layer_spec(config, block_size=96, hybrid=True, **shape)
     with pytest.raises(ValueError, match="must equal the kvarn_k4v2_g64 tile size 64"):
         make_layer_spec(config, block_size=640, **shape)
+
+
+def test_align_mode_block_over_the_step_budget_is_refused(model_parallel, model_dirs):
+    """Qwen3-Next caches recurrent states in vLLM's 'align' mode under prefix caching, which
+    schedules whole blocks: a kvarn block longer than a step's token budget is a start-up
+    error naming the block, the budget and both ways out (vLLM would stop on an assertion)."""
+    bf16, _, _ = _build(model_dirs["qwen3_next"], "auto", True, max_num_batched_tokens=512)
+    assert bf16.cache_config.mamba_cache_mode == "align"
+    assert bf16.cache_config.block_size <= 512  # bf16's block fits the budget
+    with pytest.raises(ValueError, match=r"takes (\d+) tokens of this cache") as info:
+        _build(model_dirs["qwen3_next"], "kvarn_k4v2_g128", True, max_num_batched_tokens=512)
+    message = str(info.value)
+    assert "max_num_batched_tokens is 512" in message
+    assert "--max-num-batched-tokens" in message and "--no-enable-prefix-caching" in message
