@@ -93,3 +93,32 @@ def test_block_mask() -> None:
         False,
         False,
     ]
+
+
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "mla_convert.py"
+    spec = importlib.util.spec_from_file_location("mla_convert", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_helpers() -> None:
+    script = _script()
+    names = [m.name for m in script.sweep_recipes()]
+    assert len(names) == len(set(names))
+    budget = {m.name: m.bytes_per_token(512, 64) for m in script.pseudo_decode_methods()}
+    assert budget["kvarn_mla_l4_g128"] == 330 and budget["fp8_ds_mla"] == 656
+    assert budget["rtn4_w512_int8"] <= 330  # plain RTN at (no more than) the default's bytes
+    padded = script.Padded(LatentRecipe("r", group=256, rope="int8", tile=16))
+    lat = np.random.default_rng(0).standard_normal((32, 200)).astype(np.float32)
+    pe = np.ones((32, 8), np.float32)
+    back, _ = padded.roundtrip(lat, pe)
+    assert back.shape == lat.shape and np.abs(back - lat).max() < 0.5
+    logp = [torch.log_softmax(torch.randn(5, 11), -1)]
+    same = script.score(logp, logp, [[0, 1, 2, 3, 4, 5]])
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["top1"] == 1.0

@@ -441,11 +441,13 @@ def mla_combine_kernel(
     m = tl.load(ws_ml + part * 2, mask=smask, other=-1.0e30)
     l_sum = tl.load(ws_ml + part * 2 + 1, mask=smask, other=0.0)
     big = tl.max(m, axis=0)
-    w = tl.where(smask, tl.exp2(m - big), 0.0)
-    denom = tl.sum(w * l_sum, axis=0)
+    denom = tl.sum(tl.where(smask, tl.exp2(m - big), 0.0) * l_sum, axis=0)
     c = tl.arange(0, L)
-    acc = tl.load(ws_acc + part[:, None] * L + c[None, :], mask=smask[:, None], other=0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
+    num = tl.zeros((L,), tl.float32)
+    first = (b * H + h).to(tl.int64) * NUM_SPLITS
+    for k in range(NUM_SPLITS):  # one split's row at a time: L floats live, not S * L
+        w = tl.exp2(tl.load(ws_ml + (first + k) * 2) - big)
+        num += w * tl.load(ws_acc + (first + k) * L + c)
     res = tl.div_rn(num, tl.maximum(denom, 1.0e-30))
     dst = out_ptr + b.to(tl.int64) * out_stride_b + h.to(tl.int64) * out_stride_h + c
     tl.store(dst, res.to(out_ptr.dtype.element_ty))
