@@ -199,6 +199,26 @@ def arithmetic(runs: list[dict[str, Any]], config: dict[str, Any], max_model_len
                 run["vs_first"] = round(tokens / base["kv_cache_tokens"], 3)
 
 
+def attention_page_bytes(cache: str, block_size: int, config: dict[str, Any]) -> int:
+    """Bytes of one attention block of one layer: the page every group of the pool uses (the
+    worker pads the recurrent states to it; the front-end process is not told, so the script
+    recomputes it as vLLM 0.26 and kvarn-vllm do)."""
+    heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    if cache.startswith("kvarn_"):
+        from kvarn_vllm.config import parse_kv_cache_dtype
+        from kvarn_vllm.hybrid import tile_page_bytes
+
+        group = parse_kv_cache_dtype(cache).preset.group_size
+        return block_size // group * tile_page_bytes(cache, heads, head_dim)
+    if cache.startswith("turboquant_"):
+        from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+
+        slot = TurboQuantConfig.from_cache_dtype(cache, head_dim).slot_size_aligned
+        return block_size * heads * slot
+    element = 2 if cache in ("auto", "bfloat16", "float16") else 1  # fp8 variants: 1 byte
+    return block_size * heads * 2 * head_dim * element
+
+
 def write_model_dir(shape: str, out: Path) -> Path:
     folder = out / f"model-{shape}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -239,7 +259,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         result.update(
             block_size=cache.block_size,
             num_gpu_blocks=cache.num_gpu_blocks,
-            page_bytes=cache.mamba_page_size_padded,
+            page_bytes=attention_page_bytes(spec["cache"], cache.block_size, SHAPES[spec["shape"]]),
             mamba_cache_mode=cache.mamba_cache_mode,
             kv_cache_tokens_config=getattr(cache, "kv_cache_size_tokens", None),
         )
@@ -337,6 +357,7 @@ def phase_capacity(args: argparse.Namespace, out: Path, model: Path) -> list[dic
     for cache in args.caches:
         spec = {
             "name": f"{args.shape}-{cache}-capacity",
+            "shape": args.shape,
             "cache": cache,
             "llm_kwargs": _llm_kwargs(args, model, eager=True, prefix=False),
             "bf16_backend": args.bf16_backend,
@@ -361,6 +382,7 @@ def phase_modes(args: argparse.Namespace, out: Path, model: Path) -> list[dict[s
         for mode, (eager, prefix_on) in MODES.items():
             spec = {
                 "name": f"{args.shape}-{cache}-{mode}",
+                "shape": args.shape,
                 "cache": cache,
                 "llm_kwargs": _llm_kwargs(args, model, eager=eager, prefix=prefix_on),
                 "bf16_backend": args.bf16_backend,

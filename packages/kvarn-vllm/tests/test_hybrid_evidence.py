@@ -132,6 +132,42 @@ def test_evidence_arithmetic_is_vllms(registered, tmp_path, shape):
     assert k4v2["blocks_per_request"] < bf16["blocks_per_request"]
 
 
+@pytest.mark.parametrize("shape", ["nemotron-h-8b", "qwen3-next-80b"])
+def test_evidence_page_is_the_padded_state_page(registered, tmp_path, shape):
+    """The page the script recomputes for each cache (the front-end process is not told the
+    worker's padding) is the one vLLM's alignment pads the recurrent states to."""
+    from kvarn_vllm.backend import backend_class
+    from kvarn_vllm.hybrid import mamba_page_bytes
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+
+    script = _script()
+    (tmp_path / "config.json").write_text(json.dumps(script.SHAPES[shape]))
+    model_config = ModelConfig(
+        model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=8192
+    )
+    for cache in ("auto", "fp8", "turboquant_4bit_nc", "turboquant_k3v4_nc", "kvarn_k4v2_g64"):
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(cache_dtype=cache, enable_prefix_caching=False),
+            device_config=DeviceConfig(device="cpu"),
+        )
+        backend = FlashAttentionBackend
+        if cache.startswith("turboquant_"):
+            backend = TurboQuantAttentionBackend
+        elif cache.startswith("kvarn_"):
+            backend = backend_class(cache)
+        vllm_config.cache_config.block_size = backend.get_preferred_block_size(16)
+        Platform._align_hybrid_block_size(vllm_config, backend)
+        block = vllm_config.cache_config.block_size
+        page = script.attention_page_bytes(cache, block, script.SHAPES[shape])
+        # vLLM pads nothing when the page equals the state (fp8 at Qwen3-Next's shape).
+        padded = vllm_config.cache_config.mamba_page_size_padded
+        assert page == (padded or mamba_page_bytes(vllm_config)), (cache, block)
+
+
 def main() -> None:
     """Print the real shapes' page arithmetic (the table in docs/serving.md)."""
     import tempfile
