@@ -467,11 +467,22 @@ def plot_longctx(result: dict[str, Any], path: Path, title: str = "") -> Path | 
     return path
 
 
-def plan_line(options: Any) -> str:
-    """``--dry-run``'s line for ``longctx``: engines, cells, items, long generations."""
+def plan_line(name: str, options: Any) -> str:
+    """``--dry-run``'s line for ``longctx`` (engines, cells, long generations) or
+    ``longctx_cpu`` (methods, cells)."""
+    from kvarn_eval.accuracy.methods import select_methods
     from kvarn_eval.serving.caches import parse_caches
 
     lo: LongCtxOptions = options.longctx
+    if name == "longctx_cpu":
+        names = [m.name for m in select_methods(lo.cpu_methods, options.block_size)]
+        if options.reference not in names:
+            names.insert(0, options.reference)
+        return (
+            f"{len(lo.tasks)} tasks x lengths {','.join(map(str, lo.cpu_lengths))} x "
+            f"{lo.cpu_items} items, {len(names)} methods ({', '.join(names)}) under "
+            f"pseudo-decode on {options.model}"
+        )
     caches = parse_caches(lo.caches)
     engines = len(caches) + int(not any(c.is_reference for c in caches))
     engines += int(bool(lo.longgen_prompts and lo.noise_max_num_seqs))

@@ -122,7 +122,7 @@ def suite_plan(name: str, options: BenchOptions) -> str | None:
             f"{_count(engines, 'vLLM engine')} on {model} (the caches, the bf16 reference, "
             f"the noise run): {s.ppl_chunks} chunks x {s.ppl_tokens} tokens"
         )
-    if name == "longctx":
+    if name in ("longctx", "longctx_cpu"):
         from kvarn_eval.gpu_longctx import plan_line
 
         return plan_line(options)
