@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _releases
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "host_cost.py"
 
 
@@ -36,3 +38,7 @@ def test_host_cost_refuses_bad_sizes():
         [sys.executable, str(SCRIPT), "--requests", "0"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "--requests: must be >= 1" in proc.stderr
+
+
+# speculative steps, served on vLLM 0.26: where the 'draft-steps' ledger entry applies
+pytestmark = _releases.needs("draft-steps")

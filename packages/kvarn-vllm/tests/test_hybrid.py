@@ -15,6 +15,7 @@ import math
 import socket
 from dataclasses import replace
 
+import _releases
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -383,3 +384,7 @@ def test_align_mode_block_over_the_step_budget_is_refused(model_parallel, model_
     message = str(info.value)
     assert "max_num_batched_tokens is 512" in message
     assert "--max-num-batched-tokens" in message and "--no-enable-prefix-caching" in message
+
+
+# hybrid models, where the release applies that entry: where the 'hybrid-block-size' ledger entry applies
+pytestmark = _releases.needs("hybrid-block-size")

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import _releases
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "kvarn-eval" / "scripts" / "hybrid_evidence.py"
@@ -199,3 +200,7 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
+
+
+# hybrid models, where the release applies that entry: where the 'hybrid-block-size' ledger entry applies
+pytestmark = _releases.needs("hybrid-block-size")

@@ -222,3 +222,32 @@ def test_layer_spec_and_cache_follow_the_tile_layout(
     recs = _releases.records(cache)
     assert tuple(recs.shape) == (3, 2, tile) and recs.dtype in (torch.uint8, torch.int8)
     assert recs.stride() == (2 * tile, tile, 1)
+
+
+@pytest.mark.skipif(
+    releases.current() is not releases.VLLM_033, reason="vLLM 0.33's public dtype registry"
+)
+def test_presets_through_the_public_registry_on_033(registered):
+    """On 0.33 the presets are registered through register_kv_cache_dtype (no Literal patch):
+    vLLM's CLI and CacheConfig accept them, storage is uint8, kvarn's quant mode is NONE, and
+    an unknown kvarn_* name is refused by CacheConfig with the name in the message."""
+    from kvarn_math.layout import PRESETS
+    from pydantic import ValidationError
+    from vllm.config import CacheConfig
+    from vllm.config.cache import KV_CACHE_DTYPES, get_kv_cache_dtype_handler
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for name in PRESETS:
+        assert KV_CACHE_DTYPES.count(name) == 1
+        assert get_kv_cache_dtype_handler(name).name == name
+        assert STR_DTYPE_TO_TORCH_DTYPE[name] is torch.uint8
+        assert get_kv_quant_mode(name) is KVQuantMode.NONE
+        assert parser.parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name
+        assert CacheConfig(cache_dtype=name).cache_dtype == name
+    with pytest.raises(ValidationError, match="kvarn_k9v9_g128"):
+        CacheConfig(cache_dtype="kvarn_k9v9_g128")
+    assert "kv-cache-dtype-values" not in releases.current().patches

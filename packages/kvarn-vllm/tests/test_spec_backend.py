@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 
+import _releases
 import pytest
 import torch
 from kvarn_math.layout import PRESETS, tile_layout
@@ -337,3 +338,7 @@ def test_soft_capped_layer_error_names_layer(vllm_config_factory):
         _attention(vc, prefix="model.layers.3.self_attn.attn", logits_soft_cap=50.0)
     assert "'model.layers.3.self_attn.attn'" in str(err.value)
     assert "soft-capping" in str(err.value)
+
+
+# vLLM 0.26's spec patch and its get_kv_cache_shape allocation: where the 'kv-cache-spec' ledger entry applies
+pytestmark = _releases.needs("kv-cache-spec")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import _releases
 import numpy as np
 import pytest
 import torch
@@ -799,3 +800,7 @@ def test_verify_rows_are_expanded_once_per_forward(vllm_config_factory, monkeypa
     assert len(calls) == 3
     assert not torch.isnan(alone).any()
     assert torch.equal(first, alone) and torch.equal(second, alone)
+
+
+# speculative decoding, served on vLLM 0.26: where the 'draft-steps' ledger entry applies
+pytestmark = [pytestmark, _releases.needs("draft-steps")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import _releases
 import numpy as np
 import pytest
 import torch
@@ -364,3 +365,7 @@ def test_dense_runs_pack_rows_into_the_workspace(monkeypatch):
         kimpl.dense_context_enabled()
     monkeypatch.delenv(kimpl.DENSE_CONTEXT_ENV)
     assert kimpl.dense_context_enabled()
+
+
+# vLLM 0.26's planning and allocation functions: where the 'kv-cache-spec' ledger entry applies
+pytestmark = [pytestmark, _releases.needs("kv-cache-spec")]

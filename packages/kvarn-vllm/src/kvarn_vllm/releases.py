@@ -111,9 +111,12 @@ class Adapter:
     def unserved(self, vllm_config: Any = None) -> list[str]:
         """What kvarn does not serve here for ``vllm_config`` (default: vLLM's current one)."""
         if vllm_config is None:
-            from vllm.config import get_current_vllm_config
+            from vllm.config import vllm as config_module
 
-            vllm_config = get_current_vllm_config()
+            current = getattr(config_module, "get_current_vllm_config_or_none", None)
+            vllm_config = current() if current is not None else None
+            if vllm_config is None:  # outside an engine (0.33 asserts in the plain getter)
+                return []
         return self.unserved_in(vllm_config)
 
 

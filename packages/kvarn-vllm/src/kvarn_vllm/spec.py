@@ -52,11 +52,23 @@ def spec_classes() -> tuple[type, type]:
         tiles = spec.block_size // layout.group_size
         return tiles * spec.num_kv_heads * layout.tile_bytes
 
+    def _states(spec: Any) -> None:
+        # vLLM 0.28+ sizes pages and views from (num_heads, num_states, state bytes): one
+        # state of G tokens per head, one tile record each (0.26 reads real_page_size_bytes).
+        if spec.kvarn_preset and getattr(spec, "state_content_bytes", False) is None:
+            layout = tile_layout(spec.kvarn_preset, spec.head_size)
+            object.__setattr__(spec, "state_content_bytes", layout.tile_bytes)
+            object.__setattr__(spec, "tokens_per_state", layout.group_size)
+
     @dataclass(frozen=True, kw_only=True)
     class KvarnFullAttentionSpec(FullAttentionSpec):
         """Full attention over a KVarN cache: ``num_kv_heads * tile_bytes`` per tile."""
 
         kvarn_preset: str = ""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            _states(self)
 
         @property
         def real_page_size_bytes(self) -> int:
@@ -75,6 +87,10 @@ def spec_classes() -> tuple[type, type]:
         """Sliding-window attention over a KVarN cache (same page as full attention)."""
 
         kvarn_preset: str = ""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            _states(self)
 
         @property
         def real_page_size_bytes(self) -> int:
