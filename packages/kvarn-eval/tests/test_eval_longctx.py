@@ -248,6 +248,8 @@ def test_gpu_suite_against_the_stand_in(
     ]  # fmt: skip
     ref = specs["longctx/bf16@TRITON_ATTN"]
     assert ref["llm_kwargs"]["max_model_len"] <= 1024  # the model's positions
+    assert ref["llm_kwargs"]["long_prefill_token_threshold"] == 128  # pseudo-decode on vLLM
+    assert ref["llm_kwargs"]["enable_prefix_caching"] is False
     assert len(ref["workload"]["items"]) == 4 * 2 * 5  # tasks x lengths (2048 capped) x items
     assert specs["longctx/bf16@TRITON_ATTN seqs<=4"]["workload"]["retrieval"] is False
     payload = json.loads((out / "results.json").read_text())

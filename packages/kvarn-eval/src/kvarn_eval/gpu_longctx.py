@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 
+MAX_NUM_SEQS = 128
+
+
 def _max_positions(model_dir: str) -> int | None:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     config = config.get("text_config", config)
@@ -135,9 +138,18 @@ def longctx_jobs(
         "max_model_len": max_len,
         "gpu_memory_utilization": gpu_memory_utilization,
         "enforce_eager": True,
-        "max_num_seqs": 128,
+        "max_num_seqs": MAX_NUM_SEQS,
         "seed": 0,
     }
+    if options.prefill_chunk:
+        # every prompt prefilled a chunk per step, all side by side; no prefix-cache hits, so
+        # every question reads its context as the chunks before it stored it
+        base.update(
+            enable_chunked_prefill=True,
+            long_prefill_token_threshold=options.prefill_chunk,
+            max_num_batched_tokens=MAX_NUM_SEQS * options.prefill_chunk,
+            enable_prefix_caching=False,
+        )
     work = {
         "kind": "longctx",
         "prompts_file": str(path),

@@ -123,6 +123,7 @@ class LongCtxOptions:
     longgen_context: int = 4096
     longgen_tokens: int = 1024
     noise_max_num_seqs: int = 8
+    prefill_chunk: int = 128
     cpu_lengths: tuple[int, ...] = (2048,)
     cpu_items: int = 20
     cpu_methods: str = DEFAULT_CPU_METHODS
@@ -138,7 +139,7 @@ class LongCtxOptions:
         for name in ("items", "cpu_items", "longgen_context", "longgen_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"longctx {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("longgen_prompts", "noise_max_num_seqs"):
+        for name in ("longgen_prompts", "noise_max_num_seqs", "prefill_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"longctx {name} must be >= 0, got {getattr(self, name)}")
 

@@ -86,6 +86,14 @@ def add_longctx_arguments(bench: argparse.ArgumentParser) -> None:
         f"({d.noise_max_num_seqs}; 0 skips it)",
     )
     group.add_argument(
+        "--longctx-prefill-chunk",
+        type=int,
+        default=d.prefill_chunk,
+        help="prompt tokens per prefill step in longctx, prefix caching off, so that every "
+        "chunk reads the earlier ones from the cache as stored (pseudo-decode through the real "
+        f"kernels; {d.prefill_chunk}, a kvarn tile); 0: vLLM's defaults",
+    )
+    group.add_argument(
         "--longctx-cpu-lengths",
         type=_ints,
         default=d.cpu_lengths,
@@ -116,6 +124,7 @@ def longctx_options_from_args(args: argparse.Namespace) -> LongCtxOptions:
         longgen_context=args.longctx_gen_context,
         longgen_tokens=args.longctx_gen_tokens,
         noise_max_num_seqs=args.longctx_noise_max_num_seqs,
+        prefill_chunk=args.longctx_prefill_chunk,
         cpu_lengths=tuple(args.longctx_cpu_lengths),
         cpu_items=args.longctx_cpu_items,
         cpu_methods=args.longctx_cpu_methods,
