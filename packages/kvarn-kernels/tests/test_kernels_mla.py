@@ -157,8 +157,9 @@ def test_stage_then_decode_reads_the_staged_rows() -> None:
     pos = torch.arange(64, 84)
     slots = batch.staging_slots.expand(20).clone()
     stage_latent(torch.from_numpy(lat), torch.from_numpy(pe), staging, slots, pos)
+    # a padding token aimed at a real token's row writes nothing
     stage_latent(
-        torch.zeros(1, 512), torch.zeros(1, 64), staging, torch.tensor([-1]), torch.tensor([70])
+        torch.zeros(1, 512), torch.zeros(1, 64), staging, torch.tensor([-1]), torch.tensor([64])
     )
     assert torch.equal(staging[0, 0:20, :512], torch.from_numpy(lat))
     assert torch.isnan(staging[0, 20:]).all()

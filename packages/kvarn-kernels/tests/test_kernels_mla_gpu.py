@@ -14,6 +14,7 @@ from kvarn_kernels.mla import (
     allocate_mla_cache,
     dequantize_latent,
     mla_decode_attention,
+    stage_latent,
     store_latent,
 )
 from kvarn_math.mla import decode_latent_tiles, encode_latent_tiles, mla_layout
@@ -148,3 +149,21 @@ def test_decode_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert not torch.equal(out, first)
+
+
+def test_stage_rows_at_size() -> None:
+    """1,000 tokens of 8 sequences into a 2-tile ring; padding tokens write nothing."""
+    t = 1000
+    lat = torch.randn(t, 512, device=DEV, dtype=torch.bfloat16)
+    pe = torch.randn(t, 64, device=DEV, dtype=torch.bfloat16)
+    slots = torch.arange(t, device=DEV) % 8
+    positions = torch.arange(t, device=DEV) // 8
+    slots[::97] = -1
+    staging = torch.zeros(8, 256, 576, device=DEV, dtype=torch.bfloat16)
+    stage_latent(lat, pe, staging, slots, positions)
+    keep = slots >= 0
+    got = staging[slots[keep], positions[keep] % 256]
+    assert torch.equal(got, torch.cat([lat, pe], 1)[keep])
+    skipped = (slots < 0).nonzero()[:, 0]
+    # a skipped token's own row holds nothing of it (zeros: no other token maps there)
+    assert (staging[skipped % 8, (skipped // 8) % 256] == 0).all()

@@ -15,6 +15,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 from kvarn_kernels._triton import rint_f32
 
 __all__ = [
+    "mla_stage_kernel",
     "mla_store_kernel",
     "mla_dequantize_kernel",
     "mla_decode_kernel",
@@ -89,6 +90,34 @@ def mla_store_kernel(
         pq = tl.clamp(rint_f32(tl.div_rn(pe, psafe), PRECISE), -127.0, 127.0).to(tl.int8)
         tl.store(cache_i8 + base + OFF_ROPE + row * R + r_idx, pq)
         tl.store(cache_f16 + (base + OFF_ROPE_SCALE) // 2 + row, pstep.to(tl.float16))
+
+
+@triton.jit
+def mla_stage_kernel(
+    lat_ptr,
+    lat_stride,
+    pe_ptr,
+    pe_stride,
+    slot_ptr,
+    pos_ptr,
+    st_ptr,
+    st_stride_slot,
+    st_stride_row,
+    RING,
+    L: tl.constexpr,
+    R: tl.constexpr,
+):
+    """One program per token: copy ``[latent | rope]`` to ``staging[slot, pos % RING]`` in the
+    staging dtype (``slot < 0``: padding, nothing written)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        row = (tl.load(pos_ptr + t).to(tl.int64) % RING) * st_stride_row
+        dst = st_ptr + slot * st_stride_slot + row
+        c = tl.arange(0, L)
+        tl.store(dst + c, tl.load(lat_ptr + t * lat_stride + c).to(st_ptr.dtype.element_ty))
+        r = tl.arange(0, R)
+        tl.store(dst + L + r, tl.load(pe_ptr + t * pe_stride + r).to(st_ptr.dtype.element_ty))
 
 
 @triton.jit

@@ -21,6 +21,7 @@ from kvarn_kernels.mla.kernel import (
     mla_combine_kernel,
     mla_decode_kernel,
     mla_dequantize_kernel,
+    mla_stage_kernel,
     mla_store_kernel,
 )
 
@@ -139,24 +140,39 @@ def stage_latent(
 ) -> None:
     """Copy token rows into the staging ring (exact, in staging's dtype), where
     :func:`mla_decode_attention` reads the open tile: ``staging[slot, p % (S * G)] =
-    [latent | rope]``. Torch indexing only (no host sync, CUDA-graph safe).
+    [latent | rope]``. One program per token, no host sync (CUDA-graph safe).
 
     Args:
-        latent: ``[T, L]``; rope: ``[T, R]``.
-        staging: ``[num_slots, S * G, L + R]``.
+        latent: ``[T, L]``; rope: ``[T, R]`` (any float dtype, last dim contiguous).
+        staging: ``[num_slots, S * G, L + R]``, last dim contiguous.
         staging_slots: int ``[T]``: each token's slot (its sequence's), ``< 0`` skips it.
         positions: int ``[T]``: each token's position in its sequence.
     """
+    check_tensor("latent", latent, dtype=_FLOATS, ndim=2, last_dim_contiguous=True)
     t, width = latent.shape
-    check_tensor("rope", rope, shape=(t, staging.shape[2] - width))
+    check_tensor("staging", staging, dtype=_FLOATS, ndim=3, last_dim_contiguous=True)
+    check_tensor(
+        "rope", rope, dtype=_FLOATS, shape=(t, staging.shape[2] - width), last_dim_contiguous=True
+    )
     check_tensor("staging_slots", staging_slots, dtype=(torch.int32, torch.int64), shape=(t,))
     check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,))
-    keep = staging_slots >= 0
-    slots = torch.where(keep, staging_slots, 0).long()
-    rows = (positions % staging.shape[1]).long()
-    new = torch.cat([latent, rope], dim=1).to(staging.dtype)
-    old = staging[slots, rows]
-    staging[slots, rows] = torch.where(keep[:, None], new, old)
+    if t == 0:
+        return
+    mla_stage_kernel[(t,)](
+        latent,
+        latent.stride(0),
+        rope,
+        rope.stride(0),
+        staging_slots,
+        positions,
+        staging,
+        staging.stride(0),
+        staging.stride(1),
+        staging.shape[1],
+        L=width,
+        R=rope.shape[1],
+        num_warps=4,
+    )
 
 
 def dequantize_latent(
