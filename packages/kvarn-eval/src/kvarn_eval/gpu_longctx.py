@@ -456,8 +456,7 @@ def plot_longctx(result: dict[str, Any], path: Path, title: str = "") -> Path | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    tasks = ["all", *[t for t in tasks if t != "all"]]
+    tasks = sorted(dict.fromkeys(r["task"] for r in rows), key=lambda t: t != "all")
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
         for cache in dict.fromkeys(r["cache"] for r in rows):
