@@ -36,7 +36,7 @@ from kvarn_eval.accuracy.mla import (
 )
 from kvarn_eval.data import find_wikitext
 from kvarn_eval.models import load_model
-from kvarn_math.mla_recipes import Bf16Latent, Fp8DsMla, LatentRecipe, MLAFormat
+from kvarn_math.mla_recipes import Bf16Latent, Fp8DsMla, LatentRecipe
 
 PAD_TO = 256
 
@@ -57,35 +57,32 @@ class Padded:
 
 
 def sweep_recipes() -> list[Any]:
-    """The candidates: rotation, normalization, group axis and width, scale precision, RoPE."""
+    """The candidates: rotation, normalization, group axis and width, scale precision, RoPE.
+
+    Per-token groups are given as groups a token (``g1`` = the whole row, ``g2`` = two halves:
+    256 channels each at the real width 512), so the converted model's narrower latent is
+    quantized with the parameter budget of the real shape."""
     r = LatentRecipe
     out: list[Any] = [Bf16Latent(), Fp8DsMla()]
     for rope in ("bf16", "fp8", "int8"):
-        out.append(r(f"rtn4_w512_{rope}", group=512, rope=rope))
-    for w in (256, 128, 64):
+        out.append(r(f"rtn4_g1_{rope}", groups=1, rope=rope))
+    for n in (2, 4, 8):
         for scales in ("fp16", "log8"):
-            out.append(r(f"rtn4_w{w}_{scales}", group=w, scales=scales, rope="int8"))
+            out.append(r(f"rtn4_g{n}_{scales}", groups=n, scales=scales, rope="int8"))
     out += [
-        r("rtn4_w128_log8_had", group=128, scales="log8", rope="int8", rotate=True),
-        r("rtn4_w512_had", group=512, rope="int8", rotate=True),
-        r("rtn4_w512_varnorm", group=512, rope="int8", varnorm=True),
-        r(
-            "rtn4_w128_log8_had_varnorm",
-            group=128,
-            scales="log8",
-            rope="int8",
-            rotate=True,
-            varnorm=True,
-        ),
-        r("kivi4_g128_fp16", axis="channel", tile=128, rope="int8"),
-        r("kivi4_g128_log8", axis="channel", tile=128, scales="log8", rope="int8"),
-        r("kivi4_g64_log8", axis="channel", tile=64, scales="log8", rope="int8"),
-        r("kivi4_g128_log8_had", axis="channel", tile=128, scales="log8", rope="int8", rotate=True),
-        r("rtn2_w128_log8", bits=2, group=128, scales="log8", rope="int8"),
-        r("rtn2_w64_log8", bits=2, group=64, scales="log8", rope="int8"),
-        r("rtn2_w64_log8_had", bits=2, group=64, scales="log8", rope="int8", rotate=True),
-        r("kivi2_g128_log8", bits=2, axis="channel", tile=128, scales="log8", rope="int8"),
-        r("rtn3_w128_log8", bits=3, group=128, scales="log8", rope="int8"),
+        r("rtn4_g2_had", groups=2, rope="int8", rotate=True),
+        r("rtn4_g2_varnorm", groups=2, rope="int8", varnorm=True),
+        r("rtn4_g4_log8_had", groups=4, scales="log8", rope="int8", rotate=True),
+        r("rtn4_g1_had", groups=1, rope="int8", rotate=True),
+        r("kivi4_t128_fp16", axis="channel", tile=128, rope="int8"),
+        r("kivi4_t128_log8", axis="channel", tile=128, scales="log8", rope="int8"),
+        r("kivi4_t64_log8", axis="channel", tile=64, scales="log8", rope="int8"),
+        r("kivi4_t128_log8_had", axis="channel", tile=128, scales="log8", rope="int8", rotate=True),
+        r("rtn2_g2", bits=2, groups=2, rope="int8"),
+        r("rtn2_g8_log8", bits=2, groups=8, scales="log8", rope="int8"),
+        r("rtn2_g2_had", bits=2, groups=2, rope="int8", rotate=True),
+        r("kivi2_t128_log8", bits=2, axis="channel", tile=128, scales="log8", rope="int8"),
+        r("rtn3_g4_log8", bits=3, groups=4, scales="log8", rope="int8"),
     ]
     return out
 
@@ -143,18 +140,18 @@ def score(ref: list[torch.Tensor], got: list[torch.Tensor], chunks: list[list[in
 
 
 def pseudo_decode_methods() -> list[Any]:
+    """The presets (as recipes with their real-shape budget: ``kvarn_mla_l4_g128`` is 2
+    groups a token, fp16 step and zero, int8 RoPE) and the baselines."""
     r = LatentRecipe
     return [
-        Bf16Latent(),
+        r("kvarn_mla_l4_g128", groups=2, rope="int8"),
+        r("rtn4_g1_int8", groups=1, rope="int8"),
+        r("rtn4_g1_fp8", groups=1, rope="fp8"),
         Fp8DsMla(),
-        MLAFormat("kvarn_mla_l4_g128"),
-        MLAFormat("kvarn_mla_l2_g128"),
-        r("rtn4_w512_int8", group=512, rope="int8"),
-        r("rtn4_w512_fp8", group=512, rope="fp8"),
-        r("rtn4_w128_log8", group=128, scales="log8", rope="int8"),
-        r("rtn4_w128_log8_had", group=128, scales="log8", rope="int8", rotate=True),
-        r("kivi4_g128_log8", axis="channel", tile=128, scales="log8", rope="int8"),
-        r("rtn2_w64_log8", bits=2, group=64, scales="log8", rope="int8"),
+        r("kvarn_mla_l2_g128", bits=2, groups=2, rope="int8"),
+        r("rtn4_g2_had", groups=2, rope="int8", rotate=True),
+        r("kivi4_t128_log8", axis="channel", tile=128, scales="log8", rope="int8"),
+        r("rtn2_g8_log8", bits=2, groups=8, scales="log8", rope="int8"),
     ]
 
 

@@ -113,7 +113,7 @@ def test_script_helpers() -> None:
     assert len(names) == len(set(names))
     budget = {m.name: m.bytes_per_token(512, 64) for m in script.pseudo_decode_methods()}
     assert budget["kvarn_mla_l4_g128"] == 330 and budget["fp8_ds_mla"] == 656
-    assert budget["rtn4_w512_int8"] <= 330  # plain RTN at (no more than) the default's bytes
+    assert budget["rtn4_g1_int8"] <= 330  # plain RTN at (no more than) the default's bytes
     padded = script.Padded(LatentRecipe("r", group=256, rope="int8", tile=16))
     lat = np.random.default_rng(0).standard_normal((32, 200)).astype(np.float32)
     pe = np.ones((32, 8), np.float32)

@@ -6,7 +6,9 @@ chosen from, on ``[T, L]`` latents and ``[T, R]`` RoPE keys (float32), tile by t
 * ``rotate``: Hadamard over the latent channels before quantizing (undone after).
 * ``varnorm``: KVarN's variance normalization of each ``[G, L]`` tile (row and column factors,
   the column factors kept as one log8 byte per channel per tile).
-* ``axis``: ``"token"``: groups of ``group`` channels of one token share one step and zero;
+* ``axis``: ``"token"``: groups of ``group`` channels of one token share one step and zero
+  (``groups``, when set, fixes the number of groups a token instead, so a narrower latent keeps
+  the parameter budget of the real shape);
   ``"channel"``: each channel of a tile shares one step and zero over the tile's ``G`` tokens
   (KIVI's key axis).
 * ``scales``: ``"fp16"`` step and zero; ``"log8"``: step rounded *up* to a 2^(1/16) grid (a one-byte log code)
@@ -107,6 +109,7 @@ class LatentRecipe:
     varnorm: bool = False
     scales: str = "fp16"
     rope: str = "fp8"
+    groups: int = 0
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -126,7 +129,7 @@ class LatentRecipe:
         """Stored bytes per token at latent width ``latent`` and RoPE width ``rope``."""
         per_group = 4.0 if self.scales == "fp16" else 2.0
         if self.axis == "token":
-            params = per_group * latent / self.group
+            params = per_group * (self.groups or latent / self.group)
         else:
             params = per_group * latent / self.tile
         norm = latent / self.tile + 1.0 if self.varnorm else 0.0  # column bytes + row factor
@@ -160,7 +163,8 @@ class LatentRecipe:
         if self.axis == "channel":
             rows = np.swapaxes(tiles, -1, -2)  # [n, L, G]
         else:
-            rows = tiles.reshape(n, g, width // self.group, self.group)
+            w = width // self.groups if self.groups else min(self.group, width)
+            rows = tiles.reshape(n, g, width // w, w)
         if self.scales == "log8":
             back = _log8_rows(rows, self.bits)
         else:
