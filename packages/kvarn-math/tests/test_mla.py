@@ -204,3 +204,17 @@ def test_rope_modes() -> None:
     assert rope_bytes(64, "int8") == 66 and rope_bytes(64, "bf16") == 128
     with pytest.raises(ValueError, match="rope mode must be one of"):
         rope_roundtrip(x, "fp4")
+
+
+def test_recipe_groups_a_token() -> None:
+    """``groups=n`` is ``group=L/n`` at any width, and its bytes are those of the real shape."""
+    lat = make_kv((128, 512), "outlier_channels", 8)
+    pe = make_kv((128, 64), "gaussian", 9)
+    a = LatentRecipe("a", groups=2, rope="int8").roundtrip(lat, pe)[0]
+    b = LatentRecipe("b", group=256, rope="int8").roundtrip(lat, pe)[0]
+    assert np.array_equal(a, b)
+    narrow = LatentRecipe("n", groups=2, rope="int8")
+    assert narrow.bytes_per_token(512, 64) == 330
+    c = narrow.roundtrip(lat[:, :256], pe)[0]
+    d = LatentRecipe("d", group=128, rope="int8").roundtrip(lat[:, :256], pe)[0]
+    assert np.array_equal(c, d)
