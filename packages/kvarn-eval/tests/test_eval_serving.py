@@ -330,7 +330,7 @@ def test_parse_log() -> None:
 
 def test_kvarn_staging_line_is_parsed() -> None:
     """The exact line kvarn-vllm logs."""
-    impl = pytest.importorskip("kvarn_vllm.impl")
+    staging = pytest.importorskip("kvarn_vllm.staging")
     import logging
 
     records: list[str] = []
@@ -339,19 +339,19 @@ def test_kvarn_staging_line_is_parsed() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    saved = dict(impl._STAGING)
-    impl._STAGING.update(bytes=3 * 2**30, layers=2, slots=4, tokens=128, logged=False)
+    saved = dict(staging._STAGING)
+    staging._STAGING.update(bytes=3 * 2**30, layers=2, slots=4, tokens=128, logged=False)
     handler, log = Keep(), logging.getLogger("vllm.kvarn")
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        impl.log_staging_once()
+        staging.log_staging_once()
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
-        impl._STAGING.clear()
-        impl._STAGING.update(saved)
+        staging._STAGING.clear()
+        staging._STAGING.update(saved)
     assert parse_log("\n".join(records))["staging_gib_logged"] == pytest.approx(3.0)
 
 

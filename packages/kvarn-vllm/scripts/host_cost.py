@@ -122,7 +122,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import numpy as np
     import torch
     from kvarn_math import get_preset
-    from kvarn_vllm import metadata as md
+    from kvarn_vllm import sink
+    from kvarn_vllm.step import STEP
     from triton.runtime import interpreter
     from vllm.config import (
         CacheConfig,
@@ -143,8 +144,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     interpreter.InterpretedFunction.run = lambda self, *a, **kw: launches.append(
         getattr(getattr(self, "fn", None), "__name__", "?")
     )
-    md.STEP.__init__()  # a fresh worker's step state
-    md._SINK_STATE.clear()
+    STEP.__init__()  # a fresh worker's step state
+    sink.reset()
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # n-gram runs on the V1 runner
     try:
         blocks = -(-(args.context + 64 * (k + 1)) // g)
@@ -186,7 +187,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         table = torch.arange(r * blocks, dtype=torch.int32).reshape(r, blocks)
         runner = _Runner()
         ids = [f"r{i}" for i in range(r)]
-        md.STEP.report_v1_schedule(
+        STEP.report_v1_schedule(
             runner,
             _schedule(
                 new=[
@@ -195,7 +196,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 ]
             ),
         )
-        md.STEP.report_v1_batch(runner, ids)
+        STEP.report_v1_batch(runner, ids)
         cached = np.full(r, args.context, dtype=np.int32)
         rng = np.random.default_rng(0)
         builds, forwards, per_layer = [], [], 0.0
@@ -208,13 +209,13 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 drafts = np.full(r, k)
             else:
                 drafts = np.zeros(r, dtype=np.int64)
-            md.STEP.report_v1_schedule(
+            STEP.report_v1_schedule(
                 runner,
                 _schedule(
                     cached=ids, drafts=dict(zip(ids, drafts.tolist())) if mode != "decode" else None
                 ),
             )
-            md.STEP.report_v1_batch(runner, ids)
+            STEP.report_v1_batch(runner, ids)
             num_new = (1 + drafts).astype(np.int32)
             seq = cached + num_new
             qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)

@@ -45,10 +45,10 @@ def fresh_step_state():
     record, staging slots by request id) and the sink table are process-global, as a vLLM
     worker serves one engine; tests build many engines' layers in one process, and one
     test's requests must not leave sink rows or slots for the next one to read."""
-    from kvarn_vllm import metadata
+    from kvarn_vllm import sink, step
 
-    metadata.STEP.__init__()  # in place: the runner hooks hold its bound methods
-    metadata._SINK_STATE.clear()
+    step.STEP.__init__()  # in place: the runner hooks hold its bound methods
+    sink.reset()
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ import pytest
 import torch
 from _records import cached_records
 from kvarn_vllm import metadata as md
-from kvarn_vllm.impl import exact_causal_attention
+from kvarn_vllm import sink
+from kvarn_vllm.prefill import exact_causal_attention
+from kvarn_vllm.step import STEP
 
 PRESET = "kvarn_k4v4_g64"
 G, HQ, HKV, D = 64, 4, 2, 64
@@ -50,20 +52,23 @@ def test_encoded_block_table():
 class Harness:
     """One kvarn layer plus its builder, driven step by step like vLLM's V2 runner."""
 
-    def __init__(self, vllm_config_factory, monkeypatch):
+    def __init__(self, vllm_config_factory, monkeypatch, preset=PRESET, head_dim=D):
+        from kvarn_math.layout import get_preset
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
-        md._SINK_STATE.clear()  # no earlier test's first-tile owners (rows are reused)
-        self.vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
-        self.vc.cache_config.block_size = G
+        sink.reset()  # no earlier test's first-tile owners (rows are reused)
+        self.preset, self.d = preset, head_dim
+        self.g = get_preset(preset).group_size
+        self.vc = vllm_config_factory(preset, max_num_seqs=4, max_num_batched_tokens=256)
+        self.vc.cache_config.block_size = self.g
         torch.set_default_dtype(torch.float16)
         try:
             with set_current_vllm_config(self.vc):
                 self.layer = Attention(
                     num_heads=HQ,
-                    head_size=D,
-                    scale=D**-0.5,
+                    head_size=head_dim,
+                    scale=head_dim**-0.5,
                     num_kv_heads=HKV,
                     cache_config=self.vc.cache_config,
                     prefix="model.layers.0.self_attn.attn",
@@ -92,7 +97,7 @@ class Harness:
         seq = np.array([r[1] + r[2] for r in reqs], dtype=np.int32)
         qsl = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
         slots = np.array([r[0] for r in reqs], dtype=np.int32)
-        md.STEP.report_real(SimpleNamespace(num_reqs=len(reqs), idx_mapping_np=slots))
+        STEP.report_real(SimpleNamespace(num_reqs=len(reqs), idx_mapping_np=slots))
         cam = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl),
             query_start_loc_cpu=torch.from_numpy(qsl),
@@ -107,7 +112,8 @@ class Harness:
         )
         meta = self.builder.build(0, cam)
         n = int(qsl[-1])
-        q, k, v = self.rand(n, HQ, D), self.rand(n, HKV, D), self.rand(n, HKV, D)
+        d = self.d
+        q, k, v = self.rand(n, HQ, d), self.rand(n, HKV, d), self.rand(n, HKV, d)
         for (slot, cached, new, _), lo in zip(reqs, qsl[:-1]):
             old_k, old_v = self.kv.get(slot, (k[:0], v[:0]))
             assert old_k.shape[0] == cached
@@ -115,7 +121,7 @@ class Harness:
                 torch.cat([old_k, k[lo : lo + new]]),
                 torch.cat([old_v, v[lo : lo + new]]),
             )
-        out = torch.full((n, HQ, D), float("nan"), dtype=torch.float16)
+        out = torch.full((n, HQ, d), float("nan"), dtype=torch.float16)
         self.layer.impl.forward(self.layer, q, k, v, self.kv_cache, meta, output=out)
         return meta, q, out, qsl
 
@@ -123,10 +129,10 @@ class Harness:
         """Exact attention of the last ``num_queries`` positions of ``slot``'s sequence."""
         k, v = self.kv[slot]
         total = k.shape[0]
-        qk = torch.zeros(total, HQ, D, dtype=torch.float16)
+        qk = torch.zeros(total, HQ, self.d, dtype=torch.float16)
         qk[total - num_queries :] = q_rows
         out = torch.zeros_like(qk)
-        exact_causal_attention(qk, k, v, out, [0, total], D**-0.5)
+        exact_causal_attention(qk, k, v, out, [0, total], self.d**-0.5)
         return out[total - num_queries :].float()
 
     def quantized(self, slot, q_rows, recent=None, exact_start=0):
@@ -150,16 +156,18 @@ class Harness:
         seq = step_sequence(
             kf,
             vf,
-            PRESET,
+            self.preset,
             kf.shape[0] - n,
             recent_tiles=recent,
             ring_tiles=self.builder.config.ring_tiles,
             exact_start=exact_start,
             window_keys=self.builder.config.window_keys,
         )
-        seq = cached_records(self.kv_cache, self.block_table[slot], kf, vf, seq, PRESET, D)
+        seq = cached_records(
+            self.kv_cache, self.block_table[slot], kf, vf, seq, self.preset, self.d
+        )
         own = (kf[kf.shape[0] - n :], vf[vf.shape[0] - n :]) if n > 1 else None
-        ref = reference_attention(q_rows.float().numpy(), seq, D**-0.5, exact_kv=own)
+        ref = reference_attention(q_rows.float().numpy(), seq, self.d**-0.5, exact_kv=own)
         ref = torch.from_numpy(ref)
         return ref, seq.records.shape[0] > seq.recent_tiles
 
@@ -218,6 +226,40 @@ def test_steps_prefill_decode_mixed_chunked(vllm_config_factory, monkeypatch, re
     assert not torch.isnan(out).any()
 
 
+def test_default_preset_at_head_dim_128(vllm_config_factory, monkeypatch):
+    """The shipped default, ``kvarn_k4v2_g128`` at head_dim 128 (a 128-token tile, 2-bit
+    values, its default windows and exact first tile), through the forward path: first chunks,
+    uniform decodes, a 100-token continuation that completes a tile (the dense-context path)
+    next to a decode, and a 20-token one (the multi-query kernel)."""
+    from kvarn_math.layout import DEFAULT_PRESET
+
+    h = Harness(vllm_config_factory, monkeypatch, preset=DEFAULT_PRESET, head_dim=128)
+    assert h.builder.config.name == "kvarn_k4v2_g128" and h.g == 128
+    assert h.layer.impl.head_size == 128 and h.layer.impl.workspace is not None
+
+    meta, q, out, _ = h.step([(1, 0, 150, [3, 5]), (2, 0, 40, [7])])
+    assert meta.fresh is not None and meta.decode is None and meta.context is None
+    assert meta.plan.num_tiles == 1 and meta.plan.tiles[0, 0].item() == 3
+    assert _rel(out[:150], h.exact(1, q[:150], 150)) < 2e-3
+    assert _rel(out[150:190], h.exact(2, q[150:190], 40)) < 2e-3
+
+    meta, q, out, _ = h.step([(1, 150, 1, [3, 5]), (2, 40, 1, [7])])
+    assert meta.decode is not None and meta.decode.token_index is None
+    for row, slot in enumerate((1, 2)):
+        _near_quantized(h, out[row : row + 1], slot, q[row : row + 1])
+
+    meta, q, out, _ = h.step([(1, 151, 1, [3, 5]), (2, 41, 100, [7, 9])])
+    assert meta.context is not None and meta.context.max_query_len == 100
+    assert meta.plan.num_tiles == 1 and meta.plan.tiles[0, 0].item() == 7
+    _near_quantized(h, out[0:1], 1, q[0:1])
+    _near_quantized(h, out[1:101], 2, q[1:101])
+
+    meta, q, out, _ = h.step([(1, 152, 20, [3, 5])])
+    assert meta.context is not None and meta.context.max_query_len == 20
+    _near_quantized(h, out, 1, q)
+    assert not torch.isnan(out).any()
+
+
 @pytest.mark.parametrize("invariant", ["0", "1"])
 def test_continuation_own_kv_to_the_multi_query_kernel(vllm_config_factory, monkeypatch, invariant):
     """A continuation through the multi-query kernel gets the step's own K/V, rotated (so it
@@ -249,7 +291,7 @@ def test_continuation_own_kv_to_the_multi_query_kernel(vllm_config_factory, monk
 
 
 def test_query_runs():
-    from kvarn_vllm.impl import query_runs
+    from kvarn_vllm.groups import query_runs
 
     assert query_runs([0, 5, 10, 40, 41, 100], 16) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert query_runs([0, 1, 2, 3], 16) == [(0, 3)]
@@ -374,7 +416,7 @@ def test_dummy_batch_stores_nothing(vllm_config_factory, monkeypatch):
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     h = Harness(vllm_config_factory, monkeypatch)
-    md.STEP.report_dummy(SimpleNamespace(num_reqs=1))
+    STEP.report_dummy(SimpleNamespace(num_reqs=1))
     qsl = torch.tensor([0, 8], dtype=torch.int32)
     cam = CommonAttentionMetadata(
         query_start_loc=qsl,
@@ -412,9 +454,9 @@ def test_runner_hook_reports_request_rows(vllm_config_factory, monkeypatch):
     # which lets the real (wrapped) method run here without a GPU runner.
     fake_runner = SimpleNamespace(pcp_manager=SimpleNamespace(prepare_attn=lambda b: sentinel))
     batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([5, 1, 7], dtype=np.int32))
-    before = md.STEP.record.serial
+    before = STEP.record.serial
     assert GPUModelRunner.prepare_attn(fake_runner, batch) is sentinel
-    record = md.STEP.record
+    record = STEP.record
     assert record.serial == before + 1
     assert record.num_reqs == 2 and record.slots.tolist() == [5, 1]
 
@@ -449,7 +491,7 @@ def test_replay_with_capture_metadata_equals_eager(vllm_config_factory, monkeypa
     h.step([(1, 0, 63, [3, 5]), (2, 0, 10, [4])])
     persistent_bt[0, :2] = torch.tensor([3, 5])
     persistent_bt[1, :1] = torch.tensor([4])
-    md.STEP.report_real(SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 2])))
+    STEP.report_real(SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([1, 2])))
     real = h.builder.build(0, cam_for([0, 1, 2], [64, 11]))
     assert real.plan.tiles[0, 0].item() == 3  # the decode completes tile 0 of request 1
     q, k, v = h.rand(2, HQ, D), h.rand(2, HKV, D), h.rand(2, HKV, D)
@@ -491,7 +533,7 @@ def test_recent_tile_read_exact_except_after_a_prefix_hit(vllm_config_factory, m
     # Slot 2: a new request whose first 128 tokens hit the prefix cache (slot 1's tiles 0-1).
     k1, v1 = h.kv[1]
     h.kv[2] = (k1[:128], v1[:128])
-    md.STEP.report_added([2])
+    STEP.report_added([2])
     meta, q, out, _ = h.step([(2, 128, 10, [3, 5, 10])])
     assert meta.context is not None
     # Tile 1 completed before this request began: no exact copy, its record is read.
@@ -510,7 +552,7 @@ def test_row_expansion_once_per_forward():
     + 1, or the whole sequence for a non-causal block), its sequence's table row and lengths;
     padding past the last query marked. Kept on the group for the other layers of the same
     forward only (a new forward context computes it again; outside one nothing is kept)."""
-    from kvarn_vllm.impl import row_expansion
+    from kvarn_vllm.groups import row_expansion
     from vllm.forward_context import override_forward_context
 
     g = md.RowGroup(

@@ -15,7 +15,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from kvarn_vllm import metadata as md
+from kvarn_vllm import sink, warmup
+from kvarn_vllm.sink import sink_rows_for
+from kvarn_vllm.step import STEP, StepRecord
 
 G = 64
 MAX_REQS, MAX_TOKENS, MAX_BLOCKS = 6, 384, 12
@@ -95,7 +97,7 @@ def test_builder_matches_plan_store(builder, reqs, seed):
     new = np.array([r[2] for r in reqs], dtype=np.int32)
     qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     table = rng.permutation(1000)[: n * MAX_BLOCKS].reshape(n, MAX_BLOCKS).astype(np.int32)
-    md.STEP.report_real(SimpleNamespace(num_reqs=n, idx_mapping_np=slots))
+    STEP.report_real(SimpleNamespace(num_reqs=n, idx_mapping_np=slots))
     cam = CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl),
         query_start_loc_cpu=torch.from_numpy(qsl),
@@ -164,7 +166,7 @@ def test_builder_matches_plan_store(builder, reqs, seed):
 
 
 def _sink_lens(rec, num_cached, g):
-    return md.sink_rows_for(rec, rec.slots, np.asarray(num_cached), g, 8)[0].tolist()
+    return sink_rows_for(rec, rec.slots, np.asarray(num_cached), g, 8)[0].tolist()
 
 
 def test_sink_lens_follow_how_each_request_started():
@@ -172,8 +174,8 @@ def test_sink_lens_follow_how_each_request_started():
     on tile 0 (first step starting at >= G cached tokens) with no known first-tile blocks
     reads the quantized record."""
     g = 64
-    md._SINK_STATE.clear()
-    rec = md.StepRecord(
+    sink.reset()
+    rec = StepRecord(
         serial=101,
         num_reqs=3,
         slots=np.array([4, 1, 2], np.int32),
@@ -182,11 +184,11 @@ def test_sink_lens_follow_how_each_request_started():
     # new from scratch, new after a prefix hit, unknown row
     assert _sink_lens(rec, [0, 2 * g, 0], g) == [g, 0, 0]
     # Later steps keep each row's decision, however many tokens are cached by then.
-    rec2 = md.StepRecord(serial=102, num_reqs=2, slots=np.array([1, 4], np.int32))
+    rec2 = StepRecord(serial=102, num_reqs=2, slots=np.array([1, 4], np.int32))
     assert _sink_lens(rec2, [300, 500], g) == [0, g]
     # A new request in row 4 after a prefix hit loses the sink; the same record twice (a second
     # builder of the step) does not decide again.
-    rec3 = md.StepRecord(
+    rec3 = StepRecord(
         serial=103, num_reqs=1, slots=np.array([4], np.int32), new_rows=np.array([True])
     )
     assert _sink_lens(rec3, [g], g) == [0]
@@ -197,18 +199,18 @@ def test_prefix_hits_read_the_exact_first_tile_of_its_owner():
     """A request that hit the prefix cache on tile 0 reads the sink rows of the slot whose
     request computed that tile (same first-tile block ids), while those rows hold it."""
     g = 64
-    md._SINK_STATE.clear()
+    sink.reset()
     serial = iter(range(200, 300))
 
     def step(slots, new, cached, blocks=None):
-        rec = md.StepRecord(
+        rec = StepRecord(
             serial=next(serial),
             num_reqs=len(slots),
             slots=np.array(slots, np.int32),
             new_rows=np.array(new),
             first_blocks=blocks,
         )
-        lens, src = md.sink_rows_for(rec, rec.slots, np.array(cached), g, 8)
+        lens, src = sink_rows_for(rec, rec.slots, np.array(cached), g, 8)
         return lens.tolist(), src.tolist()
 
     # Owner (slot 4) and a hitter (slot 1) added in the same step: the hitter reads slot 4.
@@ -234,8 +236,9 @@ def test_prefix_hits_read_the_exact_first_tile_of_its_owner():
 def test_buffer_regions_start_on_16_bytes(builder):
     # The kernels compiled by warm_kernels on fresh (aligned) scratch tensors must be the
     # ones the builder's views select: Triton specializes pointers on 16-byte alignment.
-    assert all(start % 4 == 0 for start, _ in builder._layout.values()), builder._layout
-    ends = sorted((start, start + size) for start, size in builder._layout.values())
+    layout = builder.planner.buffers.layout
+    assert all(start % 4 == 0 for start, _ in layout.values()), layout
+    ends = sorted((start, start + size) for start, size in layout.values())
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # no overlap
 
 
@@ -266,13 +269,13 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch, tmp_path):
     # registered; the kernels compile in the folder the process started with.
     monkeypatch.setattr(plugin, "_triton_cache_dir", str(tmp_path / "stable"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-config-hash"))
-    monkeypatch.setattr(md, "_WARMED", set())
+    monkeypatch.setattr(warmup, "_WARMED", set())
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", "1")
     monkeypatch.delenv("KVARN_VLLM_KEY_FRAME", raising=False)
-    assert md.warm_kernels(*_warm_args("cpu")) is None and not calls
+    assert warmup.warm_kernels(*_warm_args("cpu")) is None and not calls
     args = _warm_args("cuda")
-    assert md.warm_kernels(*args)["launches"] == 17
-    assert md.warm_kernels(*args) is None  # once per process and shape
+    assert warmup.warm_kernels(*args)["launches"] == 17
+    assert warmup.warm_kernels(*args) is None  # once per process and shape
     assert folders == [str(tmp_path / "stable")]
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-config-hash")
     ((positional, keywords),) = calls
@@ -288,23 +291,23 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch, tmp_path):
         "frame_queries": False,  # staged last-position queries: speculative decoding only
     }
     # With a KV-sharing layer both multi-query variants; batch-invariant mode, only without.
-    from kvarn_vllm import impl
+    from kvarn_vllm import staging
 
-    monkeypatch.setitem(impl._STAGING, "shared_layers", 2)
-    monkeypatch.setattr(md, "_WARMED", set())
-    md.warm_kernels(*args)
+    monkeypatch.setitem(staging._STAGING, "shared_layers", 2)
+    monkeypatch.setattr(warmup, "_WARMED", set())
+    warmup.warm_kernels(*args)
     assert calls[-1][1]["own_kv"] == (False, True)
     monkeypatch.setenv("KVARN_KERNELS_BATCH_INVARIANT", "1")
-    monkeypatch.setattr(md, "_WARMED", set())
-    md.warm_kernels(*_warm_args("cuda"))
+    monkeypatch.setattr(warmup, "_WARMED", set())
+    warmup.warm_kernels(*_warm_args("cuda"))
     assert calls[-1][1]["own_kv"] == (False,) and calls[-1][1]["batch_invariant"]
     del calls[1:]
-    monkeypatch.setattr(md, "_WARMED", set())
+    monkeypatch.setattr(warmup, "_WARMED", set())
     monkeypatch.setenv("KVARN_VLLM_WARMUP", "0")
-    assert md.warm_kernels(*args) is None and len(calls) == 1
+    assert warmup.warm_kernels(*args) is None and len(calls) == 1
     monkeypatch.setenv("KVARN_VLLM_WARMUP", "yes")
     with pytest.raises(ValueError, match="KVARN_VLLM_WARMUP must be 0 or 1"):
-        md.warm_kernels(*args)
+        warmup.warm_kernels(*args)
 
 
 def test_warm_planners_on_gpus_only(monkeypatch, tmp_path):
@@ -325,16 +328,16 @@ def test_warm_planners_on_gpus_only(monkeypatch, tmp_path):
         seen.append((c, d))
         folders.append(os.environ.get("TRITON_CACHE_DIR"))
 
-    monkeypatch.setattr(md, "launch_planners", fake_launch)
+    monkeypatch.setattr(warmup, "launch_planners", fake_launch)
     monkeypatch.setattr(plugin, "_triton_cache_dir", None)  # unset at start: Triton's default
     monkeypatch.setenv("TRITON_HOME", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "vllm-config-hash"))
-    assert not md.warm_planners(config, SimpleNamespace(type="cpu"))
+    assert not warmup.warm_planners(config, SimpleNamespace(type="cpu"))
     monkeypatch.setenv("KVARN_VLLM_WARMUP", "0")
-    assert not md.warm_planners(config, SimpleNamespace(type="cuda"))
+    assert not warmup.warm_planners(config, SimpleNamespace(type="cuda"))
     monkeypatch.delenv("KVARN_VLLM_WARMUP")
     gpu = SimpleNamespace(type="cuda")
-    assert md.warm_planners(config, gpu) and seen == [(config, gpu)]
+    assert warmup.warm_planners(config, gpu) and seen == [(config, gpu)]
     assert folders == [str(tmp_path / ".triton" / "cache")]
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "vllm-config-hash")
     monkeypatch.undo()
@@ -347,7 +350,7 @@ def test_warm_planners_on_gpus_only(monkeypatch, tmp_path):
             name,
             lambda *a, _real=real, _n=name, **k: calls.append((_n, k)) or _real(*a, **k),
         )
-    md.launch_planners(config, torch.device("cpu"))
+    warmup.launch_planners(config, torch.device("cpu"))
     assert [n for n, _ in calls] == ["plan_store_device", "plan_draft_device"]
     for _, k in calls:
         assert k["staging_tiles"] == config.ring_tiles and k["recent_tiles"] == 1

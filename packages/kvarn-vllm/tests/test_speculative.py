@@ -18,7 +18,8 @@ import pytest
 import torch
 from _records import cached_records
 from kvarn_math.attention import recent_window_start
-from kvarn_vllm import metadata as md
+from kvarn_vllm.builder import KvarnMetadataBuilder
+from kvarn_vllm.step import STEP
 
 PRESET, G, HQ, HKV, D, K = "kvarn_k4v4_g64", 64, 2, 1, 64, 4
 MAX_BLOCKS = 4
@@ -60,8 +61,8 @@ class SpecHarness:
                 )
         finally:
             torch.set_default_dtype(torch.float32)
-        # EAGLE runs on vLLM's V2 model runner, n-gram on V1 (kvarn_vllm.metadata.SPEC_METHODS).
-        from kvarn_vllm.metadata import SPEC_METHODS
+        # EAGLE runs on vLLM's V2 model runner, n-gram on V1 (kvarn_vllm.speculative.SPEC_METHODS).
+        from kvarn_vllm.speculative import SPEC_METHODS
 
         v1 = method in SPEC_METHODS["v1"]
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if v1 else "1")
@@ -220,8 +221,8 @@ def test_verify_and_draft_steps_with_rejections(
     # Prompt: g - 3 tokens, committed (no drafts), a new request in its row.
     prompt = g - 3
     k0, v0 = h.rand(prompt, HKV, D), h.rand(prompt, HKV, D)
-    md.STEP.report_added([slot])
-    md.STEP.report_real(
+    STEP.report_added([slot])
+    STEP.report_real(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
     )
     meta = h.builder.build(0, h.cam([slot], [0], [prompt], [0]))
@@ -235,7 +236,7 @@ def test_verify_and_draft_steps_with_rejections(
         accepted = schedule[step]
         real_k, real_v = h.rand(1 + K, HKV, D), h.rand(1 + K, HKV, D)
         # The host only knows an upper bound (as if every earlier draft was accepted).
-        md.STEP.report_real(
+        STEP.report_real(
             SimpleNamespace(
                 num_reqs=1,
                 idx_mapping_np=np.array([slot]),
@@ -277,7 +278,7 @@ def test_verify_and_draft_steps_with_rejections(
         cached += 1 + accepted
         # A drafter decode step: one draft token per row at the next position.
         dk, dv = h.rand(1, HKV, D), h.rand(1, HKV, D)
-        with md.STEP.draft_steps():
+        with STEP.draft_steps():
             dmeta = h.builder.build(0, h.cam([slot], [cached], [1], None))
         assert dmeta.plan is not None and (dmeta.plan.tiles == -1).all()
         base = h.builder.config.sink_rows
@@ -321,15 +322,15 @@ def test_a_tile_completed_by_accepted_drafts_keeps_its_key_frame(
     assert h.layer.impl.frame_queries is not None
     prompt = g - 3
     k0, v0 = h.rand(prompt, HKV, D), h.rand(prompt, HKV, D)
-    md.STEP.report_added([slot])
+    STEP.report_added([slot])
     report = SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]))
-    md.STEP.report_real(SimpleNamespace(**vars(report), num_draft_tokens_per_req=None))
+    STEP.report_real(SimpleNamespace(**vars(report), num_draft_tokens_per_req=None))
     q, _ = h.run(h.builder.build(0, h.cam([slot], [0], [prompt], [0])), [(slot, 0, (k0, v0))])
     h.kv[slot], accepted_q, cached = (k0, v0), [q], prompt
     for accepted in (3, 0, 1):  # positions g-2, g-1, g accepted drafts; then g + 1 sampled
         real_k, real_v = h.rand(1 + K, HKV, D), h.rand(1 + K, HKV, D)
         drafts = np.array([K], dtype=np.int32)
-        md.STEP.report_real(SimpleNamespace(**vars(report), num_draft_tokens_per_req=drafts))
+        STEP.report_real(SimpleNamespace(**vars(report), num_draft_tokens_per_req=drafts))
         meta = h.builder.build(0, h.cam([slot], [cached], [1 + K], [0]))
         q, _ = h.run(meta, [(slot, cached, (real_k, real_v))])
         ak, av = h.kv[slot]
@@ -378,7 +379,7 @@ def test_dflash_context_store_and_non_causal_block(
     name = h.layer.layer_name
 
     def target_step(cached, new, drafts, upper):
-        md.STEP.report_real(
+        STEP.report_real(
             SimpleNamespace(
                 num_reqs=1,
                 idx_mapping_np=np.array([slot]),
@@ -388,10 +389,10 @@ def test_dflash_context_store_and_non_causal_block(
         return h.builder.build(0, h.cam([slot], [cached], [new], [upper]))
 
     def store_context(meta, k, v):
-        with md.STEP.proposing({name: meta}):
+        with STEP.proposing({name: meta}):
             h.layer.impl.do_kv_cache_update(h.layer, k, v, h.kv_cache, None)
 
-    md.STEP.report_added([slot])
+    STEP.report_added([slot])
     k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
     with pytest.raises(RuntimeError, match="outside a DFlash proposal"):
         h.layer.impl.do_kv_cache_update(h.layer, k0, v0, h.kv_cache, None)
@@ -414,7 +415,7 @@ def test_dflash_context_store_and_non_causal_block(
         # The draft block: positions cached .. cached + K (the bonus token and K masks),
         # over the rejected context positions, non-causal.
         bk, bv = h.rand(n, HKV, D), h.rand(n, HKV, D)
-        with md.STEP.draft_steps():
+        with STEP.draft_steps():
             dmeta = h.builder.build(0, h.cam([slot], [cached], [n], None, causal=False))
         assert dmeta.decode is None and dmeta.context is not None and not dmeta.causal
         assert (dmeta.plan.tiles == -1).all()  # drafts commit nothing
@@ -447,25 +448,25 @@ def test_dflash_propose_exposes_the_target_metadata(vllm_config_factory, monkeyp
     class Batch:  # vLLM's propose reads num_reqs first: look at the scope then, and stop
         @property
         def num_reqs(self):
-            seen.append(md.STEP.target_metadata)
+            seen.append(STEP.target_metadata)
             raise Stop
 
     by_layer = {"model.layers.0.self_attn.attn": object()}
-    assert md.STEP.target_metadata is None
+    assert STEP.target_metadata is None
     with pytest.raises(Stop):
         DFlashSpeculator.propose(
             object.__new__(DFlashSpeculator), Batch(), by_layer, {}, *[None] * 8
         )
     assert seen == [by_layer]
-    assert md.STEP.target_metadata is None
+    assert STEP.target_metadata is None
 
 
 def test_draft_steps_refuse_uneven_blocks(vllm_config_factory, monkeypatch):
     h = SpecHarness(vllm_config_factory, monkeypatch)
-    md.STEP.report_real(
+    STEP.report_real(
         SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([0, 1]), num_draft_tokens_per_req=None)
     )
-    with md.STEP.draft_steps(), pytest.raises(ValueError, match=r"different numbers.*\[2, 3\]"):
+    with STEP.draft_steps(), pytest.raises(ValueError, match=r"different numbers.*\[2, 3\]"):
         h.builder.build(0, h.cam([0, 1], [10, 20], [2, 3], None, causal=False))
 
 
@@ -475,8 +476,8 @@ def test_new_request_in_a_reused_row_starts_from_its_prefix(vllm_config_factory,
 
     def build(cached, new, drafts, added):
         if added:
-            md.STEP.report_added([slot])
-        md.STEP.report_real(
+            STEP.report_added([slot])
+        STEP.report_real(
             SimpleNamespace(
                 num_reqs=1,
                 idx_mapping_np=np.array([slot]),
@@ -541,7 +542,7 @@ def test_spec_methods_follow_the_model_runner(vllm_config_factory, monkeypatch, 
         sliding_window=None,
     )
     with pytest.raises(ValueError, match=match):
-        md.KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
+        KvarnMetadataBuilder(spec, ["l0"], vc, torch.device("cpu"))
 
 
 # --- full CUDA graphs for uniform speculative batches (KVARN_VLLM_SPEC_FULL_GRAPHS, default 1) ---
@@ -622,7 +623,7 @@ def test_full_graph_support_under_speculation(vllm_config_factory, monkeypatch, 
         object.__setattr__(
             vc, "speculative_config", SimpleNamespace(method="eagle", num_speculative_tokens=K)
         )
-    assert md.KvarnMetadataBuilder.get_cudagraph_support(vc, None).name == want
+    assert KvarnMetadataBuilder.get_cudagraph_support(vc, None).name == want
 
 
 @pytest.mark.parametrize("sink", ["0", "1"])
@@ -643,15 +644,15 @@ def test_verify_step_graph_replays_capture_buffers(vllm_config_factory, monkeypa
     assert (captured.plan.tiles == -1).all() and (captured.plan.writes == -1).all()
     # A prompt of 61 tokens (a mixed step, piecewise), then verify steps crossing tile 0's end.
     k0, v0 = h.rand(61, HKV, D), h.rand(61, HKV, D)
-    md.STEP.report_added([slot])
-    md.STEP.report_real(
+    STEP.report_added([slot])
+    STEP.report_real(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
     )
     h.run(h.builder.build(0, h.cam([slot], [0], [61], [0])), [(slot, 0, (k0, v0))])
     acc_k, acc_v, cached = k0, v0, 61
     bt[0] = h.block_table[slot]
     for step, accepted in enumerate([1, 4, 0, 2]):
-        md.STEP.report_real(
+        STEP.report_real(
             SimpleNamespace(
                 num_reqs=1,
                 idx_mapping_np=np.array([slot]),
@@ -691,13 +692,13 @@ def test_draft_step_graph_replays_capture_buffers(vllm_config_factory, monkeypat
     assert captured.plan is not None and (captured.plan.writes == -1).all()
     assert captured.causal == causal
     k0, v0 = h.rand(70, HKV, D), h.rand(70, HKV, D)
-    md.STEP.report_added([slot])
-    md.STEP.report_real(
+    STEP.report_added([slot])
+    STEP.report_real(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
     )
     h.run(h.builder.build(0, h.cam([slot], [0], [70], [0])), [(slot, 0, (k0, v0))])
     bt[0] = h.block_table[slot]
-    with md.STEP.draft_steps():
+    with STEP.draft_steps():
         real = h.builder.build(0, _graph_cam(bt, [n], [70 + n], 2, 2 * n, causal=causal))
     assert graph_signature(real) == graph_signature(captured)
     assert real.plan.writes[:n, 0].tolist() == list(range(n))
@@ -720,13 +721,13 @@ def test_uniform_verify_batch_with_a_new_prompt_of_the_same_length(
     h = SpecHarness(vllm_config_factory, monkeypatch)
     n, old, new = 1 + K, 2, 3
     k0, v0 = h.rand(200, HKV, D), h.rand(200, HKV, D)
-    md.STEP.report_added([old])
-    md.STEP.report_real(
+    STEP.report_added([old])
+    STEP.report_real(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([old]), num_draft_tokens_per_req=None)
     )
     h.run(h.builder.build(0, h.cam([old], [0], [200], [0])), [(old, 0, (k0, v0))])
-    md.STEP.report_added([new])
-    md.STEP.report_real(
+    STEP.report_added([new])
+    STEP.report_real(
         SimpleNamespace(
             num_reqs=2,
             idx_mapping_np=np.array([old, new]),
@@ -757,10 +758,10 @@ def test_verify_rows_are_expanded_once_per_forward(vllm_config_factory, monkeypa
     again. ``capturing``: as inside a CUDA graph capture, where the output is masked (a
     replay may bring padding rows) instead of written in place: the same bits."""
     from kvarn_kernels.attention import launch
-    from kvarn_vllm import impl
+    from kvarn_vllm import groups
     from vllm.forward_context import override_forward_context
 
-    monkeypatch.setattr(impl, "_capturing", lambda: capturing)
+    monkeypatch.setattr(groups, "capturing", lambda: capturing)
 
     calls = []
     decode_rows = launch.decode_rows
@@ -768,12 +769,12 @@ def test_verify_rows_are_expanded_once_per_forward(vllm_config_factory, monkeypa
     h = SpecHarness(vllm_config_factory, monkeypatch)
     assert h.builder.config.verify_as_decode
     slot, prompt = 1, h.g + 5
-    md.STEP.report_added([slot])
-    md.STEP.report_real(
+    STEP.report_added([slot])
+    STEP.report_real(
         SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([slot]), num_draft_tokens_per_req=None)
     )
     h.run(h.builder.build(0, h.cam([slot], [0], [prompt], [0])), [(slot, 0, (h.rand(prompt, HKV, D), h.rand(prompt, HKV, D)))])  # fmt: skip
-    md.STEP.report_real(
+    STEP.report_real(
         SimpleNamespace(
             num_reqs=1,
             idx_mapping_np=np.array([slot]),

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from kvarn_vllm import compat
-from kvarn_vllm import metadata as md
+from kvarn_vllm.step import STEP, _StepChannel
 
 
 class _Runner:
@@ -45,7 +45,7 @@ def _schedule(new=(), cached=(), resumed=(), finished=(), preempted=(), drafts=N
 
 
 def test_v1_slots_follow_requests_not_rows():
-    ch = md._StepChannel()
+    ch = _StepChannel()
     runner = _Runner()
     ch.report_v1_schedule(runner, _schedule(new=[_new("a", ((3, 7),)), _new("b", ((0, 9),))]))
     ch.report_v1_batch(runner, ["a", "b"])
@@ -109,42 +109,46 @@ def test_v1_slots_follow_requests_not_rows():
     assert ch.record.slots is None and ch.record.num_reqs == 5
 
 
-def test_v1_hook_reports_schedule_and_batch(monkeypatch):
-    """The hook sees the scheduler output before vLLM's _update_states, and the batch's
-    request ids for a scheduled step's metadata (a dummy batch otherwise); vLLM's own
-    methods still run with the same arguments (stand-ins here: the real ones need a runner)."""
+def test_v1_hook_reports_schedule_and_batch():
+    """The ledger's worker patch wraps vLLM's real V1 runner methods: the hook sees the
+    scheduler output before vLLM's ``_update_states`` runs on it, and the batch's request ids
+    for a scheduled step's metadata (a dummy batch otherwise), and vLLM's own methods then
+    run with the same arguments. The runner is a stand-in holding what vLLM's methods read
+    first: ``_update_states`` drops the finished requests, then stops at the first attribute
+    the stand-in lacks; ``_build_attention_metadata`` returns at once for a runner without
+    KV cache groups (an attention-free model)."""
+    from kvarn_vllm import patches
     from vllm.v1.worker import gpu_model_runner as v1
 
-    calls = []
-
-    def update(self, so):
-        calls.append(("update", so))
-        return "updated"
-
-    def build(self, num_tokens, num_reqs, max_query_len, *rest, **kwargs):
-        calls.append(("build", num_reqs, kwargs.get("num_scheduled_tokens")))
-        return "built"
-
-    monkeypatch.setattr(v1.GPUModelRunner, "_update_states", update)
-    monkeypatch.setattr(v1.GPUModelRunner, "_build_attention_metadata", build)
-    seen = []
-    assert compat.wrap_v1_runner_steps(
-        lambda r, so: seen.append(("schedule", so)),
-        lambda r, ids: seen.append(("batch", ids)),
-        lambda n: seen.append(("dummy", n)),
-    )
+    patches.apply_worker_patches()
+    runner_cls = v1.GPUModelRunner
+    assert compat.is_wrapped(runner_cls._update_states)
+    assert compat.is_wrapped(runner_cls._build_attention_metadata)
     assert not compat.wrap_v1_runner_steps(print, print, print)  # once only
-    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["r2", "r0", "r1"]))
-    so = object()
-    assert v1.GPUModelRunner._update_states(runner, so) == "updated"
-    sched = {"r0": 1, "r2": 1}
-    built = v1.GPUModelRunner._build_attention_metadata(
+    runner = _Runner()
+    runner.requests = {"gone": object(), "kept": object()}
+    runner.num_prompt_logprobs = {"gone": 1}
+    so = _schedule(new=[_new("r0"), _new("r1", ((5, 9),))], finished=["gone"])
+    with pytest.raises(AttributeError, match="late_interaction_runner"):
+        runner_cls._update_states(runner, so)
+    assert list(runner.requests) == ["kept"] and runner.num_prompt_logprobs == {}  # vLLM's
+    runner.input_batch = SimpleNamespace(req_ids=["r1", "r0", None])
+    runner.kv_cache_config = SimpleNamespace(kv_cache_groups=[])
+    sched = {"r0": 1, "r1": 1}
+    built = runner_cls._build_attention_metadata(
         runner, num_tokens=2, num_reqs=2, max_query_len=1, num_scheduled_tokens=sched
     )
-    assert built == "built"
-    v1.GPUModelRunner._build_attention_metadata(runner, 4, 3, 1, for_cudagraph_capture=True)
-    assert seen == [("schedule", so), ("batch", ["r2", "r0"]), ("dummy", 3)]
-    assert calls == [("update", so), ("build", 2, sched), ("build", 3, None)]
+    assert built == ({}, None)
+    record = STEP.record
+    assert record.num_reqs == 2 and record.slots.tolist() == [1, 0]  # r0 took slot 0
+    assert record.new_rows.tolist() == [True, True]
+    assert record.first_blocks == {0: (4,), 1: (5,)}
+    assert runner_cls._build_attention_metadata(runner, 4, 3, 1, for_cudagraph_capture=True) == (
+        {},
+        None,
+    )
+    record = STEP.record
+    assert record.slots is None and record.num_reqs == 3  # a dummy batch of 3 rows
 
 
 _interp = pytest.mark.skipif(
@@ -190,7 +194,7 @@ def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method)
         new_ids = dict(new)
         verify = [r for r in order if r not in new_ids]
         drafts = {r: int(rng.choice([0, 2, K])) for r in verify}
-        md.STEP.report_v1_schedule(
+        STEP.report_v1_schedule(
             runner,
             _schedule(
                 new=[_new(r) for r in new_ids],
@@ -199,8 +203,8 @@ def test_ngram_verify_steps_on_v1_rows(vllm_config_factory, monkeypatch, method)
                 drafts=drafts,
             ),
         )
-        md.STEP.report_v1_batch(runner, list(order))
-        slots = md.STEP.record.slots.tolist()
+        STEP.report_v1_batch(runner, list(order))
+        slots = STEP.record.slots.tolist()
         for r, s in zip(order, slots):
             slot_of[r] = s
         num_new = [new_ids.get(r, 1 + drafts.get(r, 0)) for r in order]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _records import cached_records
 from kvarn_math.layout import tile_layout
-from kvarn_vllm import metadata as md
+from kvarn_vllm.step import STEP
 
 PRESET, G, HQ, HKV, D = "kvarn_k4v4_g64", 64, 4, 1, 64
 
@@ -89,20 +89,20 @@ def test_v2_pipeline_full_and_sliding(
     row falls back to the multi-query kernel). ``recent``: complete tiles read exact from
     staging (the default 1, or 0). ``window_keys``: the exact tiles keep only their values
     (the default 0) or their keys too."""
-    from kvarn_vllm import impl as kimpl
+    from kvarn_vllm import dense
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.gpu import attn_utils
 
-    monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "0" if dense_context == "off" else "1")
+    monkeypatch.setenv(dense.DENSE_CONTEXT_ENV, "0" if dense_context == "off" else "1")
     monkeypatch.setenv("KVARN_VLLM_RECENT_TILES", str(recent))
     monkeypatch.setenv("KVARN_VLLM_WINDOW_KEYS", window_keys)
-    monkeypatch.setattr(kimpl, "_WORKSPACES", {})
+    monkeypatch.setattr(dense, "_WORKSPACES", {})
     # Workspace of 1024 tokens, or 128 (tiny): less than the 170-token context row below.
     ws_tokens = 128 if dense_context == "tiny" else 1024
-    monkeypatch.setattr(kimpl, "DENSE_CONTEXT_WORKSPACE_BYTES", ws_tokens * 2 * HKV * D * 2)
+    monkeypatch.setattr(dense, "DENSE_CONTEXT_WORKSPACE_BYTES", ws_tokens * 2 * HKV * D * 2)
     vc = vllm_config_factory(PRESET, max_num_seqs=4, max_num_batched_tokens=256)
     # After construction: VllmConfig refuses V2 without a GPU Triton; the builder only checks.
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -178,10 +178,10 @@ def test_v2_pipeline_full_and_sliding(
         qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
         seq = (np.array(cached) + np.array(new)).astype(np.int32)
         if first_blocks is not None:  # requests added to their rows, with their tile-0 blocks
-            md.STEP.report_added(rows, first_blocks)
+            STEP.report_added(rows, first_blocks)
         elif not any(cached):  # new requests in their rows: they keep their first tile exact
-            md.STEP.report_added(rows)
-        md.STEP.report_real(
+            STEP.report_added(rows)
+        STEP.report_real(
             SimpleNamespace(num_reqs=len(rows), idx_mapping_np=np.array(rows, dtype=np.int32))
         )
         n = int(qsl[-1])
@@ -243,7 +243,7 @@ def test_v2_pipeline_full_and_sliding(
         assert (workspace is None) == (dense_context == "off")
         if workspace is not None:
             assert workspace.shape[1] == ws_tokens
-        assert kimpl._use_dense_context(meta.context, workspace) == (dense_context != "off")
+        assert dense.use_dense_context(meta.context, workspace) == (dense_context != "off")
         k, v = history[(li, 2)]
         # The dense path and the multi-query kernel read the chunk's own tokens (from 101 on)
         # exact, although the store completed their tile.
@@ -347,24 +347,24 @@ def test_v2_pipeline_full_and_sliding(
 
 
 def test_dense_runs_pack_rows_into_the_workspace(monkeypatch):
-    from kvarn_vllm import impl as kimpl
+    from kvarn_vllm import dense
 
-    assert kimpl.dense_runs([100, 100, 100], 256) == [(0, 2), (2, 3)]
-    assert kimpl.dense_runs([300, 50, 50], 256) == [(0, 1), (1, 3)]
-    assert kimpl.dense_runs([50, 300, 50], 256) == [(0, 1), (1, 2), (2, 3)]
-    assert kimpl.dense_runs([256, 1], 256) == [(0, 1), (1, 2)]
-    assert kimpl.dense_runs([], 256) == []
+    assert dense.dense_runs([100, 100, 100], 256) == [(0, 2), (2, 3)]
+    assert dense.dense_runs([300, 50, 50], 256) == [(0, 1), (1, 3)]
+    assert dense.dense_runs([50, 300, 50], 256) == [(0, 1), (1, 2), (2, 3)]
+    assert dense.dense_runs([256, 1], 256) == [(0, 1), (1, 2)]
+    assert dense.dense_runs([], 256) == []
     for lens in ([5] * 10, [200, 60, 1, 400, 3, 255], [1000]):
-        runs = kimpl.dense_runs(lens, 256)
+        runs = dense.dense_runs(lens, 256)
         assert [r for lo, hi in runs for r in range(lo, hi)] == list(range(len(lens)))
         for lo, hi in runs:  # a run fits, or is one row that does not
             assert sum(lens[lo:hi]) <= 256 or hi - lo == 1
 
-    monkeypatch.setenv(kimpl.DENSE_CONTEXT_ENV, "yes")
+    monkeypatch.setenv(dense.DENSE_CONTEXT_ENV, "yes")
     with pytest.raises(ValueError, match="KVARN_VLLM_DENSE_CONTEXT must be 0 or 1, got 'yes'"):
-        kimpl.dense_context_enabled()
-    monkeypatch.delenv(kimpl.DENSE_CONTEXT_ENV)
-    assert kimpl.dense_context_enabled()
+        dense.dense_context_enabled()
+    monkeypatch.delenv(dense.DENSE_CONTEXT_ENV)
+    assert dense.dense_context_enabled()
 
 
 # vLLM 0.26's planning and allocation functions: where the 'kv-cache-spec' ledger entry applies

@@ -64,7 +64,7 @@ def unsupported_reasons(cfg: Any, preset: Preset, non_causal_ok: bool = False) -
     if cfg.use_mm_prefix:
         reasons.append("it uses bidirectional multimodal-prefix attention")
     if cfg.use_non_causal and not non_causal_ok:
-        from kvarn_vllm.metadata import SPEC_METHODS
+        from kvarn_vllm.speculative import SPEC_METHODS
 
         served = ", ".join(m for methods in SPEC_METHODS.values() for m in methods)
         reasons.append(

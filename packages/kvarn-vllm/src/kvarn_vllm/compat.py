@@ -496,3 +496,19 @@ def forward_context_layer(layer_name: str) -> Any:
     from vllm.forward_context import get_forward_context
 
     return get_forward_context().no_compile_layers[layer_name]
+
+
+def current_forward_context() -> Any:
+    """The running forward pass's ``ForwardContext`` (``vllm.forward_context``, internal),
+    or None outside one. kvarn keys per-forward memos on it (a context group's decode rows,
+    computed by the step's first layer for the others)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
+
+
+def init_reorder_batch_threshold(builder: Any, threshold: int) -> None:
+    """``AttentionMetadataBuilder._init_reorder_batch_threshold(threshold)`` (a protected
+    helper of vLLM's builder base class): rows of at most ``threshold`` query tokens are
+    decodes, ordered first in the batch."""
+    builder._init_reorder_batch_threshold(threshold)

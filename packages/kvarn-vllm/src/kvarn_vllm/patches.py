@@ -178,14 +178,14 @@ def _widen_cache_dtype():
 
 
 def _install_step_hook():
-    from kvarn_vllm.metadata import STEP
+    from kvarn_vllm.step import STEP
 
     compat.wrap_v2_runner_attn_preparation(STEP.report_real, STEP.report_dummy)
     compat.wrap_v2_runner_add_requests(STEP.report_added)
 
 
 def _install_v1_step_hook():
-    from kvarn_vllm.metadata import STEP
+    from kvarn_vllm.step import STEP
 
     compat.wrap_v1_runner_steps(
         STEP.report_v1_schedule, STEP.report_v1_batch, STEP.report_dummy_rows
@@ -193,13 +193,13 @@ def _install_v1_step_hook():
 
 
 def _install_draft_hook():
-    from kvarn_vllm.metadata import STEP
+    from kvarn_vllm.step import STEP
 
     compat.wrap_draft_decode_metadata(STEP.draft_steps)
 
 
 def _install_dflash_hook():
-    from kvarn_vllm.metadata import STEP
+    from kvarn_vllm.step import STEP
 
     compat.wrap_dflash_propose(STEP.proposing)
 
