@@ -50,11 +50,11 @@ overhead: compare the tables, not the speeds.
 
 Usage (GPU machine)::
 
-    python packages/kvarn-vllm/scripts/e2e_spec.py --phase agreement --model /tmp/smollm2-hf --out $OUT/spec
-    python packages/kvarn-vllm/scripts/e2e_spec.py --phase dummy --model /tmp/smollm2-hf --out $OUT/spec
-    python packages/kvarn-vllm/scripts/e2e_spec.py --phase stress --model /tmp/smollm2-hf --out $OUT/spec
-    python packages/kvarn-vllm/scripts/e2e_spec.py --phase dflash --model /tmp/smollm2-hf --out $OUT/spec
-    python packages/kvarn-vllm/scripts/e2e_spec.py --phase repeat --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-eval/scripts/e2e_spec.py --phase agreement --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-eval/scripts/e2e_spec.py --phase dummy --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-eval/scripts/e2e_spec.py --phase stress --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-eval/scripts/e2e_spec.py --phase dflash --model /tmp/smollm2-hf --out $OUT/spec
+    python packages/kvarn-eval/scripts/e2e_spec.py --phase repeat --model /tmp/smollm2-hf --out $OUT/spec
 
 ``--model`` is a Hugging Face folder (config + weights + tokenizer); without it the SmolLM2
 GGUF is converted as ``e2e_smoke.py`` does (``--gguf`` or ``$KVARN_GPU_FILES``).
