@@ -10,6 +10,14 @@ finds the wrappers in place and does nothing.
 Public extension points used besides the ledger (no patching): the ``vllm.general_plugins``
 entry point and ``register_backend(AttentionBackendEnum.CUSTOM, ...)`` on every release; on
 0.33 also ``register_kv_cache_dtype`` and ``AttentionBackend.customize_spec``.
+
+Private vLLM symbols read without patching, each through one :mod:`kvarn_vllm.compat`
+function: the running forward's context (``vllm.forward_context``: ``current_forward_context``,
+``forward_context_layer``), the builder base class's ``_init_reorder_batch_threshold``
+(``init_reorder_batch_threshold``), FlashAttention's and Triton's prefill kernels
+(``flash_attn_prefill``, ``triton_prefill``), the compilation model tag of a DFlash drafter
+(``building_dflash_drafter``) and the constructing layer's ``prefix`` on the call stack
+(``calling_layer_name``, for error messages).
 """
 
 from __future__ import annotations
