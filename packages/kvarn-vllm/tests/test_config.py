@@ -213,3 +213,24 @@ def test_served_head_dims(head_dim):
 def test_unserved_head_dims(head_dim):
     with pytest.raises(ValueError, match=f"got {head_dim}"):
         parse_kv_cache_dtype("kvarn_k4v2_g128").check_head_dim(head_dim)
+
+
+@pytest.mark.parametrize("raw", [None, "", " ", "0", "1", " 1 ", "true", "2"])
+def test_invariant_flag_parsed_as_the_kernels_parse_it(monkeypatch, raw):
+    """kvarn-vllm reads KVARN_KERNELS_BATCH_INVARIANT without importing the kernels; it must
+    accept and reject exactly what kvarn_kernels.settings.KernelSettings does."""
+    from kvarn_kernels.settings import KernelSettings
+    from kvarn_vllm.config import INVARIANT_ENV, invariant_from_env
+
+    env = {} if raw is None else {INVARIANT_ENV: raw}
+    if raw is None:
+        monkeypatch.delenv(INVARIANT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(INVARIANT_ENV, raw)
+    try:
+        expected = KernelSettings.from_env(env).batch_invariant
+    except ValueError:
+        with pytest.raises(ValueError, match=INVARIANT_ENV):
+            invariant_from_env()
+    else:
+        assert invariant_from_env() is expected

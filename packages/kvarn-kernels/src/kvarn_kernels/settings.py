@@ -6,16 +6,18 @@ the values it accepts and what arrived. A process that changes the environment a
 calls :func:`reload`; :func:`override` replaces fields for a block of code (benchmarks).
 ``docs/settings.md`` is generated from the fields' metadata (``python docs/gen_tables.py``).
 
-This module imports the standard library only, so that the docs build reads it without torch.
+This module imports the standard library and kvarn_math.envsettings only, so that the docs build
+reads it without torch.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
+
+from kvarn_math.envsettings import parse_flag, read_environment, setting
 
 __all__ = [
     "KernelSettings",
@@ -26,13 +28,6 @@ __all__ = [
     "reload",
     "setting",
 ]
-
-
-def parse_flag(raw: str) -> bool:
-    """``"0"`` or ``"1"`` to a bool; anything else raises ``ValueError``."""
-    if raw not in ("0", "1"):
-        raise ValueError(raw)
-    return raw == "1"
 
 
 def _int_in(allowed: Callable[[int], bool]) -> Callable[[str], int]:
@@ -55,53 +50,6 @@ def _parse_launch(raw: str) -> tuple[tuple[str, int], ...]:
             raise ValueError(raw)
         out.append((key.strip(), int(value)))
     return tuple(out)
-
-
-def setting(
-    env: str,
-    default: Any,
-    parse: Callable[[str], Any],
-    allowed: str,
-    doc: str,
-    *,
-    use: str = "engine",
-) -> Any:
-    """A settings field read from the environment variable ``env``.
-
-    Args:
-        env: the variable's name.
-        default: the value when the variable is unset or empty.
-        parse: the stripped text to the value; raises ``ValueError`` when it does not accept it.
-        allowed: the accepted values in words, for errors and the docs table.
-        doc: what it does and why its default is the default (measured), for the docs table.
-        use: ``engine`` (a serving knob), ``measurement`` (benchmarks and diagnosis; an engine
-            leaves it unset), ``legacy`` (keeps an older code path for comparison) or ``run``
-            (where a run finds or records things).
-    """
-    meta = {"env": env, "parse": parse, "allowed": allowed, "doc": doc, "use": use}
-    return field(default=default, metadata=meta)
-
-
-def read_environment(cls: Any, environ: Mapping[str, str] | None = None) -> Any:
-    """An instance of the settings dataclass ``cls`` from ``environ`` (default ``os.environ``):
-    each field's variable when set and not blank, else the field's default.
-
-    Raises:
-        ValueError: a variable holds a value its field does not accept, naming the variable,
-            what it accepts and what arrived.
-    """
-    env = os.environ if environ is None else environ
-    values = {}
-    for f in fields(cls):
-        name = f.metadata["env"]
-        raw = env.get(name)
-        if raw is None or not raw.strip():
-            continue
-        try:
-            values[f.name] = f.metadata["parse"](raw.strip())
-        except ValueError:
-            raise ValueError(f"{name} must be {f.metadata['allowed']}, got {raw!r}") from None
-    return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvarn_kernels.settings import parse_flag, read_environment, setting
+from kvarn_math.envsettings import parse_flag, read_environment, setting
 from kvarn_math.tile import KEY_FRAMES
 
 __all__ = ["MAX_RECENT_TILES", "VllmSettings"]
