@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvarn_kernels.settings import KernelSettings
 from kvarn_math.layout import DEFAULT_PRESET, PRESETS, SUPPORTED_HEAD_DIMS, Preset, get_preset
 from kvarn_math.tile import KEY_FRAMES
 
@@ -275,8 +274,11 @@ def window_keys_from_env(preset: Preset | str) -> bool:
 
 def invariant_from_env() -> bool:
     """The :data:`INVARIANT_ENV` setting (kvarn-kernels' ``KernelSettings.batch_invariant``,
-    read afresh): ``1`` on, ``0`` (default) off."""
-    return KernelSettings.from_env().batch_invariant
+    read afresh): ``1`` on, ``0`` (default) off. Parsed here with :func:`env_flag` as
+    ``KernelSettings`` parses it (a test checks they agree): importing kvarn_kernels would
+    import Triton, and :func:`parse_kv_cache_dtype` runs in every process vLLM starts, through
+    the plugin's ``register()``."""
+    return env_flag(INVARIANT_ENV, False)
 
 
 def verify_as_decode_from_env(speculative: bool) -> bool:
@@ -319,7 +321,7 @@ def parse_kv_cache_dtype(
         preset=preset,
         staging_tiles=staging_tiles_for(num_speculative_tokens, preset.group_size),
         sink=env.exact_sink,
-        batch_invariant=KernelSettings.from_env().batch_invariant,
+        batch_invariant=invariant_from_env(),
         recent_tiles=env.recent_tiles,
         key_frame=env.key_frame,
         window_keys=default_window_keys(preset) if env.window_keys is None else env.window_keys,
