@@ -125,7 +125,7 @@ def suite_plan(name: str, options: BenchOptions) -> str | None:
     if name in ("longctx", "longctx_cpu"):
         from kvarn_eval.gpu_longctx import plan_line
 
-        return plan_line(options)
+        return plan_line(name, options)
     if name == "kernels":
         grid = "quick" if s.kernel_quick else "full"
         return f"kvarn_kernels.bench, {grid} grid, presets {s.kernel_presets}"
