@@ -69,9 +69,10 @@ class Adapter:
         public: the public vLLM extension points it calls, as ``module.symbol`` (for the
             docs and the tests; :attr:`register_public` does the calling).
         register_public: registers kvarn through those extension points (idempotent).
-        unserved: ``unserved(vllm_config)`` lists what kvarn does not serve on these
-            releases for that configuration (each reason says what works instead); the
-            backend selection refuses a ``kvarn_*`` layer with them at start-up.
+        unserved_in: ``unserved_in(vllm_config)`` lists what kvarn does not serve on these
+            releases for that configuration (each reason says where it is served); the
+            backend selection refuses a ``kvarn_*`` layer with them at start-up
+            (:meth:`unserved`).
     """
 
     name: str
@@ -104,6 +105,7 @@ class Adapter:
         patches.apply_process_patches()
 
     def applied(self) -> frozenset[str]:
+        """The ledger entries applied in this process so far."""
         from kvarn_vllm import patches
 
         return patches.applied()
