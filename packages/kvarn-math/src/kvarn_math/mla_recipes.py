@@ -53,8 +53,10 @@ def bf16_round(x: npt.ArrayLike) -> F32:
     """Round float32 to the nearest bfloat16 (ties to even), returned as float32."""
     a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     bits = a.view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32)
+    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) & np.uint64(
+        0xFFFF0000
+    )
+    return rounded.astype(np.uint32).view(np.float32)
 
 
 def fp16_round(x: npt.ArrayLike) -> F32:
@@ -93,7 +95,8 @@ def _log8_rows(x: F32, bits: int) -> F32:
     zero = np.clip(np.floor(lo / step_q), -128, 127)
     lo_q = zero * step_q
     q = np.clip(np.rint((x - lo_q[..., None]) / step_q[..., None]), 0, levels)
-    return (q * step_q[..., None] + lo_q[..., None]).astype(np.float32)
+    out: F32 = (q * step_q[..., None] + lo_q[..., None]).astype(np.float32)
+    return out
 
 
 @dataclass(frozen=True)
