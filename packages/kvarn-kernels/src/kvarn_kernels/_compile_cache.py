@@ -22,7 +22,7 @@ __all__ = ["compile_cache", "default_cache_dir"]
 def default_cache_dir() -> str:
     """Triton's own default cache folder (``$TRITON_HOME/.triton/cache``, home by default),
     whatever ``TRITON_CACHE_DIR`` says now."""
-    import triton  # type: ignore[import-untyped]
+    import triton  # type: ignore[import-untyped,import-not-found]
 
     return str(triton.knobs.cache.get_triton_dir("cache"))
 
@@ -37,7 +37,7 @@ def compile_cache(path: str | None = None) -> Iterator[str | None]:
     cache where it was (a read-only home must not stop an engine). Yields the folder used, or
     ``None`` when nothing was changed.
     """
-    import triton  # type: ignore[import-untyped]
+    import triton  # type: ignore[import-untyped,import-not-found]
 
     folder = os.path.abspath(os.path.expanduser(path or default_cache_dir()))
     try:

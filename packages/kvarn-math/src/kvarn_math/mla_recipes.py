@@ -75,7 +75,8 @@ def rope_roundtrip(rope: npt.ArrayLike, mode: str) -> F32:
     if mode == "int8":
         step = fp16_round(np.abs(r).max(axis=-1) / 127)
         safe = np.where(step > 0, step, np.float32(1))[..., None]
-        return (np.clip(np.rint(r / safe), -127, 127) * safe).astype(np.float32)
+        out: F32 = (np.clip(np.rint(r / safe), -127, 127) * safe).astype(np.float32)
+        return out
     raise ValueError(f"rope mode must be one of {ROPE_MODES}, got {mode!r}")
 
 

@@ -142,7 +142,9 @@ def _base_class() -> type:
         def supported_kv_cache_layouts(cls) -> tuple:
             # Layer-outermost layouts: each layer's records are one [blocks, heads, tile]
             # array, as the kernels read them (vLLM 0.29+).
-            from vllm.v1.kv_cache_layout import KVCacheLayout
+            from vllm.v1.kv_cache_layout import (  # type: ignore[import-not-found]
+                KVCacheLayout,  # vLLM 0.29+ only
+            )
 
             return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
 

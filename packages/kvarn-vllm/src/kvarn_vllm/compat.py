@@ -280,7 +280,8 @@ def wrap_hybrid_block_alignment(align: Callable[[Any, Any, list[Any]], Any]) -> 
         if align(vllm_config, backend_cls, backends) is None:
             original(cls, vllm_config, backend_cls)
 
-    Platform._align_hybrid_block_size = classmethod(_mark(_align_hybrid_block_size, original))
+    patched = classmethod(_mark(_align_hybrid_block_size, original))
+    Platform._align_hybrid_block_size = patched  # type: ignore[method-assign,assignment]
     return True
 
 

@@ -161,8 +161,9 @@ def mamba_page_bytes(vllm_config: Any) -> int:
         specs = model_cls.get_mamba_specs_from_config(vllm_config)
         return max((spec.page_size_bytes for spec in specs), default=0)
     return MambaSpec(
-        shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
-        dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+        # classmethods of vLLM's Mamba models (IsHybrid), absent from the ModelRegistry type
+        shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),  # type: ignore[attr-defined]
+        dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),  # type: ignore[attr-defined]
         block_size=-1,
     ).page_size_bytes
 
@@ -178,8 +179,8 @@ def _checkpoint_alignment(vllm_config: Any) -> int:
     """Tokens a block must be a multiple of for Mamba's prefill checkpoints in the ``align``
     cache mode: vLLM 0.33 declares them per layer; 0.26 has none (1)."""
     try:
-        from vllm.model_executor.layers.mamba.abstract import (
-            get_mamba_prefill_checkpoint_alignment,
+        from vllm.model_executor.layers.mamba.abstract import (  # type: ignore[attr-defined]
+            get_mamba_prefill_checkpoint_alignment,  # vLLM 0.33 only
         )
     except ImportError:
         return 1

@@ -137,7 +137,10 @@ def _register_cache_dtypes_033() -> None:
     ``KVQuantMode.CUSTOM`` shares its value with ``OCTAVE_K3V4`` (an alias, so code asking
     ``is_octave`` would answer True)."""
     import torch
-    from vllm.config.cache import get_kv_cache_dtype_handler, register_kv_cache_dtype
+    from vllm.config.cache import (  # type: ignore[attr-defined]  # vLLM 0.33 only
+        get_kv_cache_dtype_handler,
+        register_kv_cache_dtype,
+    )
     from vllm.v1.kv_cache_interface import KVQuantMode
 
     from kvarn_vllm.config import preset_names

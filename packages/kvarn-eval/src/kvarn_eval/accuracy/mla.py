@@ -169,7 +169,25 @@ class MLAAttention(nn.Module):
     ``nope_c, nope_i`` (int64: the component and frequency of each RoPE and NoPE pair).
     """
 
-    def __init__(self, original: nn.Module, buffers: dict[str, torch.Tensor], heads: int) -> None:
+    q_proj: nn.Module
+    o_proj: nn.Module
+    head_dim: int
+    layer_idx: int
+    scaling: float
+    heads: int
+    kv_heads: int
+    # buffers (registered in __init__)
+    w_dkv: torch.Tensor
+    u_nope: torch.Tensor
+    u_v: torch.Tensor
+    w_kpe: torch.Tensor
+    mix: torch.Tensor
+    rope_c: torch.Tensor
+    rope_i: torch.Tensor
+    nope_c: torch.Tensor
+    nope_i: torch.Tensor
+
+    def __init__(self, original: Any, buffers: dict[str, torch.Tensor], heads: int) -> None:
         super().__init__()
         self.q_proj = original.q_proj
         self.o_proj = original.o_proj
@@ -331,7 +349,7 @@ def _pair_importance(
 
 
 def convert_layer(
-    attn: nn.Module,
+    attn: Any,
     x: torch.Tensor,
     settings: MLAConversion,
     rope_theta: float,

@@ -87,7 +87,7 @@ def _decode_case(
     table = torch.arange(batch * tiles, device=device, dtype=torch.int32).view(batch, tiles)
     table = table[:, torch.randperm(tiles, device=device)].contiguous()
     staging = torch.randn(batch, 2 * g, L + R, device=device, dtype=DTYPE[0])
-    i32 = {"device": device, "dtype": torch.int32}
+    i32: dict[str, Any] = {"device": device, "dtype": torch.int32}
     seq_lens = torch.full((batch,), ctx, **i32)
     qlens = torch.full((batch,), qlen, **i32)
     slots = torch.arange(batch, **i32)
@@ -194,6 +194,8 @@ def _dequantize_cost(preset: str, tokens: int, device: torch.device, quick: bool
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """All measurements; returns the report (also written to ``args.out``)."""
+    head_counts: tuple[int, ...]
+    store_sizes: tuple[int, ...]
     if args.dry_run:  # the code paths on the CPU (TRITON_INTERPRET=1), tiny sizes
         device = torch.device("cpu")
         sizes, head_counts, store_sizes, gather = [(2, 300)], (16,), (64,), 256
