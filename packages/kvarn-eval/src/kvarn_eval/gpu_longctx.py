@@ -159,7 +159,9 @@ def longctx_jobs(
     meta = {"model": model_dir, "head_dim": head_dim, "num_layers": num_layers}
     # the noise run right after the reference: a short time budget drops compared caches
     # first, and without the floor the long generations' agreement cannot be read
-    plan = [("reference", reference, {}, reference.label, True)]
+    plan: list[tuple[str, Any, dict[str, Any], str, bool]] = [
+        ("reference", reference, {}, reference.label, True)
+    ]
     if longgen_count and options.noise_max_num_seqs:
         n = options.noise_max_num_seqs
         plan.append(
