@@ -92,7 +92,9 @@ def test_setup_reports_what_is_missing_and_keeps_the_shell(tmp_path: Path) -> No
     empty = tmp_path / "empty"
     empty.mkdir()
     out, calls = _source(empty, tmp_path / "no-parts", tmp_path)
-    assert out.count("SETUP FAILED") >= 3  # env.sh, the packages, the vLLM import
+    # env.sh and the packages; the vLLM import check fails too only where this interpreter
+    # lacks vLLM (nox's tests environment has it)
+    assert out.count("SETUP FAILED") >= 2
     assert "env.sh is missing" in out and "no packages/ or .snap/packages/" in out
     assert f"after: ok=0 cwd={empty}" in out and calls == []
 
