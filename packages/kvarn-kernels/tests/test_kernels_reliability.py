@@ -128,7 +128,81 @@ def _check_attention(device: str, dtype: torch.dtype) -> None:
     assert_close_rms(want, got, 1e-4 if dtype == torch.float32 else 2.5e-2, what="1e8 tiles")
 
 
-CHECKS = [_check_store, _check_store_kv_counts, _check_attention]
+def _range_cases(g: int, d: int, magnitudes: list[float]) -> list[tuple[str, np.ndarray]]:
+    """``(name, [g, d] float32 tile)`` per magnitude: a whole tile at it and an ordinary tile
+    (largest magnitude 1) with one element at it."""
+    x = make_kv((2 * len(magnitudes), g, d), "outlier_channels", 21)
+    x = x / np.abs(x).max(axis=(-2, -1), keepdims=True)
+    cases = []
+    for i, m in enumerate(magnitudes):
+        cases.append((f"tile {m:g}", (x[2 * i].astype(np.float64) * m).astype(np.float32)))
+        single = x[2 * i + 1].copy()
+        single[5, 9] = m
+        cases.append((f"outlier {m:g}", single))
+    return cases
+
+
+def _check_store_kv_range(
+    device: str, dtype: torch.dtype, preset: str, d: int, magnitudes: list[float]
+) -> None:
+    """The serving store (``store_kv``) at ``preset``'s tile: for each case, its keys and then
+    its values in KV head 1 (head 0 ordinary), one tile per call. The kernel saturates and
+    counts exactly the tile halves the reference rejects (``overflow="raise"``); a held one
+    decodes within 5% of the reference's own error on the same rotated, ``dtype``-rounded
+    tokens (the format's error: records are exact under powers of two), a saturated one
+    decodes finite, and head 0's records are unaffected."""
+    g = tile_layout(preset, d).group_size
+    ordinary = make_kv((g, 2, d), "gaussian", 22)
+    ordinary /= np.abs(ordinary).max()
+    table = np.array([[1]], dtype=np.int32)
+    plan = kk.plan_store([0], [g], None, [0], table, preset).to(device)
+    decisions = []
+    for name, tile in _range_cases(g, d, magnitudes):
+        for half in (0, 1):  # keys, values
+            k, v = ordinary.copy(), ordinary[::-1].copy()
+            (k, v)[half][:, 1] = tile
+            kt, vt = (torch.from_numpy(x).to(dtype).to(device) for x in (k, v))
+            cache = unwritten_cache(2, 2, tile_layout(preset, d).tile_bytes, device)
+            staging = nan_like_staging(kk.staging_shape(1, 2, d, preset), dtype, device)
+            count = torch.zeros(1, dtype=torch.int32, device=device)
+            kk.store_kv(kt, vt, cache, staging, plan, preset, overflow_count=count)
+            # the reference's decision on the same (dtype-rounded) tokens, original frame
+            orig = [x.float().cpu().numpy()[:, 1] for x in (kt, vt)]
+            try:
+                quantize_tiles(orig[0], orig[1], preset)
+                rejected = False
+            except ValueError as exc:
+                assert "past what a KVarN record holds" in str(exc), exc
+                rejected = True
+            what = f"{preset} {name} {('keys', 'values')[half]}"
+            assert int(count.item()) == int(rejected), what
+            decisions.append(rejected)
+            records = cache[1].cpu().numpy()  # [KV heads, tile bytes]
+            got_kv = decode_tiles(records[1], preset, d)
+            assert all(np.isfinite(x).all() for x in got_kv), what
+            head0 = decode_tiles(records[0], preset, d)[half]
+            ref0 = as_dtype(rotate((k, v)[half][:, 0], axis=-1), dtype)
+            assert np.linalg.norm(head0 - ref0) < 0.5 * np.linalg.norm(ref0), what
+            if rejected:
+                continue
+            # held: the tokens as the store sees them (rotated, rounded to dtype), encoded by
+            # the reference, give the format's error there
+            rot = [as_dtype(rotate(x, axis=-1), dtype) for x in orig]
+            exact = rot[half].astype(np.float64)
+            err = np.linalg.norm(got_kv[half] - exact) / np.linalg.norm(exact)
+            ref = decode_tiles(encode_tiles(rot[0], rot[1], preset), preset, d)[half]
+            ref_err = np.linalg.norm(ref - exact) / np.linalg.norm(exact)
+            assert err <= 1.05 * ref_err + 1e-6, (what, err, ref_err)
+    # the magnitudes below about 5.4e8 are held, the larger ones saturate (docs/reliability.md)
+    want_rejected = [m > 5.4e8 for m in magnitudes for _ in range(4)]
+    assert decisions == want_rejected, decisions
+
+
+def _check_store_kv_range_small(device: str, dtype: torch.dtype) -> None:
+    _check_store_kv_range(device, dtype, PRESET, D, [1e5, 1e20])
+
+
+CHECKS = [_check_store, _check_store_kv_counts, _check_attention, _check_store_kv_range_small]
 
 
 @pytest.mark.interpreter
@@ -143,3 +217,33 @@ def test_large_values_cpu(check: object, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_values_gpu(check: object, dtype: torch.dtype) -> None:
     check("cuda", dtype)  # type: ignore[operator]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("preset", "d"), [("kvarn_k4v2_g128", 128), ("kvarn_k2v2_g128", 256), ("kvarn_k4v4_g64", 64)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_range_at_real_tiles_gpu(preset: str, d: int, dtype: torch.dtype) -> None:
+    """The serving store at the presets' real tiles, every magnitude, keys and values apart."""
+    _check_store_kv_range("cuda", dtype, preset, d, MAGNITUDES)
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_the_counting_store() -> None:
+    """kvarn-vllm passes a counter to every store: warmup(count_overflow=True) compiles that
+    variant, so serving compiles nothing more for it."""
+    preset, d, dtype = "kvarn_k4v2_g128", 128, torch.bfloat16
+    kk.warmup(preset, d, 32, 8, dtype, "cuda", count_overflow=True)
+    before = kk.compiled_variants()
+    g = tile_layout(preset, d).group_size
+    cache = unwritten_cache(4, 8, tile_layout(preset, d).tile_bytes, "cuda")
+    staging = kk.staging_shape(2, 8, d, preset)
+    staging = torch.zeros(staging, dtype=dtype, device="cuda")
+    table = np.array([[1, 2], [3, 0]], dtype=np.int32)
+    plan = kk.plan_store([0, 0], [g + 5, 7], None, [0, 1], table, preset).to("cuda")
+    kv = torch.randn((g + 12, 8, d), dtype=torch.float32).to("cuda", dtype)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    kk.store_kv(kv, kv.clone(), cache, staging, plan, preset, overflow_count=count)
+    torch.cuda.synchronize()
+    assert kk.compiled_variants() == before and int(count.item()) == 0

@@ -289,6 +289,7 @@ def test_warm_kernels_once_per_shape_on_gpus_only(monkeypatch, tmp_path):
         "own_kv": (True,),  # no KV-sharing layer: multi-query only with the step's K/V
         "key_frame": "auto",  # the store chooses key frames, attention reads them
         "frame_queries": False,  # staged last-position queries: speculative decoding only
+        "count_overflow": True,  # every layer counts saturated tiles (kvarn_vllm.overflow)
     }
     # With a KV-sharing layer both multi-query variants; batch-invariant mode, only without.
     from kvarn_vllm import staging

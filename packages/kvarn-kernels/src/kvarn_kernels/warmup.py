@@ -76,6 +76,7 @@ def warmup(
     key_frame: str = "rotated",
     key_tiles: int | None = None,
     frame_queries: bool = False,
+    count_overflow: bool = False,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Launch every kernel variant an engine with this shape uses, on scratch tensors.
@@ -104,6 +105,8 @@ def warmup(
             ``staging_shape(key_tiles=)``); ``None``: windows keep keys too.
         frame_queries: whether the engine passes ``store_kv(frame_queries=)`` (speculative
             decoding with ``key_frame="auto"``).
+        count_overflow: whether the engine passes ``store_kv(overflow_count=)`` (kvarn-vllm
+            does, per layer).
         threads: threads that launch (and so compile) the variants after the store
             (:func:`warmup_threads`).
 
@@ -166,6 +169,7 @@ def warmup(
         key_frame=key_frame,
         query=query_all,
         frame_queries=fq,
+        overflow_count=torch.zeros(1, dtype=torch.int32, device=device) if count_overflow else None,
     )
     launches += 2
 

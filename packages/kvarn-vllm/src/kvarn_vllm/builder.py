@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 
-from kvarn_vllm import compat, speculative, warmup
+from kvarn_vllm import compat, overflow, speculative, warmup
 from kvarn_vllm.config import KvarnConfig, parse_kv_cache_dtype, spec_full_graphs
 from kvarn_vllm.metadata import KvarnMetadata
 from kvarn_vllm.planning import StepPlanner
@@ -81,7 +81,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             warmup.warm_planners(self.config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False):
-        """This step's metadata (:meth:`StepPlanner.plan`)."""
+        """This step's metadata (:meth:`StepPlanner.plan`); every few seconds, a look at the
+        layers' saturation counters (:meth:`kvarn_vllm.overflow.OverflowCounters.poll`, no
+        host sync)."""
+        overflow.COUNTERS.poll()
         return self.planner.plan(common_attn_metadata)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: Any):

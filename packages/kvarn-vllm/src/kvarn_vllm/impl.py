@@ -26,7 +26,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from kvarn_vllm import compat, dense, groups, kernels, staging
+from kvarn_vllm import compat, dense, groups, kernels, overflow, staging
 from kvarn_vllm.config import parse_kv_cache_dtype
 from kvarn_vllm.groups import group_rows, query_runs, row_expansion, write_group_rows
 from kvarn_vllm.prefill import fresh_attention
@@ -91,9 +91,13 @@ class KvarnAttentionImpl(AttentionImpl):
         self.config.check_head_dim(head_size)
         self.staging = None
         self.frame_queries = None
+        self.overflow_count = None  # int32 [1]: tiles this layer's stores saturated
         if kv_sharing_target_layer_name is not None:
             staging.count_shared_layer()  # attends without K/V of its own
         else:
+            self.overflow_count = overflow.COUNTERS.allocate(
+                compat.calling_layer_name(), torch.get_default_device()
+            )
             model = vllm_config.model_config
             dtype = model.dtype if model else torch.get_default_dtype()
             # Model build runs under `with torch.device(target)`: this lands on the GPU.
@@ -148,6 +152,7 @@ class KvarnAttentionImpl(AttentionImpl):
                 key_frame=self.config.key_frame,
                 query=query[:n] if auto else None,
                 frame_queries=self.frame_queries,
+                overflow_count=self.overflow_count,
             )
         if md.decode is not None:
             self._decode(md, query, kv_cache, stage, output)
@@ -305,7 +310,14 @@ class KvarnAttentionImpl(AttentionImpl):
                 f"for a target step of {md.num_actual_tokens}"
             )
         kernels.store_kv(
-            key, value, kv_cache, self._staging(layer), md.plan, self.preset, key_frame="rotated"
+            key,
+            value,
+            kv_cache,
+            self._staging(layer),
+            md.plan,
+            self.preset,
+            key_frame="rotated",
+            overflow_count=self.overflow_count,
         )
 
     def _staging(self, layer):

@@ -80,6 +80,7 @@ def warm_kernels(config: KvarnConfig, kv_cache_spec: Any, vllm_config: Any, devi
             key_frame=config.key_frame,
             key_tiles=config.key_tiles,
             frame_queries=config.frame_queries,
+            count_overflow=True,  # every layer counts its saturated tiles (kvarn_vllm.overflow)
         )
     logger.info(
         "kvarn: compiled the kernels before serving (%d launches, query blocks %s, %d "
