@@ -129,6 +129,11 @@ def test_projection_accounting():
     assert project(config, LLAMA_3_1_8B, tiny, slots=256).kvarn_tokens == 0
     n = p.running_within(0.97)
     assert p.live_vs_bf16(n) / p.byte_limit >= 0.97 > p.live_vs_bf16(n + 1) / p.byte_limit
+    # a pool filled with 16K-token requests: as many as their records and staging fit
+    running, share = p.filled(16384)
+    assert running * (16384 + p.slot_tokens) <= p.pool_tokens
+    assert (running + 1) * (16384 + p.slot_tokens) > p.pool_tokens
+    assert share == p.live_vs_bf16(running)
     with pytest.raises(ValueError, match="slots must be >= 1"):
         project(config, LLAMA_3_1_8B, budget, slots=0)
 

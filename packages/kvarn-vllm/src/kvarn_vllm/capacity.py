@@ -162,6 +162,7 @@ class Projection:
         pool_tokens: the kvarn pool with nothing reserved but the workspace: what a pool holds
             when each request's staging is drawn from it only while the request runs.
         slot_tokens: what one running request's staging takes from such a pool (whole blocks).
+        group_size: tokens per block (the tile ``G``).
     """
 
     preset: str
@@ -174,6 +175,7 @@ class Projection:
     byte_limit: float
     pool_tokens: int
     slot_tokens: int
+    group_size: int
 
     @property
     def vs_bf16(self) -> float:
@@ -189,6 +191,14 @@ class Projection:
         against bf16's tokens."""
         left = max(self.pool_tokens - running * self.slot_tokens, 0)
         return left / self.bf16_tokens if self.bf16_tokens else 0.0
+
+    def filled(self, context: int) -> tuple[int, float]:
+        """A per-live pool filled with requests of ``context`` tokens each (at most ``slots``
+        of them, each holding its records and its staging): how many run, and the pool tokens
+        left to records against bf16's tokens."""
+        records = -(-context // self.group_size) * self.group_size  # whole tiles
+        running = min(self.slots, self.pool_tokens // (records + self.slot_tokens))
+        return running, self.live_vs_bf16(running)
 
     def running_within(self, share: float = 0.97) -> int:
         """The most running requests for which a per-live pool keeps ``share`` of the byte
@@ -230,24 +240,29 @@ def project(
         byte_limit=shape.bf16_bytes_per_token * g / block,
         pool_tokens=max(kv - workspace, 0) // block * g,
         slot_tokens=math.ceil(slot_bytes / block) * g,
+        group_size=g,
     )
 
 
-def table(projections: list[Projection], running: int) -> str:
-    """A Markdown table of ``projections``; the last columns assume ``running`` requests."""
+def table(projections: list[Projection], running: int, context: int) -> str:
+    """A Markdown table of ``projections``: today's fixed reservation, then a per-live pool idle,
+    with ``running`` requests, and filled with ``context``-token requests (shares of the byte
+    limit), and how many running requests keep it within 3%."""
     head = (
         "| budget | preset | staging MiB/slot | reserved GiB | bf16 tokens | kvarn tokens | "
         f"vs bf16 | of byte limit | per-live pool, idle | per-live pool, {running} running | "
-        "running within 3% |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        f"per-live pool filled with {context:,}-token requests | running within 3% |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     )
     rows = []
     for p in projections:
+        n, share = p.filled(context)
         rows.append(
             f"| {p.budget} | {p.preset} | {p.slot_bytes / 2**20:.0f} | {p.fixed_bytes / GIB:.2f} | "
             f"{p.bf16_tokens:,} | {p.kvarn_tokens:,} | {p.vs_bf16:.2f}x (limit "
             f"{p.byte_limit:.2f}x) | {p.of_limit:.1%} | {p.live_vs_bf16(0) / p.byte_limit:.1%} | "
-            f"{p.live_vs_bf16(running) / p.byte_limit:.1%} | {p.running_within():,} |"
+            f"{p.live_vs_bf16(running) / p.byte_limit:.1%} | {share / p.byte_limit:.1%} ({n} "
+            f"running) | {p.running_within():,} |"
         )
     return head + "\n".join(rows)
 
@@ -275,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--running", type=int, default=None, help="running requests (default: --slots)"
     )
+    parser.add_argument(
+        "--context", type=int, default=16384, help="tokens per request of a filled pool"
+    )
     args = parser.parse_args(argv)
     shape = LLAMA_3_1_8B
     print(f"Staging per request slot, {shape.name} shape, serving defaults (MiB):\n")
@@ -287,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     running = args.slots if args.running is None else args.running
     print(f"\nProjected capacity (planner arithmetic, not a measurement), {args.slots} slots:\n")
-    print(table(projections, running))
+    print(table(projections, running, args.context))
     return 0
 
 
