@@ -78,6 +78,15 @@ def test_llama_breakdown_matches_the_logged_staging():
     assert parts["sink_values"] + parts["recent_values"] == 16 * 2**20
 
 
+def test_fp8_windows_halve_only_the_windows():
+    config = default_config("kvarn_k2v2_g128")  # windows keep keys and values
+    bf16 = staging_breakdown(config, LLAMA_3_1_8B)
+    fp8 = staging_breakdown(config, LLAMA_3_1_8B, window_dtype_bytes=1)
+    assert staging_breakdown(config, LLAMA_3_1_8B, window_dtype_bytes=2) == bf16
+    for part, size in bf16.items():
+        assert fp8[part] == (size // 2 if part.startswith(("recent", "sink")) else size)
+
+
 @pytest.mark.parametrize("max_model_len", [0, 256, 5376, 131072])
 def test_workspace_is_what_dense_allocates(max_model_len):
     shape = ModelShape("ws", num_layers=1, num_heads=4, num_kv_heads=3, head_dim=64)

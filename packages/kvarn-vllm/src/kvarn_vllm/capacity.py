@@ -97,7 +97,9 @@ class Budget:
 # docs/results h200-2026-11-30*): "15.0 GiB for weight, 1.78 GiB for peak activation, 0.22 GiB
 # for non-torch memory", 108.81 GiB of KV cache, 891,392 tokens, 139.8 GiB total.
 LLAMA_NON_KV_GIB = 15.0 + 1.78 + 0.22
-H100_TOTAL_GIB = 79.19  # H100 80GB HBM3 as torch reports it (85,029,158,912 bytes)
+H100_TOTAL_GIB = (
+    79.18  # H100 80GB HBM3 as torch reports it ("total capacity of 79.18 GiB", 2026-12-06)
+)
 H200_TOTAL_GIB = 139.8
 BUDGETS: tuple[Budget, ...] = (
     Budget("H100 80 GB, 0.9", H100_TOTAL_GIB, 0.9, LLAMA_NON_KV_GIB),
@@ -114,14 +116,23 @@ def default_config(preset: str, **settings: object) -> KvarnConfig:
     return replace(base, **settings)  # type: ignore[arg-type]
 
 
-def staging_breakdown(config: KvarnConfig, shape: ModelShape) -> dict[str, int]:
+def staging_breakdown(
+    config: KvarnConfig, shape: ModelShape, window_dtype_bytes: int | None = None
+) -> dict[str, int]:
     """Bytes of staging per request slot, all layers, by part: the open tiles' keys and values
     (``S`` tiles), the recent tiles' (``R``), the exact first tile's, and the frame queries
     (speculative decoding with auto key frames). A window keeps its keys only with
     ``config.window_keys``. The sum is what ``allocate_layer_staging`` allocates per slot and
-    layer, times the layers."""
+    layer, times the layers.
+
+    ``window_dtype_bytes``: bytes per element of the exact windows (sink, recent tiles) if they
+    were kept in another dtype than the model's (1: fp8; a what-if, the plugin keeps the model
+    dtype); None: the model dtype."""
     g = config.preset.group_size
     tile = g * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes * shape.num_layers
+    window = tile
+    if window_dtype_bytes is not None:
+        window = tile * window_dtype_bytes // shape.dtype_bytes
     s, r, sink = config.staging_tiles, config.recent_tiles, int(config.sink)
     keys = config.window_keys
     frame_tiles = config.staging_tiles if not keys else config.ring_tiles + sink
@@ -129,10 +140,10 @@ def staging_breakdown(config: KvarnConfig, shape: ModelShape) -> dict[str, int]:
     return {
         "open_keys": s * tile,
         "open_values": s * tile,
-        "recent_keys": r * tile if keys else 0,
-        "recent_values": r * tile,
-        "sink_keys": sink * tile if keys else 0,
-        "sink_values": sink * tile,
+        "recent_keys": r * window if keys else 0,
+        "recent_values": r * window,
+        "sink_keys": sink * window if keys else 0,
+        "sink_values": sink * window,
         "frame_queries": frame_tiles * frame if config.frame_queries else 0,
     }
 
@@ -214,17 +225,19 @@ def project(
     budget: Budget,
     slots: int,
     max_model_len: int = 5376,
+    window_dtype_bytes: int | None = None,
 ) -> Projection:
     """``config``'s capacity on ``budget`` with ``slots`` request slots (``max_num_seqs``).
 
-    ``max_model_len`` sizes the workspace (5,376: the capacity suite's at 4K prompts).
+    ``max_model_len`` sizes the workspace (5,376: the capacity suite's at 4K prompts);
+    ``window_dtype_bytes`` as :func:`staging_breakdown`'s.
     """
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
     g = config.preset.group_size
     block = tile_layout(config.preset, shape.head_dim).page_bytes(shape.num_kv_heads)
     block *= shape.num_layers  # one block of every layer: G tokens
-    slot_bytes = sum(staging_breakdown(config, shape).values())
+    slot_bytes = sum(staging_breakdown(config, shape, window_dtype_bytes).values())
     workspace = dense_workspace_bytes(shape, max_model_len)
     fixed = slots * slot_bytes + workspace
     kv = budget.kv_bytes
@@ -288,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recent", type=int, default=1, help="KVARN_VLLM_RECENT_TILES")
     parser.add_argument("--no-sink", action="store_true", help="KVARN_VLLM_EXACT_SINK=0")
     parser.add_argument(
+        "--fp8-windows",
+        action="store_true",
+        help="what if the exact windows were kept in fp8 (not a setting: the plugin keeps bf16)",
+    )
+    parser.add_argument(
         "--running", type=int, default=None, help="running requests (default: --slots)"
     )
     parser.add_argument(
@@ -299,7 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     print(breakdown_table(shape))
     settings = {"recent_tiles": args.recent, "sink": not args.no_sink}
     projections = [
-        project(default_config(name, **settings), shape, budget, args.slots)
+        project(
+            default_config(name, **settings),
+            shape,
+            budget,
+            args.slots,
+            window_dtype_bytes=1 if args.fp8_windows else None,
+        )
         for budget in BUDGETS
         for name in PRESETS
     ]
