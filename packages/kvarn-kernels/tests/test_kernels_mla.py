@@ -8,6 +8,7 @@ import torch
 from kvarn_kernels.mla import (
     allocate_mla_cache,
     choose_mla_splits,
+    default_heads_per_program,
     dequantize_latent,
     mla_cache_shape,
     mla_decode_attention,
@@ -73,27 +74,10 @@ def test_dequantize_matches_decode() -> None:
     torch.testing.assert_close(half.float(), out[64:], rtol=2**-7, atol=0)
 
 
-@pytest.mark.parametrize(
-    ("preset", "heads", "seq_lens", "quantized_lens", "splits"),
-    [
-        # tiles + a tail of 37, the tail wrapping round a 2-tile ring; 20 heads (masked)
-        ("kvarn_mla_l4_g64", 20, [64 * 3 + 37], [64 * 3], 3),
-        # a batch: no key (padding), staging only, tiles only, both; one split and many
-        ("kvarn_mla_l4_g64", 16, [0, 45, 128, 129], [0, 0, 128, 128], 1),
-        ("kvarn_mla_l4_g64", 16, [0, 45, 128, 129], [0, 0, 128, 128], 4),
-        ("kvarn_mla_l2_g128", 16, [128 + 5, 1], [128, 0], 2),
-        ("kvarn_mla_l8_g128", 16, [128 + 100], [128], None),
-    ],
-)
-def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, splits) -> None:
-    batch = build_batch(preset, seq_lens, quantized_lens, ring_tiles=2, dist="outlier_channels")
-    rng = np.random.default_rng(5)
-    q_lat = (rng.standard_normal((len(seq_lens), heads, 512)) / 64).astype(np.float32)
-    q_pe = (rng.standard_normal((len(seq_lens), heads, 64)) / 8).astype(np.float32)
-    scale = 1 / np.sqrt(192)
-    out = mla_decode_attention(
-        torch.from_numpy(q_lat),
-        torch.from_numpy(q_pe),
+def _decode(batch, q_lat, q_pe, preset, scale, dtype=torch.float32, **kw):
+    return mla_decode_attention(
+        torch.from_numpy(q_lat).to(dtype),
+        torch.from_numpy(q_pe).to(dtype),
         batch.cache,
         batch.staging,
         batch.block_table,
@@ -102,10 +86,84 @@ def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, split
         batch.staging_slots,
         preset,
         scale,
-        num_splits=splits,
+        **kw,
     )
+
+
+def _queries(batch_size: int, heads: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    q_lat = (rng.standard_normal((batch_size, heads, 512)) / 64).astype(np.float32)
+    q_pe = (rng.standard_normal((batch_size, heads, 64)) / 8).astype(np.float32)
+    return q_lat, q_pe
+
+
+@pytest.mark.parametrize(
+    ("preset", "heads", "seq_lens", "quantized_lens", "kw"),
+    [
+        # tiles + a tail of 37, the tail wrapping round a 2-tile ring; 20 heads (masked)
+        ("kvarn_mla_l4_g64", 20, [64 * 3 + 37], [64 * 3], {"num_splits": 3}),
+        # a batch: no key (padding), staging only, tiles only, both; one split and many
+        ("kvarn_mla_l4_g64", 16, [0, 45, 128, 129], [0, 0, 128, 128], {"num_splits": 1}),
+        ("kvarn_mla_l4_g64", 16, [0, 45, 128, 129], [0, 0, 128, 128], {"num_splits": 4}),
+        ("kvarn_mla_l2_g128", 16, [128 + 5, 1], [128, 0], {"num_splits": 2}),
+        ("kvarn_mla_l8_g128", 16, [128 + 100], [128], {}),
+        # 128 heads (4 head blocks of 32), lengths of 1, 63 and 3 tiles + 1, 3 splits (the
+        # longest sequence's 4 tiles share out 2 a split; the short ones leave splits empty),
+        # chunks of 16 rows
+        (
+            "kvarn_mla_l4_g64",
+            128,
+            [1, 63, 64 * 3 + 1],
+            [0, 0, 64 * 3],
+            {"num_splits": 3, "block_tokens": 16},
+        ),
+        # 16 heads in a 64-head program (48 masked), whole 64-row chunks, 2-bit codes
+        ("kvarn_mla_l2_g128", 16, [128 * 2 + 127], [128 * 2], {"heads_per_program": 64}),
+    ],
+)
+def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, kw) -> None:
+    batch = build_batch(preset, seq_lens, quantized_lens, ring_tiles=2, dist="outlier_channels")
+    q_lat, q_pe = _queries(len(seq_lens), heads)
+    scale = 1 / np.sqrt(192)
+    if kw.get("num_splits", 1) > 1:
+        kw = {**kw, "min_tiles": 1}
+    out = _decode(batch, q_lat, q_pe, preset, scale, **kw)
     want = reference(batch, q_lat, q_pe, preset, scale)
     np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_decode_splits_share_each_sequence() -> None:
+    """Each sequence's own tiles are shared out over the splits (at least min_tiles a split):
+    the result does not depend on the split count, the table's width or min_tiles beyond
+    float rounding."""
+    preset = "kvarn_mla_l4_g64"
+    batch = build_batch(preset, [64 * 7 + 3, 64 * 2], [64 * 7, 64 * 2], ring_tiles=1)
+    wide = torch.full((2, 40), batch.block_table.max().item(), dtype=torch.int32)
+    wide[:, : batch.block_table.shape[1]] = batch.block_table
+    q_lat, q_pe = _queries(2, 16, seed=9)
+    outs = [
+        _decode(batch, q_lat, q_pe, preset, 0.1, num_splits=s, min_tiles=m)
+        for s, m in ((1, 4), (3, 1), (8, 4))
+    ]
+    batch.block_table = wide
+    outs.append(_decode(batch, q_lat, q_pe, preset, 0.1))
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_decode_fp16_codes_through_the_exponent_bits() -> None:
+    """fp16 queries: the codes enter the dots as ``1024 + code`` (the magic-number path, the
+    same Triton code as bf16's ``128 + code``) and the offset cancels."""
+    preset = "kvarn_mla_l4_g128"
+    batch = build_batch(preset, [128 * 2 + 9], [128 * 2], ring_tiles=1, dist="heavy_tailed")
+    q_lat, q_pe = _queries(1, 16, seed=3)
+    scale = 1 / np.sqrt(192)
+    out = _decode(batch, q_lat, q_pe, preset, scale, dtype=torch.float16, num_splits=2)
+    q16 = torch.from_numpy(q_lat).half().float().numpy()
+    p16 = torch.from_numpy(q_pe).half().float().numpy()
+    want = reference(batch, q16, p16, preset, scale)
+    # fp16 operands (weights rounded to 11 bits) and an fp16 output
+    np.testing.assert_allclose(out.float().numpy(), want, rtol=0, atol=4e-3 * np.abs(want).max())
 
 
 def test_decode_checks_arguments() -> None:
@@ -143,9 +201,16 @@ def test_decode_checks_arguments() -> None:
 
 def test_shapes_and_splits() -> None:
     assert mla_cache_shape(10, "kvarn_mla_l4_g128") == (10, 330 * 128)
+    # one sequence of 256 tiles on 132 SMs: 64 splits of 4 tiles
     assert choose_mla_splits(1, 1, 256) == 64
-    assert choose_mla_splits(64, 4, 256) == 1
-    assert choose_mla_splits(1, 1, 3) == 3
+    # 16 x 128 tiles: 17 wanted, 8 tiles a split, so 16 (none left empty by rounding)
+    assert choose_mla_splits(16, 1, 128) == 16
+    assert choose_mla_splits(64, 4, 256) == 2
+    assert choose_mla_splits(1, 1, 3) == 1  # at least 4 tiles a split
+    assert choose_mla_splits(1, 1, 3, min_tiles=1) == 3
+    assert choose_mla_splits(2, 1, 4096, num_sms=16) == 16
+    assert default_heads_per_program(16) == 16
+    assert default_heads_per_program(20) == default_heads_per_program(128) == 32
 
 
 def test_stage_then_decode_reads_the_staged_rows() -> None:

@@ -3,6 +3,7 @@
 from kvarn_kernels.mla.launch import (
     allocate_mla_cache,
     choose_mla_splits,
+    default_heads_per_program,
     dequantize_latent,
     mla_cache_shape,
     mla_decode_attention,
@@ -13,6 +14,7 @@ from kvarn_kernels.mla.launch import (
 __all__ = [
     "allocate_mla_cache",
     "choose_mla_splits",
+    "default_heads_per_program",
     "dequantize_latent",
     "mla_cache_shape",
     "mla_decode_attention",

@@ -15,15 +15,11 @@ import torch
 import triton.language as tl  # type: ignore[import-untyped]
 from kvarn_math.mla import MLALayout, MLAPreset, get_mla_preset, mla_layout
 
+from kvarn_kernels import settings
 from kvarn_kernels._guards import check_tensor
-from kvarn_kernels._triton import PRECISE_MATH
-from kvarn_kernels.mla.kernel import (
-    mla_combine_kernel,
-    mla_decode_kernel,
-    mla_dequantize_kernel,
-    mla_stage_kernel,
-    mla_store_kernel,
-)
+from kvarn_kernels._triton import INTERPRET, PRECISE_MATH
+from kvarn_kernels.mla.decode import field_asm, mla_combine_kernel, mla_decode_kernel
+from kvarn_kernels.mla.kernel import mla_dequantize_kernel, mla_stage_kernel, mla_store_kernel
 
 __all__ = [
     "mla_cache_shape",
@@ -33,11 +29,14 @@ __all__ = [
     "dequantize_latent",
     "mla_decode_attention",
     "choose_mla_splits",
+    "default_heads_per_program",
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _DOT_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-_TARGET_PROGRAMS = 264  # about two waves of programs on a 132-SM H100
+_H100_SMS = 132
+_MAX_SPLITS = 64
+_MIN_TILES = 4  # tiles a split at least (a split's partials cost about one tile's bytes)
 
 
 def _layout(preset: str | MLAPreset, latent_dim: int, rope_dim: int) -> MLALayout:
@@ -218,11 +217,64 @@ def dequantize_latent(
     return out
 
 
-def choose_mla_splits(batch: int, head_blocks: int, max_tiles: int) -> int:
-    """Split-K factor from host sizes only (so a captured graph keeps it): enough programs to
-    fill the GPU, at least one tile per split, at most 64 splits."""
-    want = max(1, _TARGET_PROGRAMS // max(1, batch * head_blocks))
-    return max(1, min(want, max_tiles, 64))
+def choose_mla_splits(
+    batch: int,
+    head_blocks: int,
+    max_tiles: int,
+    num_sms: int = _H100_SMS,
+    min_tiles: int = _MIN_TILES,
+) -> int:
+    """Split-K factor from host sizes only (so a captured graph keeps it): about two programs
+    per SM (``2 * num_sms`` over ``batch * head_blocks``) for a context of ``max_tiles`` tiles
+    (the block table's width), splits of at least ``min_tiles`` tiles (each split writes
+    ``HB x L`` fp32 partials, worth a few tiles of records), at most 64, and no split left
+    empty by rounding (``ceil(max_tiles / per_split)``). The kernel shares each sequence's own
+    tiles out over the splits, so shorter sequences get shorter splits."""
+    want = max(1, -(-2 * num_sms // max(1, batch * head_blocks)))
+    tiles = max(1, max_tiles)
+    per_split = max(-(-tiles // min(want, _MAX_SPLITS)), min_tiles, 1)
+    return -(-tiles // per_split)
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (a host query, no synchronization); 132 (an H100) off the GPU."""
+    if device.type != "cuda":
+        return _H100_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def default_heads_per_program(heads: int) -> int:
+    """Query heads sharing one unpacked chunk: 16 or 32 (more heads: several head blocks,
+    whose reads of the same chunk meet in L2)."""
+    return 16 if heads <= 16 else 32
+
+
+def _decode_config(hb: int, bits: int, group_size: int) -> dict[str, int]:
+    """Record rows a chunk, warps and pipeline stages of the decode kernel for ``hb`` heads:
+    sized (``ptxas`` for sm_90) to keep the accumulators in registers without spilling, and
+    at 16 heads to fit two programs in an SM's shared memory."""
+    if hb <= 16:
+        cfg = {"block_tokens": 32, "num_warps": 4, "num_stages": 2}
+    else:
+        cfg = {"block_tokens": 64 if bits < 8 else 32, "num_warps": 8, "num_stages": 2}
+    cfg["block_tokens"] = min(cfg["block_tokens"], group_size)
+    return cfg
+
+
+def _codes_as_floats(dot_t: torch.dtype, bits: int) -> tuple[int, float, str, str]:
+    """``(MAGIC, OFF, ASM, ASM_C)``: the bits OR-ed into a code to read it as ``OFF + code`` in
+    the dot dtype (bf16 128 for codes below 128, fp16 1024; else ``(0, 0)``: an exact
+    conversion), and the PTX that does it two codes a register (not in the interpreter, not
+    for 8-bit codes, not with ``KVARN_KERNELS_NO_ASM=1``)."""
+    if dot_t == torch.bfloat16 and bits <= 4:
+        magic, offset = 0x4300, 128.0
+    elif dot_t == torch.float16:
+        magic, offset = 0x6400, 1024.0
+    else:
+        return 0, 0.0, "", ""
+    if INTERPRET or bits == 8 or settings.current().no_asm:
+        return magic, offset, "", ""
+    return (magic, offset, *field_asm(bits, magic))
 
 
 def mla_decode_attention(
@@ -239,6 +291,10 @@ def mla_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     heads_per_program: int | None = None,
+    block_tokens: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_tiles: int | None = None,
 ) -> torch.Tensor:
     """Absorbed-weight MLA decode over the quantized latent cache plus the staged tail.
 
@@ -258,8 +314,14 @@ def mla_decode_attention(
         scale: softmax scale.
         out: optional ``[B, H, L]`` output in q's dtype.
         num_splits: split-K factor (``None``: :func:`choose_mla_splits`).
-        heads_per_program: query heads sharing one dequantized tile (power of two >= 16;
-            ``None``: ``min(next_pow2(H), 32)``).
+        heads_per_program: query heads sharing one unpacked chunk (power of two >= 16;
+            ``None``: :func:`default_heads_per_program`).
+        block_tokens: record rows a chunk (power of two >= 16 dividing ``G``); ``num_warps``,
+            ``num_stages``: Triton launch settings. ``None``: the defaults for ``H`` and the
+            preset (tuning knobs for the benchmark; the results do not depend on them beyond
+            float rounding).
+        min_tiles: tiles a split at least (``None``: 4): a sequence of ``n`` tiles is shared
+            out ``max(ceil(n / splits), min_tiles)`` a split, so short ones use fewer splits.
 
     Returns:
         ``[B, H, L]`` attention output in latent space (multiply by ``W_UV`` per head).
@@ -297,17 +359,33 @@ def mla_decode_attention(
     )
     if bsz == 0:
         return out
-    hb = heads_per_program or min(max(16, 1 << (heads - 1).bit_length()), 32)
+    p = lay.preset
+    if width % p.channel_group or width // p.channel_group > 2:
+        raise ValueError(
+            f"the decode kernel takes 1 or 2 channel groups a row, got latent_dim={width} with "
+            f"channel_group={p.channel_group}"
+        )
+    hb = heads_per_program or default_heads_per_program(heads)
     if hb < 16 or hb & (hb - 1):
         raise ValueError(f"heads_per_program must be a power of two >= 16, got {hb}")
+    cfg = _decode_config(hb, p.latent_bits, g)
+    block_t = block_tokens or cfg["block_tokens"]
+    if block_t < 16 or block_t & (block_t - 1) or g % block_t:
+        raise ValueError(
+            f"block_tokens must be a power of two >= 16 dividing G={g}, got {block_tokens}"
+        )
     head_blocks = -(-heads // hb)
     max_tiles = block_table.shape[1]
-    splits = num_splits or choose_mla_splits(bsz, head_blocks, max_tiles)
-    per_split = -(-max(max_tiles, 1) // splits)
+    least = _MIN_TILES if min_tiles is None else min_tiles
+    if least < 1:
+        raise ValueError(f"min_tiles must be at least 1, got {min_tiles}")
+    splits = num_splits or choose_mla_splits(
+        bsz, head_blocks, max_tiles, num_sms=_sm_count(cache.device), min_tiles=least
+    )
     ws_acc = torch.empty((bsz, heads, splits, width), dtype=torch.float32, device=cache.device)
     ws_ml = torch.empty((bsz, heads, splits, 2), dtype=torch.float32, device=cache.device)
-    p = lay.preset
-    mla_decode_kernel[(bsz, head_blocks, splits)](
+    magic, offset, asm, asm_c = _codes_as_floats(q_latent.dtype, p.latent_bits)
+    mla_decode_kernel[(head_blocks, splits, bsz)](
         q_latent,
         q_rope,
         q_latent.stride(0),
@@ -328,7 +406,7 @@ def mla_decode_attention(
         staging_slots,
         ws_acc,
         ws_ml,
-        per_split,
+        least,
         float(scale),
         heads,
         staging.shape[1],
@@ -338,11 +416,16 @@ def mla_decode_attention(
         BITS=p.latent_bits,
         W=p.channel_group,
         HB=hb,
-        BLOCK_T=32 if p.latent_bits < 8 else 16,
+        BLOCK_T=block_t,
         NUM_SPLITS=splits,
+        MAGIC=magic,
+        OFF=offset,
         DOT_T=_DOT_TYPES[q_latent.dtype],
+        ASM=asm,
+        ASM_C=asm_c,
         **_offsets(lay),
-        num_warps=4 if hb <= 16 else 8,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
     mla_combine_kernel[(bsz, heads)](
         ws_acc,

@@ -1,0 +1,356 @@
+"""Triton device code of the MLA latent decode (format: :mod:`kvarn_math.mla`).
+
+Absorbed-weight decode in latent space over quantized records plus an exact staged tail. The
+latent is never dequantized element by element: with ``c[t, j] = code[t, j] * step[t, g] +
+zero[t, g]`` (``g = j // W``, one step and zero per token and channel group),
+
+    q . c[t]          = sum_g step[t, g] * (q_g . code_g[t]) + zero[t, g] * sum(q_g)
+    sum_t p[t] c[t]_g = (p * step_g) @ code_g + sum_t p[t] zero[t, g]
+
+so the tensor-core dots take the integer codes themselves (exact in bf16/fp16/fp32) and the
+steps and zeros scale ``[heads, tokens]`` scores and weights, a few operations per token instead
+of several per channel. Codes become bf16 (fp16) without an int-to-float conversion: a 4-bit code
+``x`` OR-ed into the exponent bits of 128 (1024) reads as the float ``128 + x`` (``OFF``); the
+offset is folded into the zero point for the scores and subtracted from the output with the
+very weights (rounded to the dot dtype) that multiplied it, so it cancels to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+__all__ = ["field_asm", "latent_group", "mla_decode_kernel", "mla_combine_kernel"]
+
+
+@triton.jit
+def _codes(raw, P: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """Bit field ``P`` of each byte as ``DOT_T``: the code (``MAGIC == 0``) or, with ``MAGIC``
+    the bits of a float with unit spacing, that float plus the code."""
+    c = (raw >> (P * BITS)) & ((1 << BITS) - 1)
+    if MAGIC == 0:
+        return c.to(tl.float32).to(DOT_T)
+    else:
+        return (c.to(tl.int16) | MAGIC).to(DOT_T, bitcast=True)
+
+
+# Four packed bytes b0..b3 -> for each bit field, two registers of two 16-bit floats
+# [MAGIC + field(b0), MAGIC + field(b1)] and [.. b2, .. b3]: a byte permute spreads the bytes to
+# 16-bit lanes, then per field one shift and one AND-OR (lop3; 0xEA = (a & b) | c).
+_SPREAD = """
+    .reg .b32 t0, t1;
+    prmt.b32 t0, $IN, 0, 0x4140;
+    prmt.b32 t1, $IN, 0, 0x4342;
+"""
+
+
+def field_asm(bits: int, magic: int) -> tuple[str, str]:
+    """PTX and constraints of the unpack of every ``bits``-wide field of 4 bytes (pack 4)."""
+    per = 8 // bits
+    mask = ((1 << bits) - 1) * 0x10001
+    body = ["{", _SPREAD.replace("$IN", f"${2 * per}"), "    .reg .b32 u0, u1;"]
+    for p in range(per):
+        for half, (t, u) in enumerate((("t0", "u0"), ("t1", "u1"))):
+            src = t
+            if p:
+                body.append(f"    shr.b32 {u}, {t}, {p * bits};")
+                src = u
+            body.append(
+                f"    lop3.b32 ${2 * p + half}, {src}, {mask:#x}, {magic * 0x10001:#x}, 0xEA;"
+            )
+    body.append("}")
+    return "\n".join(body), ",".join(["=r"] * (2 * per) + ["r"])
+
+
+@triton.jit
+def latent_group(
+    cache_u8,
+    base,
+    rows,
+    g,
+    L: tl.constexpr,
+    BITS: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    OFF_CODES: tl.constexpr,
+    MAGIC: tl.constexpr,
+    DOT_T: tl.constexpr,
+    ASM: tl.constexpr = "",
+    ASM_C: tl.constexpr = "",
+):
+    """Codes of channels ``[g * W, (g + 1) * W)`` of record rows ``rows`` (``BLOCK_T`` of them):
+    ``[BLOCK_T, W]`` in ``DOT_T``, channel order. Each byte is loaded once; its ``8 / BITS``
+    fields (field ``p`` of byte ``k`` is channel ``PER * k + p``) come apart with Triton's shifts
+    and masks, or with ``ASM`` (:func:`field_asm`: two fields a register; bf16/fp16 with
+    ``MAGIC``, not in the interpreter), and are interleaved back with joins."""
+    PER: tl.constexpr = 8 // BITS
+    KG: tl.constexpr = W // PER
+    kb = tl.arange(0, KG)
+    raw = tl.load(cache_u8 + base + OFF_CODES + rows[:, None] * (L // PER) + g * KG + kb[None, :])
+    if PER == 1:
+        x = _codes(raw, 0, BITS, MAGIC, DOT_T)
+    elif PER == 2:
+        if ASM == "":
+            f0 = _codes(raw, 0, BITS, MAGIC, DOT_T)
+            f1 = _codes(raw, 1, BITS, MAGIC, DOT_T)
+        else:
+            f0, f1 = tl.inline_asm_elementwise(
+                ASM, ASM_C, [raw], dtype=(DOT_T.value, DOT_T.value), is_pure=True, pack=4
+            )
+        x = tl.join(f0, f1)
+    else:  # [k, a, b] = field 2a + b
+        if ASM == "":
+            f0 = _codes(raw, 0, BITS, MAGIC, DOT_T)
+            f1 = _codes(raw, 1, BITS, MAGIC, DOT_T)
+            f2 = _codes(raw, 2, BITS, MAGIC, DOT_T)
+            f3 = _codes(raw, 3, BITS, MAGIC, DOT_T)
+        else:
+            f0, f1, f2, f3 = tl.inline_asm_elementwise(
+                ASM, ASM_C, [raw], dtype=(DOT_T.value,) * 4, is_pure=True, pack=4
+            )
+        x = tl.join(tl.join(f0, f2), tl.join(f1, f3))
+    return tl.reshape(x, (BLOCK_T, W))
+
+
+@triton.jit
+def _dot(a, b, DOT_T: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; fp32 operands in IEEE precision (not TF32)."""
+    if tl.float32 == DOT_T:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attend(
+    q0,
+    q1,
+    qpe,
+    qs0,
+    qs1,
+    x0,
+    x1,
+    pe,
+    step0,
+    step1,
+    zero0,
+    zero1,
+    pscale,
+    valid,
+    m,
+    l_sum,
+    a0,
+    a1,
+    z0,
+    z1,
+    scale,
+    OFF: tl.constexpr,
+    NG: tl.constexpr,
+    DOT_T: tl.constexpr,
+):
+    """One online-softmax step (log2 domain) of ``HB`` heads over a chunk of keys.
+
+    ``x{g}`` ``[T, W]``: codes (plus ``OFF``) of channel group ``g`` with per-token ``step{g}``
+    and ``zero{g}`` (the staged tail: exact values, step 1, zero 0, ``OFF`` 0); ``pe`` the
+    RoPE codes with per-token ``pscale``; ``qs{g}`` the query's group sums. Carries the running
+    max ``m``, sum ``l_sum``, the code part ``a{g}`` of the output and its zero part ``z{g}``
+    (``out_g = a_g + z_g``)."""
+    s = _dot(qpe, tl.trans(pe), DOT_T) * pscale[None, :]
+    s += _dot(q0, tl.trans(x0), DOT_T) * step0[None, :]
+    s += qs0[:, None] * (zero0 - OFF * step0)[None, :]
+    if NG > 1:
+        s += _dot(q1, tl.trans(x1), DOT_T) * step1[None, :]
+        s += qs1[:, None] * (zero1 - OFF * step1)[None, :]
+    s = tl.where(valid[None, :], s * scale, -1.0e30)
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    p = tl.where(valid[None, :], p, 0.0)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    p0 = (p * step0[None, :]).to(DOT_T)
+    a0 = a0 * alpha[:, None] + _dot(p0, x0, DOT_T)
+    z0 = z0 * alpha + tl.sum(p * zero0[None, :] - OFF * p0.to(tl.float32), axis=1)
+    if NG > 1:
+        p1 = (p * step1[None, :]).to(DOT_T)
+        a1 = a1 * alpha[:, None] + _dot(p1, x1, DOT_T)
+        z1 = z1 * alpha + tl.sum(p * zero1[None, :] - OFF * p1.to(tl.float32), axis=1)
+    return m_new, l_sum, a0, a1, z0, z1
+
+
+@triton.jit
+def _row_scales(cache_f16, base, rows, g, NG: tl.constexpr, OFF_SCALE: tl.constexpr, OFF_ZERO):
+    """Per-token step and zero of channel group ``g`` (float32 ``[len(rows)]`` each)."""
+    step = tl.load(cache_f16 + (base + OFF_SCALE) // 2 + rows * NG + g).to(tl.float32)
+    zero = tl.load(cache_f16 + (base + OFF_ZERO) // 2 + rows * NG + g).to(tl.float32)
+    return step, zero
+
+
+@triton.jit
+def mla_decode_kernel(
+    ql_ptr,
+    qpe_ptr,
+    q_stride_b,
+    q_stride_h,
+    qpe_stride_b,
+    qpe_stride_h,
+    cache_u8,
+    cache_f16,
+    cache_i8,
+    cache_stride,
+    st_ptr,
+    st_stride_slot,
+    st_stride_row,
+    table_ptr,
+    table_stride,
+    seq_lens_ptr,
+    qlens_ptr,
+    slots_ptr,
+    ws_acc,
+    ws_ml,
+    min_tiles,
+    sm_scale,
+    H,
+    RING,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    G: tl.constexpr,
+    BITS: tl.constexpr,
+    W: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    OFF_CODES: tl.constexpr,
+    OFF_SCALE: tl.constexpr,
+    OFF_ZERO: tl.constexpr,
+    OFF_ROPE: tl.constexpr,
+    OFF_ROPE_SCALE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    OFF: tl.constexpr,
+    DOT_T: tl.constexpr,
+    ASM: tl.constexpr,
+    ASM_C: tl.constexpr,
+):
+    """Program ``(head block, split, b)``: partial attention of ``HB`` heads over split ``s`` of
+    the sequence's tiles (``ceil(tiles / NUM_SPLITS)`` a split, at least ``min_tiles``), the
+    quantized ones (positions ``< quantized_lens[b]``) in chunks of ``BLOCK_T`` record rows,
+    each chunk's bytes loaded and unpacked once for all ``HB`` heads, the rest read exact from
+    the staging ring. Head blocks of one split are neighbours in the launch order, so the
+    others read a chunk from L2. Writes unnormalized partials ``ws_acc [B, H, S, L]`` and ``ws_ml [B, H, S, 2]`` (log2)."""
+    hb = tl.program_id(0)
+    s = tl.program_id(1)
+    b = tl.program_id(2)
+    NG: tl.constexpr = L // W
+    CPT: tl.constexpr = G // BLOCK_T
+    heads = hb * HB + tl.arange(0, HB)
+    hmask = heads < H
+    w = tl.arange(0, W)
+    qrow = ql_ptr + b.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + w[None, :]
+    q0 = tl.load(qrow, mask=hmask[:, None], other=0.0).to(DOT_T)
+    q1 = q0
+    if NG > 1:
+        q1 = tl.load(qrow + W, mask=hmask[:, None], other=0.0).to(DOT_T)
+    qs0 = tl.sum(q0.to(tl.float32), axis=1)
+    qs1 = tl.sum(q1.to(tl.float32), axis=1)
+    r = tl.arange(0, R)
+    qpe = tl.load(
+        qpe_ptr + b.to(tl.int64) * qpe_stride_b + heads[:, None] * qpe_stride_h + r[None, :],
+        mask=hmask[:, None],
+        other=0.0,
+    ).to(DOT_T)
+    scale = sm_scale * 1.4426950408889634  # log2(e)
+    m = tl.full((HB,), -1.0e30, tl.float32)
+    l_sum = tl.zeros((HB,), tl.float32)
+    a0 = tl.zeros((HB, W), tl.float32)
+    a1 = a0
+    z0 = tl.zeros((HB,), tl.float32)
+    z1 = z0
+    seq_len = tl.load(seq_lens_ptr + b)
+    qlen = tl.load(qlens_ptr + b)
+    # this sequence's tiles shared out over the splits (at least min_tiles a split, so a short
+    # sequence leaves the last splits empty): from device lengths, the grid stays fixed
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, G), NUM_SPLITS), min_tiles)
+    t_lo = s * per_split
+    t_hi = t_lo + per_split
+    every = tl.full((BLOCK_T,), 1, tl.int1)
+    table_row = table_ptr + b.to(tl.int64) * table_stride
+    for j in range(t_lo * CPT, tl.minimum(t_hi, qlen // G) * CPT):
+        base = tl.load(table_row + j // CPT).to(tl.int64) * cache_stride
+        rows = (j % CPT) * BLOCK_T + tl.arange(0, BLOCK_T)
+        x0 = latent_group(
+            cache_u8, base, rows, 0, L, BITS, W, BLOCK_T, OFF_CODES, MAGIC, DOT_T, ASM, ASM_C
+        )
+        step0, zero0 = _row_scales(cache_f16, base, rows, 0, NG, OFF_SCALE, OFF_ZERO)
+        x1 = x0
+        step1 = step0
+        zero1 = zero0
+        if NG > 1:
+            x1 = latent_group(
+                cache_u8, base, rows, 1, L, BITS, W, BLOCK_T, OFF_CODES, MAGIC, DOT_T, ASM, ASM_C
+            )
+            step1, zero1 = _row_scales(cache_f16, base, rows, 1, NG, OFF_SCALE, OFF_ZERO)
+        pe = tl.load(cache_i8 + base + OFF_ROPE + rows[:, None] * R + r[None, :]).to(DOT_T)
+        pscale = tl.load(cache_f16 + (base + OFF_ROPE_SCALE) // 2 + rows).to(tl.float32)
+        m, l_sum, a0, a1, z0, z1 = _attend(
+            q0, q1, qpe, qs0, qs1, x0, x1, pe, step0, step1, zero0, zero1, pscale,
+            every, m, l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T,
+        )  # fmt: skip
+    # the staged tail: exact rows [latent | rope], step 1 and zero 0
+    row_base = tl.load(slots_ptr + b).to(tl.int64) * st_stride_slot
+    stop = tl.minimum(t_hi * G, seq_len)
+    ones = tl.full((BLOCK_T,), 1.0, tl.float32)
+    nil = tl.zeros((BLOCK_T,), tl.float32)
+    # (not software-pipelined: at most a ring of rows, and its buffers would cost shared memory)
+    for p0 in tl.range(tl.maximum(t_lo * G, qlen), stop, BLOCK_T, num_stages=1):
+        pos = p0 + tl.arange(0, BLOCK_T)
+        valid = pos < stop
+        src = st_ptr + row_base + (pos % RING).to(tl.int64)[:, None] * st_stride_row
+        x0 = tl.load(src + w[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
+        x1 = x0
+        if NG > 1:
+            x1 = tl.load(src + W + w[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
+        pe = tl.load(src + L + r[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
+        m, l_sum, a0, a1, z0, z1 = _attend(
+            q0, q1, qpe, qs0, qs1, x0, x1, pe, ones, ones, nil, nil, ones,
+            valid, m, l_sum, a0, a1, z0, z1, scale, 0.0, NG, DOT_T,
+        )  # fmt: skip
+    part = (b * H + heads).to(tl.int64) * NUM_SPLITS + s
+    dst = ws_acc + part[:, None] * L + w[None, :]
+    tl.store(dst, a0 + z0[:, None], mask=hmask[:, None])
+    if NG > 1:
+        tl.store(dst + W, a1 + z1[:, None], mask=hmask[:, None])
+    tl.store(ws_ml + part * 2, m, mask=hmask)
+    tl.store(ws_ml + part * 2 + 1, l_sum, mask=hmask)
+
+
+@triton.jit
+def mla_combine_kernel(
+    ws_acc,
+    ws_ml,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    H,
+    L: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """Program ``(b, h)``: merge the splits' partials into ``out[b, h]`` (zeros when the
+    sequence has no key, e.g. CUDA-graph padding)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    smask = sp < NUM_SPLITS
+    part = (b * H + h).to(tl.int64) * NUM_SPLITS + sp
+    m = tl.load(ws_ml + part * 2, mask=smask, other=-1.0e30)
+    l_sum = tl.load(ws_ml + part * 2 + 1, mask=smask, other=0.0)
+    big = tl.max(m, axis=0)
+    denom = tl.sum(tl.where(smask, tl.exp2(m - big), 0.0) * l_sum, axis=0)
+    c = tl.arange(0, L)
+    num = tl.zeros((L,), tl.float32)
+    first = (b * H + h).to(tl.int64) * NUM_SPLITS
+    for k in range(NUM_SPLITS):  # one split's row at a time: L floats live, not S * L
+        wk = tl.exp2(tl.load(ws_ml + (first + k) * 2) - big)
+        num += wk * tl.load(ws_acc + (first + k) * L + c)
+    res = tl.div_rn(num, tl.maximum(denom, 1.0e-30))
+    dst = out_ptr + b.to(tl.int64) * out_stride_b + h.to(tl.int64) * out_stride_h + c
+    tl.store(dst, res.to(out_ptr.dtype.element_ty))
