@@ -60,3 +60,45 @@ def test_speculative_staging_log_counts_the_frame_queries(caplog):
         frame_query_bytes=2**29,
     )  # fmt: skip
     assert "last-position query (0.500 GiB of the total above)" in text
+
+
+def test_budget_warning_names_the_share_and_the_slot_cost():
+    """The Llama-3.1-8B shape at 256 slots on a 24 GiB budget: 8 GiB of staging is a third of
+    what vLLM may use (the pool then gets none, docs/capacity.md); on an 80 GB H100 at 0.9
+    (71.26 GiB) it is 11%, under the warning's 20%."""
+    from kvarn_vllm.staging import staging_budget_warning
+
+    text = staging_budget_warning(8 * 2**30, layers=32, slots=256, budget_bytes=24 * 2**30)
+    assert text is not None
+    assert "8.00 GiB after 32 layer(s) at 256 request slots" in text
+    assert "33% of the 24.0 GiB" in text
+    assert "Each slot costs 1.00 MiB per layer" in text
+    assert staging_budget_warning(8 * 2**30, 32, 256, 71.26 * 2**30) is None
+    assert staging_budget_warning(8 * 2**30, 32, 256, 0) is None
+
+
+def test_budget_check_warns_once_inside_an_engine_on_cuda(caplog, monkeypatch):
+    """The check reads vLLM's gpu_memory_utilization and the card's total memory (both stood in
+    for here), warns once past the share, and does nothing for a CPU device."""
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.config
+    from kvarn_vllm import staging
+
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(gpu_memory_utilization=0.5))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: vllm_config)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 48 * 2**30))
+    saved = dict(staging._STAGING)
+    try:
+        staging._STAGING.update(bytes=8 * 2**30, layers=32, slots=256, budget_warned=False)
+        with caplog.at_level(logging.WARNING, logger="vllm.kvarn"):
+            staging._warn_if_over_budget(torch.device("cpu"))
+            assert "staging has reached" not in caplog.text
+            staging._warn_if_over_budget(torch.device("cuda"))
+            staging._warn_if_over_budget(torch.device("cuda"))
+    finally:
+        staging._STAGING.clear()
+        staging._STAGING.update(saved)
+    assert caplog.text.count("staging has reached 8.00 GiB") == 1
+    assert "33% of the 24.0 GiB vLLM may use" in caplog.text

@@ -19,7 +19,19 @@ from kvarn_math.layout import tile_layout
 from kvarn_vllm import kernels
 from kvarn_vllm.config import INVARIANT_ENV, VERIFY_AS_DECODE_ENV, KvarnConfig
 
-__all__ = ["allocate_layer_staging", "count_shared_layer", "log_staging_once", "staging_report"]
+__all__ = [
+    "allocate_layer_staging",
+    "count_shared_layer",
+    "log_staging_once",
+    "staging_budget_warning",
+    "staging_report",
+]
+
+BUDGET_WARN_SHARE = 0.2
+"""Warn once when staging passes this share of the memory vLLM may use
+(``gpu_memory_utilization x total``): the KV cache gets what is left after the weights and
+staging, so at 24 GiB the Llama-3.1-8B shape's 8 GiB at 256 slots leaves none
+(docs/capacity.md)."""
 
 logger = logging.getLogger("vllm.kvarn")  # inherits vLLM's handler and level
 
@@ -39,12 +51,52 @@ _STAGING: dict[str, Any] = {
     "shared_layers": 0,
     "frame_query_bytes": 0,
     "logged": False,
+    "budget_warned": False,
 }
 
 
 def staging_report() -> dict[str, Any]:
     """Staging allocated in this process so far: total bytes, layers, slots, tokens/slot."""
-    return {k: v for k, v in _STAGING.items() if k != "logged"}
+    return {k: v for k, v in _STAGING.items() if k not in ("logged", "budget_warned")}
+
+
+def staging_budget_warning(
+    staging_bytes: int, layers: int, slots: int, budget_bytes: float
+) -> str | None:
+    """The warning to log when ``staging_bytes`` (allocated so far over ``layers`` layers at
+    ``slots`` request slots) passes :data:`BUDGET_WARN_SHARE` of ``budget_bytes`` (what vLLM
+    may use), else None."""
+    if budget_bytes <= 0 or staging_bytes <= BUDGET_WARN_SHARE * budget_bytes:
+        return None
+    per_slot_layer = staging_bytes / max(layers * slots, 1)
+    return (
+        f"kvarn: staging has reached {staging_bytes / 2**30:.2f} GiB after {layers} layer(s) at "
+        f"{slots} request slots (max_num_seqs), {staging_bytes / budget_bytes:.0%} of the "
+        f"{budget_bytes / 2**30:.1f} GiB vLLM may use (gpu_memory_utilization x total); the KV "
+        "cache gets only what the weights and staging leave, and none left stops vLLM with 'No "
+        "available memory for the cache blocks'. Each slot costs "
+        f"{per_slot_layer / 2**20:.2f} MiB per layer: lower --max-num-seqs (docs/capacity.md)."
+    )
+
+
+def _warn_if_over_budget(device: Any) -> None:
+    """:func:`staging_budget_warning` once per process, on a CUDA device inside vLLM."""
+    if _STAGING["budget_warned"] or getattr(device, "type", None) != "cuda":
+        return
+    try:
+        import torch
+        from vllm.config import get_current_vllm_config
+
+        utilization = float(get_current_vllm_config().cache_config.gpu_memory_utilization)
+        total = torch.cuda.mem_get_info(device)[1]
+    except Exception:  # outside an engine (tests, tools): nothing to compare with
+        return
+    text = staging_budget_warning(
+        _STAGING["bytes"], _STAGING["layers"], _STAGING["slots"], utilization * total
+    )
+    if text is not None:
+        _STAGING["budget_warned"] = True
+        logger.warning(text)
 
 
 def log_staging_once() -> None:
@@ -177,4 +229,5 @@ def allocate_layer_staging(
     _STAGING["verify_as_decode"] = config.verify_as_decode
     layout = tile_layout(preset, head_size)
     _STAGING["cache_bytes_per_token"] += num_kv_heads * layout.tile_bytes / layout.group_size
+    _warn_if_over_budget(device)
     return staging, frame_queries
