@@ -93,13 +93,14 @@ class Budget:
         return int((self.utilization * self.total_gib - self.non_kv_gib) * GIB)
 
 
-# Llama-3.1-8B shape, dummy weights, bf16, vLLM 0.26 on the H200 (2026-11-30,
-# docs/results h200-2026-11-30*): "15.0 GiB for weight, 1.78 GiB for peak activation, 0.22 GiB
-# for non-torch memory", 108.81 GiB of KV cache, 891,392 tokens, 139.8 GiB total.
+# Llama-3.1-8B shape, dummy weights, bf16@FLASH_ATTN, vLLM 0.26 on the H200 (2026-11-30,
+# docs/results/h200-2026-11-30f/bursts/tp/p4k/runs/throughput/llama-3.1-8b_tp1_bf16_FLASH_ATTN.log):
+# "15.0 GiB for weight, 1.78 GiB for peak activation, 0.22 GiB for non-torch memory", 108.81 GiB
+# of KV cache, 891,392 tokens, "139.29/139.8 GiB".
 LLAMA_NON_KV_GIB = 15.0 + 1.78 + 0.22
-H100_TOTAL_GIB = (
-    79.18  # H100 80GB HBM3 as torch reports it ("total capacity of 79.18 GiB", 2026-12-06)
-)
+# The H100 80GB HBM3 as torch reports it ("a total capacity of 79.18 GiB",
+# docs/results/h100-2026-12-06/1_kernels/mla_bench.json).
+H100_TOTAL_GIB = 79.18
 H200_TOTAL_GIB = 139.8
 BUDGETS: tuple[Budget, ...] = (
     Budget("H100 80 GB, 0.9", H100_TOTAL_GIB, 0.9, LLAMA_NON_KV_GIB),
