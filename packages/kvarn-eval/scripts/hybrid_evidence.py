@@ -1,35 +1,43 @@
 #!/usr/bin/env python3
 """GPU evidence for hybrid models on a kvarn cache (issue 48): vLLM 0.26, dummy weights, one GPU.
 
-Two model shapes, each a real model's configuration (dummy weights, no files needed):
+Everything the issue's Evidence section lists, in one call (about 6 minutes on an H100):
 
-``nemotron-h-8b``      Nemotron-H-8B-Base-8K: 52 layers (24 Mamba-2, 4 attention, 24 MLP), 8 KV
-                       heads of head_dim 128, Mamba-2 with 128 heads of 64 and state 128.
-                       Changed: max_position_embeddings 8192 -> 32768 (no RoPE; the cache's
-                       arithmetic at 32K tokens per request).
-``qwen3-next-80b``     Qwen3-Next-80B-A3B: 48 layers (36 gated delta net, 12 gated attention),
-                       2 KV heads of head_dim 256, GDN with 16 key / 32 value heads of 128.
-                       Changed: 512 experts -> 64 (top-10 kept) so the dummy weights fit one
-                       80 GB GPU (about 80B -> 13B parameters); KV and state shapes are the real
-                       ones.
+    source tools/gpu/setup.sh
+    python3 packages/kvarn-eval/scripts/hybrid_evidence.py --out $OUT/hybrid
+    python3 packages/kvarn-eval/scripts/hybrid_evidence.py --dry-run   # the plan, on any CPU
 
-Phases (each engine in its own process; results as JSON under ``--out``):
+Two shapes, each a real model's configuration (dummy weights, no files):
 
-``capacity``  one engine per ``--caches`` entry (eager, no prefix caching, max_num_seqs 256):
-              vLLM's block size, blocks, logged KV capacity in tokens, kvarn's staging; then
-              a short greedy generation (the path runs). The summary sets each cache beside
-              the arithmetic of its pages: the same pool as the first cache (bf16), divided
-              into blocks of this cache's page, per request of ``--max-model-len`` tokens by
-              vLLM's own accounting (attention blocks plus recurrent-state blocks).
-``modes``     greedy token ids of one cache (and bf16) under eager / CUDA graphs and prefix
-              caching on / off, on prompts that share a prefix longer than one block and run
-              in two batches (so the second hits the prefix cache); agreement with the eager,
-              prefix-off run of the same cache, and the number of distinct tokens (dummy
-              weights: a run that emits one token throughout proves little).
+``nemotron-h-8b``   Nemotron-H-8B-Base-8K: 52 layers (24 Mamba-2, 4 attention, 24 MLP), 8 KV heads
+                    of head_dim 128, Mamba-2 with 128 heads of 64 and state 128. Changed:
+                    max_position_embeddings 8192 -> 32768 (no RoPE; the capacity at 32K).
+``qwen3-next-80b``  Qwen3-Next-80B-A3B: 48 layers (36 gated delta net, 12 gated attention), 2 KV
+                    heads of head_dim 256, GDN with 16 key / 32 value heads of 128, one MTP layer.
+                    Changed: 512 experts -> 32 (top-10 kept), so that three engines fit one 80 GB
+                    GPU side by side (about 80B -> 7B parameters); KV and state shapes are real.
 
-    python hybrid_evidence.py --out $OUT --shape nemotron-h-8b --phase capacity \\
-        --caches auto fp8 turboquant_4bit_nc turboquant_k3v4_nc kvarn_k4v2_g128
-    python hybrid_evidence.py --out $OUT --shape qwen3-next-80b --phase modes
+Engines (each its own process, several side by side; :func:`plan_jobs` lists them in priority
+order, and what the ``--budget`` leaves out is reported as skipped):
+
+* capacity: every cache of ``--caches`` (bf16, fp8, TurboQuant 4bit_nc and k3v4_nc, the six
+  kvarn presets), eager, no prefix caching. Every engine gets the same KV pool
+  (``kv_cache_memory_bytes``, ``--kv-pool-gib``) so that engines can start side by side
+  (vLLM's memory profiling assumes it has the GPU alone); capacity is then the tokens that
+  pool holds, set beside the arithmetic of the cache's pages. kvarn's staging is allocated
+  beside the pool and reported (GiB).
+* modes: greedy token ids of kvarn_k4v2_g128 (and bf16) under eager / CUDA graphs
+  (full decode graphs, no torch.compile) and prefix caching off / on, on prompts that share a
+  prefix longer than one kvarn block, in two batches so that the second hits the prefix cache.
+* bursts: bf16, turboquant_4bit_nc and kvarn_k4v2_g128, ``--burst-requests`` prompts of
+  ``--burst-prompt-len`` random tokens, ``--burst-output-len`` greedy tokens each, CUDA graphs.
+* MTP (Qwen3-Next): kvarn_k4v2_g128 with ``speculative_config={"method": "mtp"}`` on vLLM's V2
+  model runner (``VLLM_USE_V2_MODEL_RUNNER=1``; 0.26 runs hybrids on V1 by default), greedy
+  tokens against the same cache without speculation.
+
+Generations and bursts hold an exclusive lock (``hybrid_engine.gpu_lock``): no two run at once;
+start-ups (weight fill, one profiling forward, graph capture) may overlap a burst, and the
+report gives the seconds they did. Results: ``hybrid.json`` (every run) and ``hybrid.md``.
 """
 
 from __future__ import annotations
@@ -37,15 +45,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
+import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybrid_engine import KV_LINE, STAGING_LINE, random_prompts
+from hybrid_report import compare_greedy, report
 
 NEMOTRON_H_8B: dict[str, Any] = {
     "architectures": ["NemotronHForCausalLM"],
@@ -90,12 +104,13 @@ QWEN3_NEXT_80B: dict[str, Any] = {
     "linear_value_head_dim": 128,
     "linear_num_key_heads": 16,
     "linear_num_value_heads": 32,
-    "num_experts": 64,
+    "num_experts": 32,
     "num_experts_per_tok": 10,
     "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512,
     "decoder_sparse_step": 1,
     "norm_topk_prob": True,
+    "num_nextn_predict_layers": 1,
     "vocab_size": 151936,
     "max_position_embeddings": 262144,
     "partial_rotary_factor": 0.25,
@@ -119,14 +134,19 @@ DEFAULT_CACHES = (
     "kvarn_k3v2_g128",
     "kvarn_k2v2_g128",
 )
+KVARN = "kvarn_k4v2_g128"
+BURST_CACHES = ("turboquant_4bit_nc", KVARN, "auto")
 MODES = {
     # name: (enforce_eager, enable_prefix_caching)
     "eager-noprefix": (True, False),
     "eager-prefix": (True, True),
+    "graphs-noprefix": (False, False),
     "graphs-prefix": (False, True),
 }
-_KV_LINE = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
-_STAGING_LINE = re.compile(r"kvarn: staging for open tiles: .*?= ([\d.]+) GiB")
+GRAPH_SIZES = [1, 2, 4, 8, 16, 32]
+
+
+# --- the page arithmetic ----------------------------------------------------------------------
 
 
 def layer_counts(config: dict[str, Any]) -> tuple[int, int]:
@@ -139,21 +159,25 @@ def layer_counts(config: dict[str, Any]) -> tuple[int, int]:
     return layers // interval, layers - layers // interval
 
 
+def layers_per_group(config: dict[str, Any]) -> int:
+    """Layers per KV cache group (the number of pool tensors), as vLLM 0.26 groups them: the
+    smaller layer count, or the larger one when they differ by under 1.5x."""
+    attention, recurrent = layer_counts(config)
+    group = min(attention, recurrent)
+    return max(attention, recurrent) if max(attention, recurrent) < 1.5 * group else group
+
+
 def blocks_per_request(
     config: dict[str, Any], block_size: int, max_model_len: int, mamba_cache_mode: str
 ) -> int:
     """Blocks one request of ``max_model_len`` tokens takes in vLLM 0.26's accounting.
 
-    vLLM groups layers of one kind into groups of ``g`` layers (``g`` is the smaller layer
-    count, or the larger one when they differ by under 1.5x); a block id names one page in one
-    layer of every group. A request takes ``ceil(L / block)`` blocks in each attention group
-    and, in each recurrent group, 1 (``none`` cache mode), 2 (``align``) or ``ceil(L / block)``
-    (``all``).
+    A block id names one page in one layer of every group. A request takes
+    ``ceil(L / block)`` blocks in each attention group and, in each recurrent group, 1
+    (``none`` cache mode), 2 (``align``) or ``ceil(L / block)`` (``all``).
     """
     attention, recurrent = layer_counts(config)
-    group = min(attention, recurrent)
-    if max(attention, recurrent) < 1.5 * group:
-        group = max(attention, recurrent)
+    group = layers_per_group(config)
     attention_blocks = math.ceil(max_model_len / block_size)
     per_state = {"none": 1, "align": 2}.get(mamba_cache_mode, attention_blocks)
     return (
@@ -161,27 +185,25 @@ def blocks_per_request(
     )
 
 
-def layers_per_group(config: dict[str, Any]) -> int:
-    """Layers per KV cache group (the number of pool tensors), as in :func:`blocks_per_request`."""
-    attention, recurrent = layer_counts(config)
-    group = min(attention, recurrent)
-    return max(attention, recurrent) if max(attention, recurrent) < 1.5 * group else group
+def arithmetic(
+    runs: list[dict[str, Any]],
+    config: dict[str, Any],
+    max_model_len: int,
+    pool_bytes: int | None = None,
+) -> None:
+    """Adds to each run the capacity its pages give in a pool, in place.
 
-
-def arithmetic(runs: list[dict[str, Any]], config: dict[str, Any], max_model_len: int) -> None:
-    """Adds to each run the capacity its pages give in the first run's pool (bytes), in place.
-
-    ``expected_tokens``: the first run's pool (blocks x page x layers per group) cut into this
-    run's pages, per request of ``max_model_len`` tokens, times ``max_model_len`` (vLLM's own
-    definition of the logged capacity). ``measured_over_expected`` is 1 where only the pages
-    differ; kvarn's staging and TurboQuant's workspace come out of the pool before it is cut,
-    so they show as the shortfall.
+    The pool is ``pool_bytes`` (what ``kv_cache_memory_bytes`` gave every engine), or else
+    the first run's (blocks x page x layers per group). ``expected_tokens``: that pool cut
+    into this run's pages, per request of ``max_model_len`` tokens, times ``max_model_len``
+    (vLLM's definition of the logged capacity); ``measured_over_expected`` is 1 where only
+    the pages differ. ``vs_first``: tokens against the first run's.
     """
-    base = next((r for r in runs if r.get("ok")), None)
-    if base is None or not base.get("page_bytes"):
+    base = next((r for r in runs if r.get("ok") and r.get("page_bytes")), None)
+    if base is None:
         return
     slots = layers_per_group(config)
-    pool = base["num_gpu_blocks"] * base["page_bytes"] * slots
+    pool = pool_bytes or base["num_gpu_blocks"] * base["page_bytes"] * slots
     for run in runs:
         if not run.get("ok") or not run.get("page_bytes"):
             continue
@@ -219,6 +241,42 @@ def attention_page_bytes(cache: str, block_size: int, config: dict[str, Any]) ->
     return block_size * heads * 2 * head_dim * element
 
 
+def bits_per_element(cache: str, block_size: int, config: dict[str, Any]) -> float:
+    """Bits of one K or V element in the attention page (metadata included)."""
+    elements = block_size * config["num_key_value_heads"] * config["head_dim"] * 2
+    return round(attention_page_bytes(cache, block_size, config) * 8 / elements, 2)
+
+
+def weight_gib(config: dict[str, Any]) -> float:
+    """Approximate bf16 weights of a shape (GiB), for scheduling engines side by side."""
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    params = 2 * vocab * h
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    if "hybrid_override_pattern" in config:
+        pattern = config["hybrid_override_pattern"]
+        inner = config["mamba_num_heads"] * config["mamba_head_dim"]
+        groups = 2 * config["n_groups"] * config["ssm_state_size"]
+        mamba = h * (2 * inner + groups + config["mamba_num_heads"]) + inner * h
+        params += (
+            pattern.count("M") * mamba + pattern.count("-") * 2 * h * config["intermediate_size"]
+        )
+        params += pattern.count("*") * (h * (q + 2 * kv) + q * h)
+    else:
+        attention, recurrent = layer_counts(config)
+        experts = config["num_experts"] * 3 * h * config["moe_intermediate_size"]
+        shared = 3 * h * config["shared_expert_intermediate_size"]
+        kd = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        vd = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+        gdn = h * (2 * kd + 2 * vd) + vd * h
+        params += (attention + recurrent) * (experts + shared)
+        params += recurrent * gdn + attention * (h * (2 * q + 2 * kv) + q * h)
+    return round(params * 2 / 2**30, 1)
+
+
+# --- the jobs ---------------------------------------------------------------------------------
+
+
 def write_model_dir(shape: str, out: Path) -> Path:
     folder = out / f"model-{shape}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -226,191 +284,314 @@ def write_model_dir(shape: str, out: Path) -> Path:
     return folder
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.lines: list[str] = []
+def _has_flash_attention() -> bool:
+    """Whether vLLM's FlashAttention-3 ops are installed (the GPU parts carry them only with
+    ``--fa3``); without them bf16 and fp8 run on ``TRITON_ATTN``."""
+    import importlib.util
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            msg = record.getMessage()
-        except Exception:  # a bad record must not kill the run
-            return
-        if "KV cache" in msg or "kvarn" in msg or "block size" in msg or "mamba" in msg:
-            self.lines.append(msg)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    folder = Path(next(iter(spec.submodule_search_locations))) / "vllm_flash_attn"
+    return any(folder.glob("_vllm_fa3_C*"))
 
 
-def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine (in this process): capacity, then greedy generation in ``spec["batches"]``."""
-    result: dict[str, Any] = {"name": spec["name"], "cache": spec["cache"], "ok": False}
-    capture = _Capture()
-    logging.getLogger("vllm").addHandler(capture)
-    start = time.time()
-    llm = None
-    try:
-        from vllm import LLM, SamplingParams
-
-        kwargs = dict(spec["llm_kwargs"])
-        if spec.get("bf16_backend") and not spec["cache"].startswith(("kvarn_", "turboquant_")):
-            kwargs["attention_config"] = {"backend": spec["bf16_backend"]}
-        llm = LLM(kv_cache_dtype=spec["cache"], **kwargs)
-        result["startup_s"] = round(time.time() - start, 1)
-        cache = llm.llm_engine.vllm_config.cache_config
-        result.update(
-            block_size=cache.block_size,
-            num_gpu_blocks=cache.num_gpu_blocks,
-            page_bytes=attention_page_bytes(spec["cache"], cache.block_size, SHAPES[spec["shape"]]),
-            mamba_cache_mode=cache.mamba_cache_mode,
-            kv_cache_tokens_config=getattr(cache, "kv_cache_size_tokens", None),
-        )
-        params = SamplingParams(
-            temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False
-        )
-        outputs: list[list[int]] = []
-        gen_start = time.perf_counter()
-        for batch in spec["batches"]:
-            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-            outputs += [list(o.outputs[0].token_ids) for o in outs]
-        result["generate_s"] = round(time.perf_counter() - gen_start, 2)
-        result["outputs"] = outputs
-        result["ok"] = True
-    except Exception as exc:  # recorded; the parent carries on with the next engine
-        result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
-    finally:
-        result["seconds"] = round(time.time() - start, 1)
-        logging.getLogger("vllm").removeHandler(capture)
-        found = [
-            int(m.group(1).replace(",", "")) for x in capture.lines if (m := _KV_LINE.search(x))
-        ]
-        result["kv_cache_tokens"] = found[-1] if found else None
-        staging = [float(m.group(1)) for x in capture.lines if (m := _STAGING_LINE.search(x))]
-        result["staging_gib"] = staging[-1] if staging else None
-        result["log"] = capture.lines[-12:]
-        if llm is not None:
-            with contextlib.suppress(Exception):  # best effort: the process ends next
-                llm.llm_engine.engine_core.shutdown()
-    return result
-
-
-def run_isolated(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
-    """:func:`run_engine` in a fresh process (a clean GPU for every engine)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from e2e_smoke import run_child  # stops the child's whole process group on a timeout
-
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec["name"])
-    spec_path, result_path = workdir / f"{slug}.spec.json", workdir / f"{slug}.result.json"
-    spec_path.write_text(json.dumps(spec))
-    result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--internal", str(spec_path)]
-    cmd += ["--internal-result", str(result_path)]
-    code, output = run_child(cmd, timeout)
-    (workdir / f"{slug}.log").write_text(output[-6000:])
-    if result_path.exists():
-        result = json.loads(result_path.read_text())
-    else:
-        why = "timed out" if code is None else f"exit {code}"
-        result = {"name": spec["name"], "cache": spec["cache"], "ok": False}
-        result["error"] = f"no result ({why}): {output[-1500:]}"
-    if result.get("staging_gib") is None:  # the engine core logs in its own process
-        staging = _STAGING_LINE.findall(output)
-        result["staging_gib"] = float(staging[-1]) if staging else None
-    if result.get("kv_cache_tokens") is None:
-        found = _KV_LINE.findall(output)
-        result["kv_cache_tokens"] = int(found[-1].replace(",", "")) if found else None
-    status = "ok" if result.get("ok") else "FAILED"
-    print(
-        f"[{status}] {spec['name']}: block {result.get('block_size')} blocks "
-        f"{result.get('num_gpu_blocks')} tokens {result.get('kv_cache_tokens')} "
-        f"({result.get('seconds')} s)",
-        flush=True,
-    )
-    if not result.get("ok"):
-        print(str(result.get("error", "")).strip().splitlines()[-1][:400], flush=True)
-    return result
-
-
-def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
-
-
-def _llm_kwargs(args: argparse.Namespace, model: Path, eager: bool, prefix: bool) -> dict:
-    return {
-        "model": str(model),
+def _job(
+    args: argparse.Namespace, shape: str, cache: str, mode: str, role: str, **extra: Any
+) -> dict[str, Any]:
+    config = SHAPES[shape]
+    eager, prefix = MODES[mode]
+    kwargs: dict[str, Any] = {
+        "model": str(args.model_dirs[shape]),
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": 8192,
+        "kv_cache_memory_bytes": int(args.kv_pool_gib * 2**30),
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": eager,
         "enable_prefix_caching": prefix,
         "seed": 0,
     }
-
-
-def phase_capacity(args: argparse.Namespace, out: Path, model: Path) -> list[dict[str, Any]]:
-    config = SHAPES[args.shape]
-    prompts = _prompts(config["vocab_size"], 4, 64, seed=1)
-    runs = []
-    for cache in args.caches:
-        spec = {
-            "name": f"{args.shape}-{cache}-capacity",
-            "shape": args.shape,
-            "cache": cache,
-            "llm_kwargs": _llm_kwargs(args, model, eager=True, prefix=False),
-            "bf16_backend": args.bf16_backend,
-            "batches": [prompts],
-            "max_tokens": 8,
+    if not eager:
+        kwargs["compilation_config"] = {
+            "mode": 0,
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": GRAPH_SIZES,
         }
-        runs.append(run_isolated(spec, out, args.timeout))
-        arithmetic(runs, config, args.max_model_len)
-        _dump(out / f"{args.shape}-capacity.json", args, runs)
-    return runs
+    if args.bf16_backend and not cache.startswith(("kvarn_", "turboquant_")):
+        kwargs["attention_config"] = {"backend": args.bf16_backend}
+    kwargs.update(extra.pop("llm", {}))
+    name = f"{shape}-{cache}-{mode}" + (f"-{role}" if role in ("mtp", "v2") else "")
+    slow = cache.startswith("turboquant_")
+    return {
+        "name": name,
+        "shape": shape,
+        "cache": cache,
+        "mode": mode,
+        "role": role,
+        "llm_kwargs": kwargs,
+        "vocab_size": config["vocab_size"],
+        "batches": args.batches[shape],
+        "max_tokens": args.max_tokens,
+        "est_gib": weight_gib(config) + args.kv_pool_gib + 2.5,
+        "timeout": args.engine_timeout * (2 if slow else 1),
+        "env": extra.pop("env", {}),
+        **extra,
+    }
 
 
-def phase_modes(args: argparse.Namespace, out: Path, model: Path) -> list[dict[str, Any]]:
-    """Prompts share a prefix of ``--shared-prefix`` tokens (more than one kvarn block):
-    the first prompt runs alone, then all of them, so with prefix caching the rest hit it."""
-    config = SHAPES[args.shape]
-    (prefix,) = _prompts(config["vocab_size"], 1, args.shared_prefix, seed=2)
-    tails = _prompts(config["vocab_size"], args.num_prompts, 64, seed=3)
-    prompts = [prefix + tail for tail in tails]
-    runs = []
-    for cache in args.mode_caches:
-        for mode, (eager, prefix_on) in MODES.items():
-            spec = {
-                "name": f"{args.shape}-{cache}-{mode}",
-                "shape": args.shape,
-                "cache": cache,
-                "llm_kwargs": _llm_kwargs(args, model, eager=eager, prefix=prefix_on),
-                "bf16_backend": args.bf16_backend,
-                "batches": [prompts[:1], prompts[1:]],
-                "max_tokens": args.max_tokens,
-            }
-            run = run_isolated(spec, out, args.timeout)
-            run["mode"] = mode
-            runs.append(run)
-            _compare(runs)
-            _dump(out / f"{args.shape}-modes.json", args, runs)
-    return runs
+def plan_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every engine, most important first (TurboQuant's slow start-ups early)."""
+    burst = {
+        "requests": args.burst_requests,
+        "prompt_len": args.burst_prompt_len,
+        "output_len": args.burst_output_len,
+    }
+    first: list[dict[str, Any]] = []
+    second: list[dict[str, Any]] = []
+    last: list[dict[str, Any]] = []
+    v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    for shape in args.shapes:
+        for cache in BURST_CACHES:
+            first.append(_job(args, shape, cache, "graphs-noprefix", "burst", burst=burst))
+        for cache in (KVARN, "auto"):
+            first.append(_job(args, shape, cache, "eager-noprefix", "capacity"))
+        for mode in ("eager-prefix", "graphs-prefix"):
+            first.append(_job(args, shape, KVARN, mode, "mode"))
+        if SHAPES[shape].get("num_nextn_predict_layers"):
+            mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+            first.append(_job(args, shape, KVARN, "eager-noprefix", "mtp", llm=mtp, env=v2))
+            last.append(_job(args, shape, KVARN, "eager-noprefix", "v2", env=v2))
+            last.append(_job(args, shape, "auto", "eager-noprefix", "mtp", llm=mtp, env=v2))
+        for cache in args.caches:
+            if cache not in (KVARN, "auto", "turboquant_4bit_nc"):
+                second.append(_job(args, shape, cache, "eager-noprefix", "capacity"))
+        for mode in ("eager-prefix", "graphs-prefix"):
+            last.append(_job(args, shape, "auto", mode, "mode"))
+    jobs = first + second + last
+    if args.only:
+        jobs = [j for j in jobs if re.search(args.only, j["name"])]
+    return jobs
 
 
-def _compare(runs: list[dict[str, Any]]) -> None:
-    """Each run's greedy tokens against its cache's eager, prefix-off run (in place)."""
-    reference = {r["cache"]: r for r in runs if r.get("mode") == "eager-noprefix" and r.get("ok")}
-    for run in runs:
-        ref = reference.get(run["cache"])
-        if not run.get("ok") or ref is None:
+# --- running them side by side ----------------------------------------------------------------
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops a child's process group (vLLM's engine core is a grandchild)."""
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
             continue
-        pairs = list(zip(run["outputs"], ref["outputs"], strict=True))
-        same = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
-        total = sum(len(x) for x, _ in pairs)
-        run["agreement"] = round(same / total, 4) if total else None
-        run["exact_prompts"] = sum(x == y for x, y in pairs)
-        run["num_prompts"] = len(pairs)
-        run["distinct_tokens"] = len({t for x in run["outputs"] for t in x})
+
+
+def _collect(job: dict[str, Any], work: Path, code: int | None) -> dict[str, Any]:
+    slug = job["slug"]
+    output = (work / f"{slug}.log").read_text(errors="replace")
+    result_path = work / f"{slug}.result.json"
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+    else:
+        why = "stopped (time limit)" if code is None else f"exit {code}"
+        result = {"name": job["name"], "cache": job["cache"], "ok": False}
+        result["error"] = f"no result ({why}): {output[-1500:]}"
+    if result.get("kv_cache_tokens") is None:  # the engine core logs in its own process
+        found = KV_LINE.findall(output)
+        result["kv_cache_tokens"] = int(found[-1].replace(",", "")) if found else None
+    staging = STAGING_LINE.findall(output)
+    result["staging_gib"] = float(staging[-1]) if staging else None
+    for key in ("shape", "mode", "role"):
+        result[key] = job[key]
+    if result.get("ok") and result.get("block_size"):
+        config = SHAPES[job["shape"]]
+        result["page_bytes"] = attention_page_bytes(job["cache"], result["block_size"], config)
+        result["bits_per_element"] = bits_per_element(job["cache"], result["block_size"], config)
+    return result
+
+
+def run_jobs(jobs: list[dict[str, Any]], args: argparse.Namespace, work: Path) -> list[dict]:
+    """Runs the jobs, at most ``--parallel`` at once and within ``--gpu-gib`` of estimated
+    memory, in order; stops launching when ``--budget`` seconds are near their end."""
+    deadline = time.time() + args.budget
+    pending = list(jobs)
+    alive: dict[str, tuple[subprocess.Popen, dict[str, Any], float, Any]] = {}
+    results: list[dict[str, Any]] = []
+    lock = str(work / "gpu.lock")
+    try:
+        while pending or alive:
+            now = time.time()
+            for name, (proc, job, started, log) in list(alive.items()):
+                code = proc.poll()
+                late = code is None and (now - started > job["timeout"] or now > deadline)
+                if late:
+                    _stop(proc)
+                if code is not None or late:
+                    log.close()
+                    results.append(_collect(job, work, proc.returncode if not late else None))
+                    del alive[name]
+                    r = results[-1]
+                    status = "ok" if r.get("ok") else "FAILED"
+                    print(
+                        f"[{status}] {name} ({r.get('seconds', round(now - started))} s)",
+                        flush=True,
+                    )
+            while pending and len(alive) < args.parallel:
+                job = pending[0]
+                if deadline - time.time() < args.min_left:
+                    for skipped in pending:
+                        results.append(
+                            {
+                                **{
+                                    k: skipped[k]
+                                    for k in ("name", "cache", "shape", "mode", "role")
+                                },
+                                "ok": False,
+                                "skipped": True,
+                                "error": "skipped: --budget spent",
+                            }
+                        )
+                    pending.clear()
+                    break
+                used = sum(j["est_gib"] for _, j, _, _ in alive.values())
+                if alive and used + job["est_gib"] > args.gpu_gib:
+                    break
+                pending.pop(0)
+                job["slug"] = re.sub(r"[^A-Za-z0-9_.-]+", "_", job["name"])
+                spec_path = work / f"{job['slug']}.spec.json"
+                spec_path.write_text(json.dumps({**job, "lock": lock}))
+                (work / f"{job['slug']}.result.json").unlink(missing_ok=True)
+                log = open(work / f"{job['slug']}.log", "w")  # noqa: SIM115 (closed when reaped)
+                cmd = [sys.executable, args.engine_script]
+                cmd += [str(spec_path), str(work / f"{job['slug']}.result.json")]
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", **job["env"]},
+                )
+                alive[job["name"]] = (proc, job, time.time(), log)
+                print(f"[start] {job['name']} (est {job['est_gib']:.0f} GiB)", flush=True)
+            time.sleep(0.5)
+    finally:
+        for proc, _, _, log in alive.values():
+            _stop(proc)
+            log.close()
+    return results
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="results folder (default: a temp dir)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES))
+    parser.add_argument("--only", default=None, help="regex: run only the jobs it matches")
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds for all engines")
+    parser.add_argument("--min-left", type=float, default=45.0, help="no launch with less left")
+    parser.add_argument("--engine-timeout", type=float, default=150.0, help="s (x2 TurboQuant)")
+    parser.add_argument("--parallel", type=int, default=3)
+    parser.add_argument("--gpu-gib", type=float, default=72.0, help="estimated GiB at once")
+    parser.add_argument("--kv-pool-gib", type=float, default=5.0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--shared-prefix", type=int, default=6144)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--burst-requests", type=int, default=8)
+    parser.add_argument("--burst-prompt-len", type=int, default=16384)
+    parser.add_argument("--burst-output-len", type=int, default=1024)
+    parser.add_argument(
+        "--engine-script",
+        default=str(Path(__file__).with_name("hybrid_engine.py")),
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--bf16-backend",
+        default="detect",
+        help="attention backend for bf16/fp8 ('detect': FLASH_ATTN if vLLM's FA3 ops are "
+        "installed, else TRITON_ATTN; 'none': vLLM's choice)",
+    )
+    return parser.parse_args(argv)
+
+
+def _prepare(args: argparse.Namespace, out: Path) -> None:
+    if args.bf16_backend == "detect":
+        args.bf16_backend = None if _has_flash_attention() else "TRITON_ATTN"
+    elif args.bf16_backend == "none":
+        args.bf16_backend = None
+    args.model_dirs = {shape: write_model_dir(shape, out) for shape in args.shapes}
+    args.batches = {}
+    for shape in args.shapes:
+        vocab = SHAPES[shape]["vocab_size"]
+        (prefix,) = random_prompts(vocab, 1, args.shared_prefix, seed=2)
+        tails = random_prompts(vocab, args.num_prompts, 64, seed=3)
+        prompts = [prefix + tail for tail in tails]
+        args.batches[shape] = [prompts[:1], prompts[1:]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="hybrid-"))
+    out.mkdir(parents=True, exist_ok=True)
+    _prepare(args, out)
+    jobs = plan_jobs(args)
+    print(
+        f"{len(jobs)} engines, at most {args.parallel} at once, budget {args.budget:.0f} s; "
+        f"bf16 backend {args.bf16_backend or 'vLLM default'}",
+        flush=True,
+    )
+    for job in jobs:
+        extra = " +burst" if job.get("burst") else ""
+        print(f"  {job['name']}{extra} (est {job['est_gib']:.1f} GiB)", flush=True)
+    if args.dry_run:
+        (out / "hybrid.md").write_text(report([], args, SHAPES))
+        return 0
+    work = out / "engines"
+    work.mkdir(exist_ok=True)
+    start = time.time()
+    results: list[dict[str, Any]] = []
+
+    def _term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _term)
+    try:
+        results = run_jobs(jobs, args, work)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for shape in args.shapes:
+            config = SHAPES[shape]
+            capacity = [r for r in results if r["shape"] == shape and r.get("role") != "mtp"]
+            capacity.sort(key=lambda r: r["cache"] != "auto")
+            arithmetic(capacity, config, args.max_model_len, int(args.kv_pool_gib * 2**30))
+        compare_greedy(results)
+        payload = {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(start)),
+            "seconds": round(time.time() - start, 1),
+            "args": {k: v for k, v in vars(args).items() if k not in ("batches", "model_dirs")},
+            "environment": environment(),
+            "shapes": {s: SHAPES[s] for s in args.shapes},
+            "runs": results,
+        }
+        with contextlib.suppress(Exception):
+            payload["args"]["out"] = str(out)
+        (out / "hybrid.json").write_text(json.dumps(payload, indent=1, default=str))
+        (out / "hybrid.md").write_text(report(results, args, SHAPES))
+        print((out / "hybrid.md").read_text(), flush=True)
+    return 0 if results and all(r.get("ok") for r in results) else 1
 
 
 def environment() -> dict[str, Any]:
@@ -428,75 +609,6 @@ def environment() -> dict[str, Any]:
     except Exception:  # recorded as missing
         pass
     return info
-
-
-def _dump(path: Path, args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    payload = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("internal")},
-        "environment": environment(),
-        "shape": SHAPES[args.shape],
-        "runs": runs,
-    }
-    path.write_text(json.dumps(payload, indent=1))
-
-
-def summary(runs: list[dict[str, Any]]) -> str:
-    """One line per run: the numbers the docs quote."""
-    lines = []
-    for r in runs:
-        if not r.get("ok"):
-            lines.append(f"{r['name']}: FAILED")
-            continue
-        fields = [f"block {r['block_size']}", f"blocks {r['num_gpu_blocks']}"]
-        fields += [f"tokens {r.get('kv_cache_tokens')}"]
-        for key in ("vs_first", "expected_tokens", "measured_over_expected", "staging_gib"):
-            if r.get(key) is not None:
-                fields.append(f"{key} {r[key]}")
-        for key in ("agreement", "exact_prompts", "distinct_tokens"):
-            if r.get(key) is not None:
-                fields.append(f"{key} {r[key]}")
-        lines.append(f"{r['name']}: " + ", ".join(fields))
-    return "\n".join(lines)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help="folder for JSON results (default: a temp dir)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="nemotron-h-8b")
-    parser.add_argument("--phase", choices=("capacity", "modes"), default="capacity")
-    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES))
-    parser.add_argument("--mode-caches", nargs="+", default=["kvarn_k4v2_g128", "auto"])
-    parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--shared-prefix", type=int, default=6144)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per engine")
-    parser.add_argument(
-        "--bf16-backend",
-        default=None,
-        help="attention backend for auto/fp8 (e.g. TRITON_ATTN where FlashAttention is missing)",
-    )
-    parser.add_argument("--internal", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--internal-result", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.internal:
-        result = run_engine(json.loads(Path(args.internal).read_text()))
-        Path(args.internal_result).write_text(json.dumps(result))
-        return 0
-    out = Path(args.out or tempfile.mkdtemp(prefix="hybrid-"))
-    out.mkdir(parents=True, exist_ok=True)
-    model = write_model_dir(args.shape, out)
-    phase = phase_capacity if args.phase == "capacity" else phase_modes
-    runs = phase(args, out, model)
-    print(summary(runs), flush=True)
-    return 0 if all(r.get("ok") for r in runs) else 1
 
 
 if __name__ == "__main__":
