@@ -1,4 +1,5 @@
-"""The soak's client half (scripts/soak.py) against a fake OpenAI-compatible server."""
+"""The soak (scripts/soak.py, its client kvarn_eval.serving.soak) against a fake
+OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -10,19 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvarn_eval.serving import soak
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
 def _load():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
+    spec = importlib.util.spec_from_file_location("soak_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # dataclasses look their module up
+    sys.modules["soak_script"] = module
     spec.loader.exec_module(module)
     return module
 
 
-soak = _load()
+script = _load()
 
 
 class FakeServer:
@@ -30,8 +32,16 @@ class FakeServer:
     JSON body), deterministic text; ``nan_every`` answers NaN log-probabilities,
     ``fail_every`` a 500, ``drift`` changes greedy answers after the first ``drift`` probes."""
 
-    def __init__(self, nan_every: int = 0, fail_every: int = 0, drift: int = 0) -> None:
+    def __init__(
+        self,
+        nan_every: int = 0,
+        fail_every: int = 0,
+        drift: int = 0,
+        bad_token_every: int = 0,
+        first_token_drift: bool = False,
+    ) -> None:
         self.nan_every, self.fail_every, self.drift = nan_every, fail_every, drift
+        self.bad_token_every, self.first_token_drift = bad_token_every, first_token_drift
         self.completions = self.aborted = self.preemptions = 0
         self.greedy_prompts: list[str] = []
 
@@ -76,20 +86,32 @@ class FakeServer:
             await self._send(writer, 500, b'{"error": "boom"}')
             return
         text = f" answer to {body['prompt'][-12:]!r}"
+        ids = [len(body["prompt"]) % 100, 7, 8]  # greedy answers depend on the prompt only
         if body.get("temperature") == 0.0 and not body.get("stream"):
             self.greedy_prompts.append(body["prompt"])
             if self.drift and len(self.greedy_prompts) > self.drift:
                 text += " drifted"
-        choice: dict[str, Any] = {"text": text, "finish_reason": "length"}
-        if body.get("logprobs"):
-            bad = self.nan_every and n % self.nan_every == 0
-            choice["logprobs"] = {"token_logprobs": [-0.5, float("nan") if bad else -1.0]}
+            if self.first_token_drift and len(self.greedy_prompts) > 12:
+                ids[0] += 1  # the load's repeats start differently from the probes
+        if self.bad_token_every and n % self.bad_token_every == 0:
+            ids[1] = 10**6
+        choices: list[dict[str, Any]] = []
+        for index in range(int(body.get("n", 1))):
+            choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": "length"}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = ids
+            if body.get("logprobs"):
+                bad = self.nan_every and n % self.nan_every == 0
+                choice["logprobs"] = {"token_logprobs": [-0.5, float("nan") if bad else -1.0]}
+            choices.append(choice)
         if not body.get("stream"):
-            await self._send(writer, 200, json.dumps({"choices": [choice]}).encode())
+            await self._send(writer, 200, json.dumps({"choices": choices}).encode())
             return
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for piece in [*text.split(" "), None]:
-            event = "[DONE]" if piece is None else json.dumps({"choices": [{"text": piece}]})
+        pieces = text.split(" ")
+        for i, piece in enumerate([*pieces, None]):
+            delta = {"text": piece, "token_ids": ids[i : i + 1] if i < len(pieces) - 1 else []}
+            event = "[DONE]" if piece is None else json.dumps({"choices": [delta]})
             data = f"data: {event}\n\n".encode()
             writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             await writer.drain()
@@ -134,7 +156,11 @@ def test_soak_client_passes_on_a_healthy_server() -> None:
     kinds = set(load["by_kind"])
     assert {"long-plain", "short-plain", "long-stream", "short-stream"} <= kinds
     assert any(k.endswith("-cancelled") for k in kinds)
+    assert any(k.endswith("-n") for k in kinds) and "repeat" in kinds
     assert result["probes_same"] == result["probes"] == 6
+    repeats = result["repeats"]
+    assert repeats["count"] == load["by_kind"]["repeat"] and repeats["distinct"] == 1
+    assert repeats["first_token_differs"] == 0 and repeats["min_common_prefix"] == 3
     delta = result["metrics_delta"]
     assert delta["vllm:num_preemptions"] > 0
     assert delta["vllm:generation_tokens"] == 4 * load["requests"] + 4 * 6  # + the probes after
@@ -146,11 +172,13 @@ def test_soak_client_passes_on_a_healthy_server() -> None:
     [
         (FakeServer(nan_every=2), "non-finite log-probability"),
         (FakeServer(fail_every=7), "status 500"),
+        (FakeServer(bad_token_every=3), "token ids outside [0, 49152)"),
     ],
 )
 def test_soak_client_reports_bad_answers(fake: FakeServer, what: str) -> None:
     # long enough for the 7th request (fail_every=7) on a loaded machine
-    result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, _args(minutes=6 / 60))))
+    args = _args(minutes=6 / 60, vocab=49152)
+    result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, args)))
     assert not result["passed"]
     problems = [p for f in result["load"]["failures"] for p in f["problems"]]
     assert any(what in p for p in problems), problems
@@ -161,6 +189,49 @@ def test_soak_client_reports_probes_that_change() -> None:
     result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, _args())))
     assert not result["passed"] and result["probes_same"] == 0
     assert result["probe_mismatches"][0]["after"].endswith("drifted")
+
+
+def test_soak_client_fails_repeats_that_start_differently() -> None:
+    fake = FakeServer(first_token_drift=True)  # garbage-like: even the first token changes
+    result = asyncio.run(_with_server(fake, lambda base: soak.soak(base, _args(minutes=6 / 60))))
+    assert result["load"]["failed"] == 0 and result["repeats"]["count"] > 0
+    assert result["repeats"]["first_token_differs"] == result["repeats"]["count"]
+    assert not result["passed"]
+
+
+def test_completion_problems_checks_choices_and_ids() -> None:
+    spec = {"stream": False, "payload": {"n": 2, "return_token_ids": True}}
+    one = {"index": 0, "text": "a", "token_ids": [1, 2], "finish_reason": "length"}
+    assert soak.completion_problems(soak.Reply(200, {"choices": [one]}), spec, 10) == [
+        "1 choices, asked for 2"
+    ]
+    two = {**one, "index": 1, "token_ids": None}
+    assert soak.completion_problems(soak.Reply(200, {"choices": [one, two]}), spec, 10) == [
+        "choice 1: no token ids"
+    ]
+    # an answer that stopped at once is fine; one cut by length with nothing in it is not
+    stop = {"index": 0, "text": "", "token_ids": [], "finish_reason": "stop"}
+    plain = {"stream": False, "payload": {}}
+    assert soak.completion_problems(soak.Reply(200, {"choices": [stop]}), plain) == []
+    empty = {**stop, "finish_reason": "length"}
+    assert soak.completion_problems(soak.Reply(200, {"choices": [empty]}), plain)
+
+
+def test_repeat_summary_and_load_seconds() -> None:
+    serial = [[5, 6, 7], [5, 6, 9]]
+    got = soak.repeat_summary([[5, 6, 7], [5, 6, 8], [4, 6, 7]], serial)
+    assert got == {
+        "count": 3,
+        "distinct": 3,
+        "equal_to_a_serial_answer": 1,
+        "min_common_prefix": 0,
+        "first_token_differs": 1,
+    }
+    args = soak.argparse.Namespace(minutes=8.0, budget_minutes=8.0, reserve_seconds=90.0)
+    args.started = soak.time.monotonic() - 150  # a 150 s start-up: 8 min - 150 s - 90 s left
+    assert 235 < soak.load_seconds(args) <= 240
+    args.budget_minutes = None
+    assert soak.load_seconds(args) == 480
 
 
 def test_metrics_and_memory_helpers() -> None:
@@ -174,13 +245,27 @@ def test_metrics_and_memory_helpers() -> None:
 
 
 def test_serve_command_has_the_soaks_settings() -> None:
-    args = soak.argparse.Namespace(
-        kv_cache_dtype="kvarn_k4v2_g128", cache_tokens=6144, max_model_len=2048,
-        max_num_seqs=32, gpu_memory_utilization=0.3, port=8011, extra=["--enforce-eager"],
-    )  # fmt: skip
-    cmd = soak.serve_command("/m", args)
+    args = script.parse_args(["--out", "x", "--", "--enforce-eager"])
+    cmd = script.serve_command("/m", args)
     text = " ".join(cmd)
     assert "--kv-cache-dtype kvarn_k4v2_g128" in text and "--enable-prefix-caching" in text
+    assert "--enable-chunked-prefill --max-num-batched-tokens 384" in text
     assert "--num-gpu-blocks-override 48" in text  # 6144 tokens in 128-token tiles
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["method"] == "ngram" and cmd[-1] == "--enforce-eager"
+    args = script.parse_args(["--out", "x", "--no-speculation"])
+    assert "--speculative-config" not in script.serve_command("/m", args)
+
+
+def test_model_helpers_and_log_counts(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 49152}))
+    assert script.vocab_size(str(tmp_path)) == 49152 and script.vocab_size("/nowhere") is None
+    log = "INFO ok: no ERROR here\nTraceback (most recent call last):\n"
+    log += "(EngineCore pid=7) ERROR 12-06 16:01:02 [core.py:1] boom\nERROR 12-06 16:01:03 x\n"
+    log += "WARNING 12-06 16:01:04 kvarn: keys or values ... were stored saturated; ...\n"
+    counts = script.log_counts(log)
+    assert counts == {"tracebacks": 1, "error_lines": 2, "kvarn_saturation_warnings": 1}
+    # the converter beside the script is found (not run: no GGUF here)
+    args = script.parse_args(["--out", "x", "--gguf", str(tmp_path / "missing.gguf")])
+    with pytest.raises(SystemExit, match="GGUF not found"):
+        script.resolve_model(args)
