@@ -323,6 +323,25 @@ def fast_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     return rows
 
 
+def tiles_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    """The Triton tiles decode kernel (``attention/tiles.py``) for every preset and head size as
+    the launcher compiles it (GQA 4, both key frames, sink rows; the window is a runtime
+    argument), with its launch parameters (``tiles_launch``)."""
+    from kvarn_kernels.attention.tiles import TILES_N, tiles_decode_partial_kernel, tiles_launch
+
+    ptrs = {"qs_ptr": "*fp16", "qa_ptr": "*fp32", "cache_u8_ptr": "*u8"}
+    ptrs |= {"cache_f16_ptr": "*fp16", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    rows = []
+    for preset in PRESETS:
+        for d in head_dims:
+            consts = _tile_consts(preset, d)
+            consts |= {"GROUP": 4, "N": TILES_N, "FRAMES": 2, "SINK": True, "FIXED": False}
+            opts = tiles_launch(d, consts["KEY_BITS"])
+            label = f"tiles decode {preset} D{d}"
+            rows.append(compile_kernel(tiles_decode_partial_kernel, ptrs, consts, opts, label))
+    return rows
+
+
 def rotation_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     from kvarn_kernels.rotation.kernel import rotate_rows_kernel
 
@@ -341,6 +360,7 @@ FAMILIES = {
     "dequantize": dequantize_rows,
     "attention": attention_rows,
     "fast": fast_rows,
+    "tiles": tiles_rows,
     "rotation": rotation_rows,
 }
 

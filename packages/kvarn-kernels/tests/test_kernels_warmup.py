@@ -216,6 +216,7 @@ def test_fast_decode_kernel_does_not_specialize_on_the_split_layout(
         "attention.kernel": ("attention_partial_kernel", "attention_combine_kernel"),
         "attention.prep": ("prepare_queries_kernel",),
         "attention.fast": ("fast_decode_partial_kernel",),
+        "attention.tiles": ("tiles_decode_partial_kernel",),
         "quantize.kernel": ("quantize_tiles_kernel", "stage_tokens_kernel"),
         "dequantize.kernel": ("dequantize_kernel",),
         "rotation.kernel": ("rotate_rows_kernel",),
@@ -227,7 +228,7 @@ def test_fast_decode_kernel_does_not_specialize_on_the_split_layout(
             monkeypatch.setattr(mod, name, stand_in)
     counts = kk.compiled_variants()
     assert counts["fast_decode_partial_kernel"] == counts["prepare_queries_kernel"] == 2
-    assert len(counts) == 8
+    assert len(counts) == 9
 
 
 @pytest.mark.gpu

@@ -160,6 +160,10 @@ _LAUNCH_ENV = (
     "KVARN_KERNELS_STORE_WARPS",
 )
 
+SHAPES = {128: ("llama3-8b", 32, 8, 128), 64: ("hd64", 32, 8, 64), 256: ("hd256", 16, 8, 256)}
+"""The attention shapes per head_dim (``--head-dims``): name, query heads, KV heads, head_dim
+(head_dim 256 as Gemma-2-9B's 16 query and 8 KV heads)."""
+
 WINDOWS = ("open", "keys", "values")
 """The staging a decode case reads besides the records (``--windows``): ``open``, only the open
 tile (half full); ``keys``, also the exact first tile (sink rows) and the recent tile, keys and
@@ -747,7 +751,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "kvarn_kernels.bench needs a CUDA GPU (or --dry-run with TRITON_INTERPRET=1)"
             )
         device = torch.device("cuda")
-        shapes = [("llama3-8b", 32, 8, 128)] + ([] if quick else [("hd64", 32, 8, 64)])
+        dims = args.head_dims or ([128] if quick else [128, 64])
+        shapes = [SHAPES[d] for d in dims]
         batches = args.batches or ([16, 64] if quick else [1, 16, 64, 256])
         contexts = args.contexts or ([4096, 16384] if quick else [4096, 16384, 65536])
         store_batch = 256
@@ -828,6 +833,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         fast_decode=_fast(case),
                     )
                     row["hbm_fraction"] = row["gbps"] / hbm
+                    row["decode_kernels"] = _kernels(case)
+                    if args.legacy and row["decode_kernels"] != "Triton":
+                        # The single-kernel Triton path the tiles kernel replaced, same process.
+                        from kvarn_kernels.attention.launch import set_tiles_decode
+
+                        set_tiles_decode(False)
+                        try:
+                            legacy_ms = _best_ms(case.run, quick, device)["ms"]
+                        finally:
+                            set_tiles_decode(True)
+                        row["legacy_us"] = legacy_ms * 1e3
+                        row["legacy_hbm_fraction"] = nbytes / (legacy_ms * 1e-3) / 1e9 / hbm
+                        row["speedup_vs_legacy"] = legacy_ms / ms
                     row["fp16_bytes"] = case.bytes_fp16()
                     row["fp16_ideal_us"] = case.bytes_fp16() / (hbm * 1e9) * 1e6
                     if _fits(fp16_bytes * 2.2 + q_bytes, device):
@@ -863,6 +881,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     del case
                     if cuda:
                         torch.cuda.empty_cache()
+            if args.no_store:
+                continue
             store = _store_cost(
                 preset, hkv, d, store_batch, dtype, device, quick, args.key_frame, hq
             )
@@ -909,6 +929,18 @@ def _fast(case: _Case) -> bool:
     return fast_decode_applies(case.query, case.layout, case.hkv, None)
 
 
+def _kernels(case: _Case) -> str:
+    """The kernels ``decode_attention`` runs for ``case``: the Gluon or the Triton tiles kernel
+    over the records beside the Triton kernel's staged pass, or the Triton kernel alone."""
+    from kvarn_kernels.attention.launch import tiles_decode_applies
+
+    if _fast(case):
+        return "Gluon + Triton"
+    if tiles_decode_applies(case.query, case.layout, case.hkv):
+        return "tiles + Triton"
+    return "Triton"
+
+
 def _splits(case: _Case) -> int:
     """The split count the launcher uses for ``case`` (the batch-invariant plan when on; with
     the fast path, the Gluon kernel's splits plus the Triton kernel's, one per staged tile)."""
@@ -917,10 +949,12 @@ def _splits(case: _Case) -> int:
 
     g = case.layout.group_size
     invariant = batch_invariant()
-    if _fast(case):
+    kernels = _kernels(case)
+    if kernels != "Triton":
+        tiles = (case.d, case.layout.preset.key_bits) if kernels.startswith("tiles") else None
         staged, fast_splits, _ = fast_path_splits(
             case.staging, g, case.sink_lens is not None, case.key_tiles, case.b, case.hkv,
-            case.block_table.shape[1], case.device, invariant,
+            case.block_table.shape[1], case.device, invariant, True, tiles,
         )  # fmt: skip
         return staged + fast_splits
     sv = staging_view(case.staging, g, case.sink_lens is not None, case.key_tiles)
@@ -939,7 +973,13 @@ def _row_line(r: dict[str, Any]) -> str:
         f"{_fmt(r.get('sdpa_fp16_us'), '.1f')} | "
         f"{_fmt(r.get('speedup_vs_sdpa'), '.2f')} | {_fmt(r.get('vllm_triton_fp16_us'), '.1f')} | "
         f"{_fmt(r.get('speedup_vs_vllm_triton'), '.2f')} | {r['num_splits']} | "
-        f"{'Gluon + Triton' if r.get('fast_decode') else 'Triton'} | "
+        f"{r.get('decode_kernels', 'Gluon + Triton' if r.get('fast_decode') else 'Triton')}"
+        + (
+            ""
+            if r.get("legacy_us") is None
+            else f" (Triton alone {r['legacy_us']:.1f} us, {100 * r['legacy_hbm_fraction']:.1f}%)"
+        )
+        + " | "
         f"{_fmt(r.get('eager_us'), '.1f')} |"
     )
 
@@ -1083,6 +1123,25 @@ def main(argv: list[str] | None = None) -> int:
         help="context lengths of the grid (default 4096 16384 with --quick, else also 65536)",
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM Triton baseline")
+    parser.add_argument(
+        "--head-dims",
+        nargs="+",
+        type=int,
+        choices=sorted(SHAPES),
+        help="attention shapes by head_dim (default 128 with --quick, else 128 64): "
+        + ", ".join(
+            f"{d}: {n} ({hq} query / {hkv} KV heads)" for d, (n, hq, hkv, _) in SHAPES.items()
+        ),
+    )
+    parser.add_argument(
+        "--legacy",
+        action="store_true",
+        help="also time each case whose records the Triton tiles kernel reads with the single "
+        "Triton kernel it replaced (attention_partial_kernel alone), in the same process",
+    )
+    parser.add_argument(
+        "--no-store", action="store_true", help="skip the store cost (decode attention only)"
+    )
     parser.add_argument(
         "--key-frame",
         choices=("rotated", "auto"),

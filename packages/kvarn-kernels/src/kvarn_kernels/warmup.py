@@ -271,6 +271,7 @@ def _kernels() -> list[Any]:
     from kvarn_kernels.attention.fast import fast_decode_partial_kernel
     from kvarn_kernels.attention.kernel import attention_combine_kernel, attention_partial_kernel
     from kvarn_kernels.attention.prep import prepare_queries_kernel
+    from kvarn_kernels.attention.tiles import tiles_decode_partial_kernel
     from kvarn_kernels.dequantize.kernel import dequantize_kernel
     from kvarn_kernels.quantize.kernel import quantize_tiles_kernel, stage_tokens_kernel
     from kvarn_kernels.rotation.kernel import rotate_rows_kernel
@@ -284,6 +285,7 @@ def _kernels() -> list[Any]:
         rotate_rows_kernel,
         prepare_queries_kernel,  # the fast decode path: its query rows, then the Gluon kernel
         fast_decode_partial_kernel,
+        tiles_decode_partial_kernel,  # the records where the Gluon kernel does not apply
     ]
 
 

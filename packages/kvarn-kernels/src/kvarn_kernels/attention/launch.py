@@ -38,7 +38,9 @@ __all__ = [
     "fast_decode_supported",
     "multi_query_attention",
     "query_block_sizes",
+    "set_tiles_decode",
     "split_sizing",
+    "tiles_decode_applies",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -182,18 +184,59 @@ def fast_decode_supported(
     )
 
 
+_TILES_DECODE = True
+
+
+def tiles_decode_enabled() -> bool:
+    """Whether :func:`decode_attention` attends the quantized tiles with the Triton tiles kernel
+    (:mod:`kvarn_kernels.attention.tiles`) where the Gluon kernel does not apply (default on;
+    :func:`set_tiles_decode` turns it off, so that a benchmark can time the single-kernel path
+    it replaced in the same process)."""
+    return _TILES_DECODE
+
+
+def set_tiles_decode(on: bool) -> None:
+    """Turn the tiles kernel of :func:`tiles_decode_applies` on or off for this process."""
+    global _TILES_DECODE
+    _TILES_DECODE = bool(on)
+
+
+def tiles_decode_applies(query: torch.Tensor, layout: TileLayout, num_kv_heads: int) -> bool:
+    """Whether :func:`decode_attention` attends the quantized tiles with
+    :func:`kvarn_kernels.attention.tiles.tiles_decode_partial_kernel` (where
+    :func:`fast_decode_applies` does not): fp16/bf16 queries, values of 1, 2, 4 or 8 bits, any
+    key width, up to 16 query heads per KV head, sliding windows included, not autotuned
+    (autotuning tunes the single-kernel path), in Triton's interpreter too."""
+    from kvarn_kernels.attention.tiles import TILES_N
+
+    return (
+        tiles_decode_enabled()
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and layout.preset.value_bits in (1, 2, 4, 8)
+        and query.shape[1] // num_kv_heads <= TILES_N
+        and not autotune_enabled()
+    )
+
+
 def fast_decode_splits(
     num_seqs: int,
     num_kv_heads: int,
     max_tiles: int,
     device: torch.device,
     staged_splits: int = 1,
+    per_sm: int = 4,
+    min_tiles: int = 1,
 ) -> int:
-    """Splits of the fast decode kernel: about 4 programs per SM, at most one per tile, at most
-    the combine's maximum less the Triton kernel's ``staged_splits`` (:func:`staged_splits`)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, (4 * sms) // max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, max_tiles, _MAX_SPLITS - staged_splits))
+    """Splits of the fast decode kernel (Gluon or tiles): about ``per_sm`` programs per SM, at
+    least ``min_tiles`` tiles per split (as far as the table's ``max_tiles`` go), at most the
+    combine's maximum less the Triton kernel's ``staged_splits`` (:func:`staged_splits`). A CPU
+    device (Triton's interpreter) counts as 4 SMs, so that the tests walk several splits."""
+    if device.type != "cuda":
+        sms = 4
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, (per_sm * sms) // max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, max_tiles // max(1, min_tiles), _MAX_SPLITS - staged_splits))
 
 
 def invariant_split_tiles() -> int:
@@ -232,13 +275,17 @@ def fast_path_splits(
     device: torch.device,
     invariant: bool,
     fast: bool = True,
+    tiles_shape: tuple[int, int] | None = None,
 ) -> tuple[int, int, int]:
     """``(staged, fast_splits, split_tiles)`` of the fast decode path: the Triton kernel's
     staged splits (:func:`staged_splits`; batch-invariant, one per staged tile whatever the
     batch), and for the Gluon kernel (``fast``) its split count and, batch-invariant, the
     tiles per split (:func:`fast_split_plan`; else 0: :func:`fast_decode_splits` divides each
     sequence). ``fast=False`` (the staged pass alone) never asks the GPU for its SMs beyond
-    :func:`staged_splits`."""
+    :func:`staged_splits`. ``tiles_shape``: ``(head_dim, key_bits)`` when the Triton tiles
+    kernel reads the records; its programs per SM and tiles per split follow
+    :func:`kvarn_kernels.attention.tiles.tiles_splitting` (``None``: the Gluon kernel's 4
+    programs per SM)."""
     programs = 0 if invariant else num_seqs * num_kv_heads
     staged = staged_splits(staging, group_size, sink, key_tiles, programs, device)
     if not fast:
@@ -246,7 +293,15 @@ def fast_path_splits(
     if invariant:
         split_tiles, splits = fast_split_plan(table_width, staged)
         return staged, splits, split_tiles
-    return staged, fast_decode_splits(num_seqs, num_kv_heads, table_width, device, staged), 0
+    per_sm, min_tiles = 4, 1
+    if tiles_shape is not None:
+        from kvarn_kernels.attention.tiles import tiles_splitting
+
+        per_sm, min_tiles = tiles_splitting(*tiles_shape)
+    splits = fast_decode_splits(
+        num_seqs, num_kv_heads, table_width, device, staged, per_sm, min_tiles
+    )
+    return staged, splits, 0
 
 
 STAGED_SPLITS_ENV = "KVARN_KERNELS_STAGED_SPLITS"
@@ -300,8 +355,9 @@ def verify_as_decode(
     mode, the multi-query kernel runs each row with decode's launch, which gives a decode row's
     bits already; a decode row per token reads the context once per token instead of once per
     block of 16 rows."""
-    return max_query_len <= VERIFY_AS_DECODE_MAX_QUERY and fast_decode_applies(
-        query, layout, num_kv_heads, sliding_window
+    return max_query_len <= VERIFY_AS_DECODE_MAX_QUERY and (
+        fast_decode_applies(query, layout, num_kv_heads, sliding_window)
+        or tiles_decode_applies(query, layout, num_kv_heads)
     )
 
 
@@ -631,12 +687,28 @@ def _run(
         and num_splits is None
         and fast_decode_applies(query, layout, num_kv_heads, sliding_window)
     )
+    # Elsewhere the Triton tiles kernel takes the Gluon kernel's place, with the same splits.
+    # A given num_splits is the tiles kernel's split count (the staged pass keeps its own).
+    tiles = (
+        not staged_only
+        and not fast
+        and decode
+        and tiles_decode_applies(query, layout, num_kv_heads)
+    )
     fast_splits = split_tiles = 0
-    if fast or staged_only:
+    if num_splits is not None and (
+        not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS
+    ):
+        raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
+    given = num_splits
+    if fast or tiles or staged_only:
         num_splits, fast_splits, split_tiles = fast_path_splits(
             staging, g, sink_lens is not None, key_tiles, sizing, num_kv_heads,
-            block_table.shape[1], query.device, invariant, fast,
+            block_table.shape[1], query.device, invariant, fast or tiles,
+            (d, p.key_bits) if tiles else None,
         )  # fmt: skip
+        if tiles and given is not None:
+            fast_splits = min(given, _MAX_SPLITS - num_splits)
         if kernel is attention_partial_kernel:
             # Each staged split walks one tile: software pipelining has nothing to overlap and
             # only costs shared memory (H200, 2026-12-02: the pass took 81 us at batch 64 x 4K
@@ -663,7 +735,9 @@ def _run(
     qstart = seq_lens if query_start_loc is None else query_start_loc  # unread when decoding
     fk, fv = (query, query) if fresh_kv is None else fresh_kv  # unread without FRESH
     # The fast path's query rows, prepared once for both of its kernels (one launch).
-    prepared = prepare_queries(query, scale, bool(raw_keys)) if fast or staged_only else None
+    prepared = (
+        prepare_queries(query, scale, bool(raw_keys)) if fast or tiles or staged_only else None
+    )
     pq, pa = (query, query) if prepared is None else prepared  # unread without PREPARED
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
@@ -726,7 +800,7 @@ def _run(
         FRESH=fresh_kv is not None,
         **offset_constants(layout),
         RAW_KEYS=bool(raw_keys),
-        QUANT=not (fast or staged_only),
+        QUANT=not (fast or tiles or staged_only),
         PREPARED=prepared is not None,
         **launch,
     )
@@ -748,6 +822,14 @@ def _run(
             fast_prefetch(),
             p.value_bits,
         )
+    if tiles:
+        from kvarn_kernels.attention.tiles import launch_tiles_decode
+
+        assert prepared is not None
+        launch_tiles_decode(
+            prepared, kv_cache, layout, block_table, seq_lens, quantized_lens, sink_lens,
+            sliding_window, acc, ml, num_splits, fast_splits, split_tiles,
+        )  # fmt: skip
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
         acc,
