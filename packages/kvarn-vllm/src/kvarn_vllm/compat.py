@@ -40,6 +40,7 @@ __all__ = [
     "wrap_attention_kv_cache_spec",
     "wrap_backend_selection",
     "wrap_hybrid_block_alignment",
+    "wrap_mla_kv_cache_spec",
     "triton_prefill",
     "wrap_draft_decode_metadata",
     "wrap_v1_runner_steps",
@@ -253,6 +254,29 @@ def wrap_attention_kv_cache_spec(make_spec: SpecFn) -> bool:
         return original(self, vllm_config)
 
     Attention.get_kv_cache_spec = _mark(get_kv_cache_spec, original)  # type: ignore[method-assign]
+    return True
+
+
+def wrap_mla_kv_cache_spec(make_spec: SpecFn) -> bool:
+    """Let ``make_spec(layer, vllm_config)`` answer ``MLAAttention.get_kv_cache_spec`` first
+    (vLLM 0.26 sizes an MLA page from ``head_size`` and the dtype); ``make_spec`` returns None
+    for layers it does not own.
+
+    Returns:
+        True when the wrapper was installed now, False when it already was.
+    """
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    original = MLAAttention.get_kv_cache_spec
+    if is_wrapped(original):
+        return False
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = make_spec(self, vllm_config)
+        return spec if spec is not None else original(self, vllm_config)
+
+    MLAAttention.get_kv_cache_spec = _mark(get_kv_cache_spec, original)  # type: ignore[method-assign]
     return True
 
 

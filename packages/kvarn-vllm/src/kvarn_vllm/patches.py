@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from kvarn_vllm import compat, releases
 from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype, preset_names
+from kvarn_vllm.mla_config import is_mla_dtype, mla_preset_names
 
 __all__ = ["LEDGER", "Patch", "applied", "apply_process_patches", "apply_worker_patches"]
 
@@ -73,9 +74,17 @@ def _select_backend(selected_backend, cfg, num_heads):
     if not is_kvarn_dtype(cfg.kv_cache_dtype):
         return None
     from kvarn_vllm.backend import backend_class, unsupported_reasons
+    from kvarn_vllm.mla_backend import select_mla_backend
 
-    config = parse_kv_cache_dtype(cfg.kv_cache_dtype)
     layer = compat.calling_layer_name() or "<unknown layer>"
+    if cfg.use_mla:  # latent records (kvarn_vllm.mla_backend), from any kvarn_* name
+        return select_mla_backend(selected_backend, cfg, layer)
+    if is_mla_dtype(cfg.kv_cache_dtype):
+        raise ValueError(
+            f"attention layer {layer!r} is a dense attention layer; {cfg.kv_cache_dtype} is "
+            f"the MLA latent format. Use a dense preset ({', '.join(preset_names())})."
+        )
+    config = parse_kv_cache_dtype(cfg.kv_cache_dtype)
     adapter = releases.check_supported()
     unserved = adapter.unserved()
     if unserved:
@@ -145,6 +154,13 @@ def _make_spec(layer, vllm_config):
     return spec
 
 
+def _make_mla_spec(layer, vllm_config):
+    """``MLAAttention.get_kv_cache_spec`` for layers on the kvarn MLA backend; else None."""
+    from kvarn_vllm.mla_backend import make_mla_spec
+
+    return make_mla_spec(layer, vllm_config)
+
+
 def _align_hybrid(vllm_config, backend_cls, backends):
     """``Platform._align_hybrid_block_size`` for ``kvarn_*`` dtypes; else None."""
     from kvarn_vllm.hybrid import align_hybrid_block_size
@@ -179,7 +195,7 @@ def _default_max_num_seqs(engine_args, was_unset: bool) -> None:
 def _widen_cache_dtype():
     import torch
 
-    names = preset_names()
+    names = preset_names() + mla_preset_names()
     compat.widen_cache_dtype_literal(names)
     compat.add_torch_dtypes(names, torch.uint8)
     compat.clear_cli_kwargs_cache()
@@ -281,6 +297,22 @@ LEDGER: tuple[Patch, ...] = (
         apply=lambda: compat.wrap_attention_kv_cache_spec(_make_spec),
         checked="0.26.0: sources read, CPU tests, H200/H100 runs. Not applied on 0.33: the "
         "backend's public customize_spec gives the page there",
+    ),
+    Patch(
+        name="mla-kv-cache-spec",
+        target="vllm.model_executor.layers.attention.mla_attention.MLAAttention."
+        "get_kv_cache_spec",
+        why="vLLM 0.26 sizes an MLA page as block_size * (kv_lora_rank + rope) * dtype size; "
+        "a latent record (kvarn_math.mla) is 330 bytes a token at 512 + 64, not 576 of any "
+        "dtype, so pages would be sized wrong.",
+        how="Wrap the method: for layers on the kvarn MLA backend return KvarnMLASpec "
+        "(uint8, page = tile_bytes of the MLA preset per block of G tokens); refuse a block "
+        "size other than G clearly. Other layers go to vLLM unchanged.",
+        remove_when="vLLM's MLA layer applies the backend's customize_spec (not in 0.33).",
+        scope="process",
+        apply=lambda: compat.wrap_mla_kv_cache_spec(_make_mla_spec),
+        checked="0.26.0: sources read, CPU tests. Not applied on 0.33 (the MLA latent cache "
+        "is refused there at start-up)",
     ),
     Patch(
         name="hybrid-block-size",
