@@ -38,8 +38,10 @@ A paged cache block holds one record per KV head: ``[num_kv_heads, tile_bytes]``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import TypeVar, cast
 
 from kvarn_math.packing import packed_size
 from kvarn_math.rtn import check_bits
@@ -57,9 +59,12 @@ __all__ = [
     "Field",
     "TileLayout",
     "get_preset",
+    "lookup_preset",
     "tile_layout",
     "format_table",
 ]
+
+P = TypeVar("P")
 
 FORMAT_VERSION = 3
 """Version of the record byte format; records of one version cannot be read as another.
@@ -131,20 +136,28 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_PRESET = "kvarn_k4v2_g128"
 
 
+def lookup_preset(preset: str | P, presets: Mapping[str, P], cls: type[P], what: str) -> P:
+    """``preset`` itself when it is a ``cls``, else ``presets[preset]``: the lookup of
+    :func:`get_preset` and ``kvarn_math.mla.get_mla_preset``.
+
+    Raises:
+        ValueError: naming the unknown ``what`` and listing the supported ones.
+    """
+    if isinstance(preset, cls):
+        return preset
+    try:
+        return presets[cast(str, preset)]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {what} {preset!r}; supported: {', '.join(presets)}") from None
+
+
 def get_preset(preset: str | Preset) -> Preset:
     """Look up a preset by name (a :class:`Preset` passes through).
 
     Raises:
         ValueError: naming the unknown preset and listing the supported ones.
     """
-    if isinstance(preset, Preset):
-        return preset
-    try:
-        return PRESETS[preset]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown KVarN preset {preset!r}; supported: {', '.join(PRESETS)}"
-        ) from None
+    return lookup_preset(preset, PRESETS, Preset, "KVarN preset")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from functools import cache
 import numpy as np
 import numpy.typing as npt
 
-from kvarn_math.layout import FIELD_ALIGNMENT, Field
+from kvarn_math.layout import FIELD_ALIGNMENT, Field, lookup_preset
 from kvarn_math.packing import pack, packed_size, unpack
 from kvarn_math.rtn import check_bits, quantize_rows
 
@@ -128,14 +128,7 @@ def get_mla_preset(preset: str | MLAPreset) -> MLAPreset:
     Raises:
         ValueError: naming the unknown preset and listing the supported ones.
     """
-    if isinstance(preset, MLAPreset):
-        return preset
-    try:
-        return MLA_PRESETS[preset]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown KVarN MLA preset {preset!r}; supported: {', '.join(MLA_PRESETS)}"
-        ) from None
+    return lookup_preset(preset, MLA_PRESETS, MLAPreset, "KVarN MLA preset")
 
 
 @dataclass(frozen=True)
