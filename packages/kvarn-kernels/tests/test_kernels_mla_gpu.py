@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvarn_kernels import settings
 from kvarn_kernels.mla import (
     allocate_mla_cache,
     dequantize_latent,
@@ -24,7 +25,7 @@ from mla_testing import build_batch, reference
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 # bf16 operands in the dots (fp32 accumulation): about 2^-8 relative per logit and output
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 4e-3}
 
 
 @pytest.mark.parametrize("preset", ["kvarn_mla_l4_g128", "kvarn_mla_l2_g128", "kvarn_mla_l4_g64"])
@@ -117,6 +118,65 @@ def test_decode_matches_reference(heads, seq_lens, quantized_lens, dtype, splits
             assert (got[b] == 0).all()
         else:
             assert_close_rms(want[b], got[b], TOL[dtype], what=f"sequence {b}")
+
+
+def _decode_at_size(preset, heads, seq_lens, quantized_lens, dtype, **kw):
+    batch = build_batch(
+        preset,
+        seq_lens,
+        quantized_lens,
+        ring_tiles=2,
+        dist="outlier_channels",
+        device=DEV,
+        dtype=dtype,
+    )
+    rng = np.random.default_rng(11)
+    ql = torch.from_numpy(rng.standard_normal((len(seq_lens), heads, 512)) / 64).to(DEV, dtype)
+    qp = torch.from_numpy(rng.standard_normal((len(seq_lens), heads, 64)) / 8).to(DEV, dtype)
+    scale = 1 / np.sqrt(192)
+    args = (ql, qp, batch.cache, batch.staging, batch.block_table, batch.seq_lens)
+    args += (batch.quantized_lens, batch.staging_slots, preset, scale)
+    return batch, ql, qp, scale, lambda: mla_decode_attention(*args, **kw)
+
+
+# preset, heads, dtype, launch settings: the other presets, 20 heads (GLM-4.7-Flash), fp16 (the
+# 1024 magic number), 8-bit codes (exact conversion), and the settings the benchmark sweeps
+VARIANTS = [
+    ("kvarn_mla_l2_g128", 16, torch.bfloat16, {}),
+    ("kvarn_mla_l4_g64", 20, torch.bfloat16, {}),
+    ("kvarn_mla_l4_g128", 16, torch.float16, {}),
+    ("kvarn_mla_l8_g128", 16, torch.bfloat16, {}),
+    ("kvarn_mla_l4_g128", 16, torch.bfloat16, {"block_tokens": 64, "num_warps": 8}),
+    ("kvarn_mla_l4_g128", 16, torch.bfloat16, {"num_stages": 3, "num_splits": 64}),
+    ("kvarn_mla_l4_g128", 128, torch.bfloat16, {"heads_per_program": 64, "block_tokens": 32}),
+    ("kvarn_mla_l4_g128", 128, torch.bfloat16, {"heads_per_program": 16, "block_tokens": 32}),
+]
+
+
+@pytest.mark.parametrize(("preset", "heads", "dtype", "kw"), VARIANTS)
+def test_decode_variants_match_reference(preset, heads, dtype, kw) -> None:
+    seq_lens, quantized_lens = [8192 + 77, 3000, 1], [8192, 2944, 0]
+    batch, ql, qp, scale, run = _decode_at_size(
+        preset, heads, seq_lens, quantized_lens, dtype, **kw
+    )
+    want = reference(batch, ql.float().cpu().numpy(), qp.float().cpu().numpy(), preset, scale)
+    got = run().float().cpu().numpy()
+    for b in range(len(seq_lens)):
+        assert_close_rms(want[b], got[b], TOL[dtype], what=f"sequence {b}")
+
+
+@pytest.mark.parametrize("preset", ["kvarn_mla_l4_g128", "kvarn_mla_l2_g128"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_ptx_unpack_matches_the_portable_one(preset, heads) -> None:
+    """The inline-PTX unpack (two codes a register) gives what Triton's shifts and masks give
+    (``KVARN_KERNELS_NO_ASM=1``): the same codes into the same dots."""
+    seq_lens, quantized_lens = [16384 + 5, 700], [16384, 640]
+    _, _, _, _, run = _decode_at_size(preset, heads, seq_lens, quantized_lens, torch.bfloat16)
+    with settings.override(no_asm=False):
+        fast = run()
+    with settings.override(no_asm=True):
+        portable = run()
+    torch.testing.assert_close(fast, portable, rtol=1e-2, atol=1e-3 * portable.abs().max().item())
 
 
 def test_decode_replays_in_a_cuda_graph() -> None:
