@@ -260,6 +260,17 @@ def test_default_preset_at_head_dim_128(vllm_config_factory, monkeypatch):
     assert not torch.isnan(out).any()
 
 
+def _spy(monkeypatch, name, make_spy):
+    """Spy on the kernel entry ``name`` wherever kvarn-vllm reaches it: the attention plans'
+    ``run`` (``kvarn_kernels.attention.wrapper``) and the direct calls
+    (``kvarn_vllm.kernels``). ``make_spy(real)`` returns the spy around each real function."""
+    from kvarn_kernels.attention import wrapper
+    from kvarn_vllm import kernels
+
+    for module in (kernels, wrapper):
+        monkeypatch.setattr(module, name, make_spy(getattr(module, name)))
+
+
 @pytest.mark.parametrize("invariant", ["0", "1"])
 def test_continuation_own_kv_to_the_multi_query_kernel(vllm_config_factory, monkeypatch, invariant):
     """A continuation through the multi-query kernel gets the step's own K/V, rotated (so it
@@ -270,13 +281,15 @@ def test_continuation_own_kv_to_the_multi_query_kernel(vllm_config_factory, monk
 
     monkeypatch.setenv(INVARIANT_ENV, invariant)
     seen = []
-    real = kernels.multi_query_attention
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("fresh_kv"))
-        return real(*args, **kwargs)
+    def make_spy(real):
+        def spy(*args, **kwargs):
+            seen.append(kwargs.get("fresh_kv"))
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "multi_query_attention", spy)
+        return spy
+
+    _spy(monkeypatch, "multi_query_attention", make_spy)
     h = Harness(vllm_config_factory, monkeypatch)
     h.step([(0, 0, 40, [9])])
     meta, _, out, _ = h.step([(0, 40, 50, [9, 11])])  # 50 < 64 tokens: the multi-query kernel
@@ -308,26 +321,29 @@ def test_invariant_context_runs_verify_blocks_apart(vllm_config_factory, monkeyp
     into the decode rows, one per token (a per-token group: one ``decode_attention`` call of 3
     rows), and the chunk alone goes to the multi-query kernel with its own K/V; both calls are
     sized for the step's 2 requests. The default launch alone makes one call for the group."""
-    from kvarn_vllm import kernels
     from kvarn_vllm.config import INVARIANT_ENV, VERIFY_AS_DECODE_ENV
 
     monkeypatch.setenv(INVARIANT_ENV, "1" if invariant == "1" else "0")
     monkeypatch.setenv(VERIFY_AS_DECODE_ENV, "1" if invariant == "as_decode" else "0")
     seen, flags, decoded = [], [], []
-    real = kernels.multi_query_attention
-    real_decode = kernels.decode_attention
 
-    def spy(*args, **kwargs):
-        seen.append((kwargs["max_query_len"], int(args[0].shape[0]), kwargs.get("fresh_kv")))
-        flags.append((kwargs.get("verify_as_decode"), kwargs.get("split_batch")))
-        return real(*args, **kwargs)
+    def make_spy(real):
+        def spy(*args, **kwargs):
+            seen.append((kwargs["max_query_len"], int(args[0].shape[0]), kwargs.get("fresh_kv")))
+            flags.append((kwargs.get("verify_as_decode"), kwargs.get("split_batch")))
+            return real(*args, **kwargs)
 
-    def spy_decode(*args, **kwargs):
-        decoded.append((int(args[0].shape[0]), args[4].tolist(), kwargs.get("split_batch")))
-        return real_decode(*args, **kwargs)
+        return spy
 
-    monkeypatch.setattr(kernels, "multi_query_attention", spy)
-    monkeypatch.setattr(kernels, "decode_attention", spy_decode)
+    def make_spy_decode(real):
+        def spy_decode(*args, **kwargs):
+            decoded.append((int(args[0].shape[0]), args[4].tolist(), kwargs.get("split_batch")))
+            return real(*args, **kwargs)
+
+        return spy_decode
+
+    _spy(monkeypatch, "multi_query_attention", make_spy)
+    _spy(monkeypatch, "decode_attention", make_spy_decode)
     h = Harness(vllm_config_factory, monkeypatch)
     h.step([(0, 0, 100, [9, 11]), (1, 0, 70, [3, 5])])
     meta, q, out, _ = h.step([(0, 100, 3, [9, 11]), (1, 70, 30, [3, 5])])
@@ -356,17 +372,18 @@ def test_a_step_sizes_every_attention_call_for_its_requests(vllm_config_factory,
     ``split_batch``, not their own rows, so that a verify token run as a decode row
     (``KVARN_VLLM_VERIFY_AS_DECODE=1``) is split as it would be when decoded in a step of as
     many requests (the kernels' ``split_sizing``)."""
-    from kvarn_vllm import kernels
 
     seen = []
     for name in ("decode_attention", "multi_query_attention"):
-        real = getattr(kernels, name)
 
-        def spy(*args, _real=real, _name=name, **kwargs):
-            seen.append((_name, int(args[0].shape[0]), kwargs.get("split_batch")))
-            return _real(*args, **kwargs)
+        def make_spy(real, _name=name):
+            def spy(*args, **kwargs):
+                seen.append((_name, int(args[0].shape[0]), kwargs.get("split_batch")))
+                return real(*args, **kwargs)
 
-        monkeypatch.setattr(kernels, name, spy)
+            return spy
+
+        _spy(monkeypatch, name, make_spy)
     h = Harness(vllm_config_factory, monkeypatch)
     h.step([(0, 0, 100, [9, 11]), (1, 0, 70, [3, 5]), (2, 0, 20, [7])])
     seen.clear()

@@ -5,7 +5,13 @@ Importing this package never initializes CUDA and never imports vLLM.
 
 from kvarn_kernels._compile_cache import compile_cache
 from kvarn_kernels._format import FORMAT_VERSION, check_format_version
-from kvarn_kernels.attention import choose_num_splits, decode_attention, multi_query_attention
+from kvarn_kernels.attention import (
+    AttentionPlan,
+    choose_num_splits,
+    decode_attention,
+    multi_query_attention,
+    plan_attention,
+)
 from kvarn_kernels.attention.launch import VERIFY_AS_DECODE_MAX_QUERY
 from kvarn_kernels.cache import (
     allocate_cache,
@@ -40,6 +46,7 @@ from kvarn_kernels.warmup import compiled_variants, warmup
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPlan",
     "FORMAT_VERSION",
     "StorePlan",
     "VERIFY_AS_DECODE_MAX_QUERY",
@@ -60,6 +67,7 @@ __all__ = [
     "frame_query_shape",
     "key_window_start",
     "multi_query_attention",
+    "plan_attention",
     "plan_draft_device",
     "plan_store",
     "plan_store_device",

@@ -169,30 +169,44 @@ class KvarnAttentionImpl(AttentionImpl):
         g = md.decode
         whole = g.token_index is None
         m = g.num_tokens if g.per_token else md.num_reqs
-        res = kernels.decode_attention(
+        res = self._plan(g, md).run(
             query[:m] if whole else query.index_select(0, g.token_index),
             kv_cache,
             stage,
-            g.block_table,
-            g.seq_lens,
-            g.quantized_lens,
-            g.staging_slots,
-            self.preset,
-            self.scale,
-            sliding_window=self.sliding_window,
             out=output[:m] if whole else None,
-            sink_lens=g.sink_lens,
-            sink_slots=g.sink_slots,
-            batch_invariant=self.config.batch_invariant,
-            raw_keys=self.config.mixed_key_frames,
-            key_lens=g.key_lens,
-            key_tiles=self.config.key_tiles,
-            # The default launch sizes splits for the step, not this group's rows:
-            # a verify row run as a decode row then splits as a decode would.
-            split_batch=md.num_reqs,
         )
         if not whole:
             output.index_copy_(0, g.token_index, res)
+
+    def _plan(self, g, md, several=False):
+        """The step's attention plan for row group ``g`` (:func:`kvarn_kernels.plan_attention`):
+        made by the first layer that runs the group, then run by every layer of the step.
+        ``several``: rows of several query tokens (the multi-query kernel), else one per row.
+        Splits are sized for the step (``split_batch``), not the group's rows, so that a
+        verify row run as a decode row splits as a decode would."""
+        key = (several, self.scale, self.sliding_window)
+        plan = g.plans.get(key)
+        if plan is None:
+            plan = kernels.plan_attention(
+                g.block_table,
+                g.seq_lens,
+                g.quantized_lens,
+                g.staging_slots,
+                self.preset,
+                self.scale,
+                query_start_loc=g.query_start_loc if several else None,
+                max_query_len=g.max_query_len if several else None,
+                sliding_window=self.sliding_window,
+                sink_lens=g.sink_lens,
+                sink_slots=g.sink_slots,
+                batch_invariant=self.config.batch_invariant,
+                raw_keys=self.config.mixed_key_frames,
+                key_lens=g.key_lens,
+                key_tiles=self.config.key_tiles,
+                split_batch=md.num_reqs,
+            )
+            g.plans[key] = plan
+        return plan
 
     def _context(self, md, query, key, value, kv_cache, stage, output, n):
         """The context rows: the dense path, runs of verify blocks and chunks (batch-invariant
@@ -215,28 +229,8 @@ class KvarnAttentionImpl(AttentionImpl):
                 output.index_copy_(0, g.token_index, res)
             return
         own = None if self.config.batch_invariant else self._own_kv(g, key, value, n)
-        res = kernels.multi_query_attention(
-            q,
-            g.query_start_loc,
-            kv_cache,
-            stage,
-            g.block_table,
-            g.seq_lens,
-            g.quantized_lens,
-            g.staging_slots,
-            self.preset,
-            self.scale,
-            sliding_window=self.sliding_window,
-            max_query_len=g.max_query_len,
-            out=output[:n] if g.token_index is None else None,
-            sink_lens=g.sink_lens,
-            sink_slots=g.sink_slots,
-            batch_invariant=self.config.batch_invariant,
-            fresh_kv=own,
-            raw_keys=self.config.mixed_key_frames,
-            key_lens=g.key_lens,
-            key_tiles=self.config.key_tiles,
-            split_batch=md.num_reqs,
+        res = self._plan(g, md, several=True).run(
+            q, kv_cache, stage, out=output[:n] if g.token_index is None else None, fresh_kv=own
         )
         if g.token_index is not None:
             output.index_copy_(0, g.token_index, res)

@@ -18,6 +18,7 @@ __all__ = [
     "kernels_module",
     "key_window_start",
     "multi_query_attention",
+    "plan_attention",
     "plan_draft_device",
     "plan_store",
     "plan_store_device",
@@ -38,6 +39,7 @@ _REQUIRED = (
     "store_kv",
     "decode_attention",
     "multi_query_attention",
+    "plan_attention",
     "allocate_staging",
     "allocate_frame_queries",
     "staging_bytes",
@@ -104,6 +106,11 @@ def decode_attention(*args, **kwargs):
 def multi_query_attention(*args, **kwargs):
     """``kvarn_kernels.multi_query_attention`` (per layer)."""
     return kernels_module().multi_query_attention(*args, **kwargs)
+
+
+def plan_attention(*args, **kwargs):
+    """``kvarn_kernels.plan_attention`` (once per step and kind of row; ``run`` per layer)."""
+    return kernels_module().plan_attention(*args, **kwargs)
 
 
 def allocate_staging(*args, **kwargs):

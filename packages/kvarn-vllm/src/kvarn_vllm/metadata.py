@@ -122,6 +122,10 @@ class RowGroup:
             ``num_tokens`` of them.
         expansion: a context group's tokens as decode rows, kept by the step's first layer
             for the others (:func:`kvarn_vllm.groups.row_expansion`).
+        plans: the step's :class:`kvarn_kernels.AttentionPlan` objects for this group, made by
+            its first layer and run by every layer (keyed by what a layer's call may differ
+            in: the kind of call, the scale and the sliding window; not copied by
+            ``dataclasses.replace``, whose copy holds other tensors).
     """
 
     rows: Any
@@ -141,6 +145,7 @@ class RowGroup:
     host: dict[str, Any] | None = None
     per_token: bool = False
     expansion: Any = field(default=None, repr=False)
+    plans: dict[tuple, Any] = field(default_factory=dict, repr=False, init=False)
 
 
 @dataclass

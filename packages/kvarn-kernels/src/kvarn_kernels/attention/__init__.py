@@ -6,5 +6,13 @@ from kvarn_kernels.attention.launch import (
     decode_attention,
     multi_query_attention,
 )
+from kvarn_kernels.attention.wrapper import AttentionPlan, plan_attention
 
-__all__ = ["autotune_enabled", "choose_num_splits", "decode_attention", "multi_query_attention"]
+__all__ = [
+    "AttentionPlan",
+    "autotune_enabled",
+    "choose_num_splits",
+    "decode_attention",
+    "multi_query_attention",
+    "plan_attention",
+]
