@@ -28,8 +28,8 @@ Phases (each engine in its own process, results as JSON and markdown under ``--o
               256 greedy output tokens at once, for ``auto`` and ``kvarn_mla_l4_g128``: seconds,
               output and total tokens per second.
 
-    python mla_evidence.py --out $OUT --phases capacity
-    python mla_evidence.py --out $OUT --phases modes burst
+    python mla_evidence.py --out $OUT --models /tmp/mla-models --phases capacity
+    python mla_evidence.py --out $OUT --models /tmp/mla-models --phases modes burst
     python mla_evidence.py --dry-run            # the plan only (no vLLM import)
 
 vLLM 0.26's MLA prefill runs on FlashAttention only (no Triton MLA prefill): the GPU machine
@@ -160,8 +160,9 @@ def model_config(shape: str, layers: int | None = None) -> dict[str, Any]:
     return config
 
 
-def write_model_dir(out: Path, shape: str, layers: int | None = None) -> Path:
-    folder = out / "models" / (shape if layers is None else f"{shape}-{layers}l")
+def write_model_dir(models: Path, shape: str, layers: int | None = None) -> Path:
+    """``models/<shape>[-<layers>l]/config.json``; returns the folder."""
+    folder = models / (shape if layers is None else f"{shape}-{layers}l")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model_config(shape, layers), indent=1))
     return folder
@@ -203,15 +204,16 @@ def _llm_kwargs(model: Path, eager: bool, prefix: bool, **extra: Any) -> dict[st
     return kwargs
 
 
-def plan(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    """Every engine of the chosen phases, in order."""
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every engine of the chosen phases, in order (model configs written to ``--models``)."""
     jobs: list[dict[str, Any]] = []
+    models = args.models
     if "capacity" in args.phases:
         for shape, caches in (
             ("deepseek-v2-lite", args.caches),
             ("glm-4.7-flash", args.glm_caches),
         ):
-            model = write_model_dir(out, shape)
+            model = write_model_dir(models, shape)
             for cache in caches:
                 jobs.append({
                     "phase": "capacity", "name": f"capacity-{shape}-{cache}", "shape": shape,
@@ -219,7 +221,7 @@ def plan(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                     "batches": [prompts(SHAPES[shape]["vocab_size"], 2, 200, 1)], "max_tokens": 8,
                 })  # fmt: skip
     if "modes" in args.phases:
-        model = write_model_dir(out, "deepseek-v2-lite", args.mode_layers)
+        model = write_model_dir(models, "deepseek-v2-lite", args.mode_layers)
         vocab = DEEPSEEK_V2_LITE["vocab_size"]
         batch = prompts(vocab, 8, 260, 2, prefix=300)
         for cache in (KVARN, "auto"):
@@ -231,7 +233,7 @@ def plan(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                     "batches": [batch[:4], batch[4:]], "max_tokens": args.mode_tokens,
                 })  # fmt: skip
     if "burst" in args.phases:
-        model = write_model_dir(out, "deepseek-v2-lite")
+        model = write_model_dir(models, "deepseek-v2-lite")
         burst = {"requests": args.burst_requests, "prompt_len": args.burst_prompt_len,
                  "output_len": args.burst_output_len}  # fmt: skip
         for cache in ("auto", KVARN):
@@ -415,6 +417,7 @@ def flash_attention_present() -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "mla_evidence_out")))
+    p.add_argument("--models", type=Path, help="where the config.json folders go (OUT/models)")
     p.add_argument("--phases", nargs="+", default=["capacity", "modes", "burst"],
                    choices=["capacity", "modes", "burst"])  # fmt: skip
     p.add_argument("--caches", nargs="+", default=CAPACITY_CACHES)
@@ -439,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    jobs = plan(args, out)
+    args.models = args.models or out / "models"
+    jobs = plan(args)
     (out / "plan.json").write_text(json.dumps(jobs, indent=1))
     for job in jobs:
         flags = {k: v for k, v in job["llm"].items() if k not in ("model", "load_format", "seed")}
