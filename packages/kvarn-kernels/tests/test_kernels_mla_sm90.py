@@ -62,7 +62,6 @@ def _compile_cases() -> list[dict]:
             W=p.channel_group,
             HB=hb,
             BLOCK_T=cfg["block_tokens"],
-            NUM_SPLITS=8,
             MAGIC=magic,
             OFF=offset,
             DOT_T=dtypes[dt][1],

@@ -218,7 +218,6 @@ def mla_decode_kernel(
     W: tl.constexpr,
     HB: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     OFF_CODES: tl.constexpr,
     OFF_SCALE: tl.constexpr,
     OFF_ZERO: tl.constexpr,
@@ -231,7 +230,7 @@ def mla_decode_kernel(
     ASM_C: tl.constexpr,
 ):
     """Program ``(head block, split, b)``: partial attention of ``HB`` heads over split ``s`` of
-    the sequence's tiles (``ceil(tiles / NUM_SPLITS)`` a split, at least ``min_tiles``), the
+    the sequence's tiles (``ceil(tiles / S)`` a split, at least ``min_tiles``), the
     quantized ones (positions ``< quantized_lens[b]``) in chunks of ``BLOCK_T`` record rows,
     each chunk's bytes loaded and unpacked once for all ``HB`` heads, the rest read exact from
     the staging ring. Head blocks of one split are neighbours in the launch order, so the
@@ -239,6 +238,7 @@ def mla_decode_kernel(
     hb = tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)
+    num_splits = tl.num_programs(1)  # a launch value, not a constant: no recompile a count
     NG: tl.constexpr = L // W
     CPT: tl.constexpr = G // BLOCK_T
     heads = hb * HB + tl.arange(0, HB)
@@ -268,7 +268,7 @@ def mla_decode_kernel(
     qlen = tl.load(qlens_ptr + b)
     # this sequence's tiles shared out over the splits (at least min_tiles a split, so a short
     # sequence leaves the last splits empty): from device lengths, the grid stays fixed
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, G), NUM_SPLITS), min_tiles)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, G), num_splits), min_tiles)
     t_lo = s * per_split
     t_hi = t_lo + per_split
     every = tl.full((BLOCK_T,), 1, tl.int1)
@@ -313,7 +313,7 @@ def mla_decode_kernel(
             q0, q1, qpe, qs0, qs1, x0, x1, pe, ones, ones, nil, nil, ones,
             valid, m, l_sum, a0, a1, z0, z1, scale, 0.0, NG, DOT_T,
         )  # fmt: skip
-    part = (b * H + heads).to(tl.int64) * NUM_SPLITS + s
+    part = (b * H + heads).to(tl.int64) * num_splits + s
     dst = ws_acc + part[:, None] * L + w[None, :]
     tl.store(dst, a0 + z0[:, None], mask=hmask[:, None])
     if NG > 1:
@@ -330,25 +330,26 @@ def mla_combine_kernel(
     out_stride_b,
     out_stride_h,
     H,
+    num_splits,
     L: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
 ):
-    """Program ``(b, h)``: merge the splits' partials into ``out[b, h]`` (zeros when the
-    sequence has no key, e.g. CUDA-graph padding)."""
+    """Program ``(b, h)``: merge the ``num_splits`` partials (``SPLITS_P2``: a power of two
+    at least as large) into ``out[b, h]`` (zeros when the sequence has no key, e.g. CUDA-graph
+    padding)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P2)
-    smask = sp < NUM_SPLITS
-    part = (b * H + h).to(tl.int64) * NUM_SPLITS + sp
+    smask = sp < num_splits
+    part = (b * H + h).to(tl.int64) * num_splits + sp
     m = tl.load(ws_ml + part * 2, mask=smask, other=-1.0e30)
     l_sum = tl.load(ws_ml + part * 2 + 1, mask=smask, other=0.0)
     big = tl.max(m, axis=0)
     denom = tl.sum(tl.where(smask, tl.exp2(m - big), 0.0) * l_sum, axis=0)
     c = tl.arange(0, L)
     num = tl.zeros((L,), tl.float32)
-    first = (b * H + h).to(tl.int64) * NUM_SPLITS
-    for k in range(NUM_SPLITS):  # one split's row at a time: L floats live, not S * L
+    first = (b * H + h).to(tl.int64) * num_splits
+    for k in range(num_splits):  # one split's row at a time: L floats live, not S * L
         wk = tl.exp2(tl.load(ws_ml + (first + k) * 2) - big)
         num += wk * tl.load(ws_acc + (first + k) * L + c)
     res = tl.div_rn(num, tl.maximum(denom, 1.0e-30))

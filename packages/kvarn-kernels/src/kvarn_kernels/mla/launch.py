@@ -417,7 +417,6 @@ def mla_decode_attention(
         W=p.channel_group,
         HB=hb,
         BLOCK_T=block_t,
-        NUM_SPLITS=splits,
         MAGIC=magic,
         OFF=offset,
         DOT_T=_DOT_TYPES[q_latent.dtype],
@@ -434,8 +433,8 @@ def mla_decode_attention(
         out.stride(0),
         out.stride(1),
         heads,
+        splits,
         L=width,
-        NUM_SPLITS=splits,
         SPLITS_P2=max(2, 1 << (splits - 1).bit_length()),
         num_warps=4,
     )
