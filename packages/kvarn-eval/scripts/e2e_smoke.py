@@ -42,14 +42,11 @@ import logging
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +79,7 @@ try:
     )
     from kvarn_eval.report import git_sha
     from kvarn_eval.serving.metrics import random_token_prompts
+    from kvarn_eval.serving.runner import parse_log, sigterm_raises, stop_process_group
     from kvarn_eval.serving.shapes import get_shape
 except ImportError as exc:  # pragma: no cover - a clear message instead of a bare traceback
     raise SystemExit(
@@ -97,9 +95,6 @@ __all__ = [
     "make_prompts",
     "random_token_prompts",
 ]
-
-_KV_LINE = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
-_STAGING_LINE = re.compile(r"kvarn: staging for open tiles: .*?= ([\d.]+) GiB")
 
 
 class LogCapture(logging.Handler):
@@ -118,14 +113,12 @@ class LogCapture(logging.Handler):
             self.lines.append(msg)
 
     def kv_cache_tokens(self) -> int | None:
-        found = [
-            int(m.group(1).replace(",", "")) for line in self.lines if (m := _KV_LINE.search(line))
-        ]
-        return found[-1] if found else None
+        tokens: int | None = parse_log("\n".join(self.lines))["kv_cache_tokens_logged"]
+        return tokens
 
     def staging_gib(self) -> float | None:
-        found = [float(m.group(1)) for line in self.lines if (m := _STAGING_LINE.search(line))]
-        return found[-1] if found else None
+        gib: float | None = parse_log("\n".join(self.lines))["staging_gib_logged"]
+        return gib
 
 
 def llama_8b_config_dir(out: Path) -> Path:
@@ -356,50 +349,22 @@ def run_llm(
     return result
 
 
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """Inside, SIGTERM raises ``SystemExit`` (main thread only), so that :func:`run_child`
-    stops the child's group when this script is killed: an outer ``timeout`` sends SIGTERM,
-    whose default action skips ``finally`` and leaves the engine core (in its own session)
-    holding its GPU memory for the next run. A second SIGTERM during that clean-up is ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _raise(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_child(cmd: list[str], timeout: float) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group: ``(exit code or None on timeout, output)``.
 
-    On a timeout the whole group is stopped (TERM, then KILL after 20 s): vLLM's engine core is a
-    grandchild, and one left running keeps its GPU memory from the runs after it.
+    Afterwards, or on a timeout, or when this script gets SIGTERM (an outer ``timeout``), the
+    whole group is stopped (``kvarn_eval.serving.runner.stop_process_group``: TERM, then KILL
+    after 20 s): vLLM's engine core is a grandchild, and one left running keeps its GPU memory
+    from the runs after it.
     """
-    with tempfile.TemporaryFile("w+", errors="replace") as out, _sigterm_raises():
+    with tempfile.TemporaryFile("w+", errors="replace") as out, sigterm_raises():
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=grace)
-                    time.sleep(1.0)  # let the rest of the group go too
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_process_group(proc, grace=20.0)
         out.seek(0)
         return code, out.read()
 
@@ -448,8 +413,7 @@ def run_isolated(
         result = RunResult(**data)
         if result.staging_gib_logged is None:
             # Worker processes (tensor parallelism) log to the child's output, not its logger.
-            found = _STAGING_LINE.findall(full)
-            result.staging_gib_logged = float(found[-1]) if found else None
+            result.staging_gib_logged = parse_log(full)["staging_gib_logged"]
     else:
         result = RunResult(
             name=name,
@@ -1004,12 +968,7 @@ def phase_server(args: argparse.Namespace, out: Path) -> bool:
         except Exception as exc:  # record it, carry on
             entry["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
+            stop_process_group(proc, grace=60.0)
         entry["log_tail"] = log_path.read_text()[-3000:]
         good = (
             entry.get("started")
