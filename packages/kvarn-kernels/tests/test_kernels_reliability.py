@@ -243,7 +243,8 @@ def test_warmup_compiles_the_counting_store() -> None:
     table = np.array([[1, 2], [3, 0]], dtype=np.int32)
     plan = kk.plan_store([0, 0], [g + 5, 7], None, [0, 1], table, preset).to("cuda")
     kv = torch.randn((g + 12, 8, d), dtype=torch.float32).to("cuda", dtype)
-    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    # kvarn-vllm's counters are views 16 bytes apart in one buffer (kvarn_vllm.overflow)
+    count = torch.zeros(8, dtype=torch.int32, device="cuda")[4:5]
     kk.store_kv(kv, kv.clone(), cache, staging, plan, preset, overflow_count=count)
     torch.cuda.synchronize()
     assert kk.compiled_variants() == before and int(count.item()) == 0

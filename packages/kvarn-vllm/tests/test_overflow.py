@@ -144,7 +144,7 @@ def test_a_layer_counts_and_names_its_saturated_tiles(
 def test_counters_are_views_of_one_buffer_per_device(counters, warnings_of_kvarn):
     a = counters.allocate("layers.0", "cpu")
     b = counters.allocate(None, "cpu")
-    assert a.data_ptr() + 4 == b.data_ptr() and a.dtype == torch.int32
+    assert a.data_ptr() + 16 == b.data_ptr() and a.dtype == torch.int32  # 16-byte aligned
     for i in range(overflow.CHUNK):  # a full buffer starts another
         counters.allocate(f"more.{i}", "cpu")
     assert len(counters._buffers) == 2

@@ -33,6 +33,10 @@ RANGE_NOTE = "|x| past about 5.4e8, what a record holds"
 
 CHUNK = 256
 """Counters per device buffer (a model with more attention layers gets another buffer)."""
+STRIDE = 4
+"""int32 elements between two counters: each starts on 16 bytes, as the warm-up's scratch
+counter does (Triton specializes pointers on 16-byte alignment: another alignment would
+compile another store variant while serving)."""
 
 
 @dataclass
@@ -67,14 +71,14 @@ class OverflowCounters:
         device = torch.device(device)
         buf = next((b for b in self._buffers if b.device == device and len(b.names) < CHUNK), None)
         if buf is None:
-            buf = _Buffer(device, torch.zeros(CHUNK, dtype=torch.int32, device=device))
+            buf = _Buffer(device, torch.zeros(CHUNK * STRIDE, dtype=torch.int32, device=device))
             self._buffers.append(buf)
         index = len(buf.names)
         buf.names.append(layer_name or f"<attention layer {index} of buffer {len(self._buffers)}>")
         if not self._exit_hook:
             atexit.register(self._report_at_exit)
             self._exit_hook = True
-        return buf.counts[index : index + 1]
+        return buf.counts[index * STRIDE : index * STRIDE + 1]
 
     def poll(self, now: float | None = None) -> None:
         """Cheap, once per step: every ``interval`` seconds, report the copies that have
@@ -101,10 +105,10 @@ class OverflowCounters:
         counts = {i: buf.counts.to("cpu", copy=True) for i, buf in enumerate(self._buffers)}
         self._report(counts, final=True)
         return {
-            self._buffers[i].names[j]: int(c[j])
+            self._buffers[i].names[j]: int(c[j * STRIDE])
             for i, c in counts.items()
             for j in range(len(self._buffers[i].names))
-            if int(c[j])
+            if int(c[j * STRIDE])
         }
 
     def _copy(self, buf: _Buffer) -> None:
@@ -112,7 +116,7 @@ class OverflowCounters:
             buf.host = buf.counts.to("cpu", copy=True)
             return
         if buf.host is None:
-            buf.host = torch.zeros(CHUNK, dtype=torch.int32, pin_memory=True)
+            buf.host = torch.zeros(CHUNK * STRIDE, dtype=torch.int32, pin_memory=True)
             buf.event = torch.cuda.Event()
         buf.host.copy_(buf.counts, non_blocking=True)
         buf.event.record()
@@ -121,7 +125,7 @@ class OverflowCounters:
         found = []
         for i, c in counts.items():
             for j, name in enumerate(self._buffers[i].names):
-                n, before = int(c[j]), self._reported.get((i, j), 0)
+                n, before = int(c[j * STRIDE]), self._reported.get((i, j), 0)
                 if n > before and (final or before == 0):
                     found.append(f"{name}: {n}")
                     self._reported[(i, j)] = n
