@@ -334,9 +334,10 @@ def make_mla_spec(layer: Any, vllm_config: Any) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import KVQuantMode
 
-    backend = getattr(layer, "attn_backend", None)
-    if not (isinstance(backend, type) and issubclass(backend, _base_class())):
+    found = getattr(layer, "attn_backend", None)
+    if not (isinstance(found, type) and issubclass(found, _base_class())):
         return None
+    backend: Any = found  # a KvarnMLABackend subclass (its class attributes below)
     preset = backend.mla_preset
     block_size = vllm_config.cache_config.block_size
     if block_size != preset.group_size:

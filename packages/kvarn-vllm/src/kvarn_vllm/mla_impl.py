@@ -253,7 +253,8 @@ class KvarnMLAImpl(MLACommonImpl[MLACommonMetadata]):
         lens = chunks.seq_lens  # host [num_chunks, num_prefills]
         # vLLM starts chunk i of every prefill at i * max_chunk (block-aligned)
         max_chunk = int(lens[0].max())
-        output = lse = None
+        output: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
         for i in range(len(chunks.seq_tot)):
             rows = context_rows(
                 records,
@@ -275,7 +276,7 @@ class KvarnMLAImpl(MLACommonImpl[MLACommonMetadata]):
             part, part_lse = backend.run_prefill_context_chunk(chunk_idx=i, q=q, k=k, v=v)
             if chunks.has_empty_context[i]:
                 mask_empty_context(part_lse, part, prefill.query_start_loc, chunks.cu_seq_lens[i])
-            if output is None:
+            if output is None or lse is None:
                 output, lse = part, part_lse
                 continue
             merged, merged_lse = torch.empty_like(output), torch.empty_like(lse)
