@@ -47,6 +47,7 @@ from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype
 __all__ = [
     "HybridBlock",
     "align_hybrid_block_size",
+    "check_hybrid_drafter",
     "hybrid_page_mismatch",
     "mamba_page_bytes",
     "plan_hybrid_block",
@@ -187,6 +188,39 @@ def _checkpoint_alignment(vllm_config: Any) -> int:
     return get_mamba_prefill_checkpoint_alignment(vllm_config) or 1
 
 
+def check_hybrid_drafter(vllm_config: Any) -> None:
+    """Refuses, at start-up, a hybrid model's EAGLE/MTP drafter that vLLM would run on its V1
+    model runner, naming the switch.
+
+    kvarn drafts EAGLE, EAGLE-3, MTP and DFlash on vLLM's V2 model runner only (the draft
+    steps send their tokens to staging and commit nothing; :mod:`kvarn_vllm.speculative`).
+    vLLM 0.26 runs hybrid models on V1 unless ``VLLM_USE_V2_MODEL_RUNNER=1``, and logs no
+    reason for it; V2 keeps the recurrent states of hybrids, drafts included
+    (``model_states/mamba_hybrid.py``). The drafter's attention layers take the target's
+    kvarn spec and block (same KV heads and head_dim: Qwen3-Next's MTP layer is one of its
+    full-attention layers), so their pages match the aligned page.
+
+    Raises:
+        ValueError: for a V2-only method on the V1 runner, naming the method, the runner
+            and ``VLLM_USE_V2_MODEL_RUNNER=1`` (or the alternatives).
+    """
+    from kvarn_vllm.speculative import SPEC_METHODS
+
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec_cfg, "method", None)
+    if method not in SPEC_METHODS["v2"] or getattr(vllm_config, "use_v2_model_runner", True):
+        return
+    model = vllm_config.model_config.model
+    raise ValueError(
+        f"{vllm_config.cache_config.cache_dtype} on hybrid model {model!r} with speculative "
+        f"method {method!r}: kvarn-vllm drafts {method!r} on vLLM's V2 model runner, and "
+        "vLLM runs hybrid (Mamba / linear-attention) models on its V1 runner unless told "
+        "otherwise. Set VLLM_USE_V2_MODEL_RUNNER=1 (V2 keeps the recurrent states of hybrids, "
+        "drafts included), or serve without speculative decoding, or use kv_cache_dtype "
+        "auto/fp8 for speculative decoding on V1"
+    )
+
+
 def align_hybrid_block_size(
     vllm_config: Any, backend_cls: Any, backends: list[Any] | None = None
 ) -> HybridBlock | None:
@@ -204,7 +238,8 @@ def align_hybrid_block_size(
 
     Raises:
         ValueError: when the block exceeds ``max_num_batched_tokens`` in the ``align``
-            cache mode (vLLM would stop on an assertion), naming both and the fix.
+            cache mode (vLLM would stop on an assertion), naming both and the fix; for an
+            EAGLE/MTP drafter on vLLM's V1 runner (:func:`check_hybrid_drafter`).
     """
     from vllm.config.vllm import set_current_vllm_config
 
@@ -216,6 +251,7 @@ def align_hybrid_block_size(
     mamba_page = mamba_page_bytes(vllm_config)
     if mamba_page == 0:
         return None
+    check_hybrid_drafter(vllm_config)
     group = config.preset.group_size
     tile_page = tile_page_bytes(
         config.name,
