@@ -121,7 +121,7 @@ def function_lengths(root: Path) -> list[tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
-VLLM_SUBCLASSES = {"builder", "impl"}
+VLLM_SUBCLASSES = {"builder", "impl", "mla_impl"}
 """The modules that subclass vLLM's classes (so import vLLM): the backend names them only
 when vLLM asks for its builder or implementation."""
 
