@@ -398,8 +398,16 @@ def environment() -> dict[str, Any]:
         env["vllm"] = vllm.__version__
     except Exception as exc:  # the report still says what was found
         env["error"] = repr(exc)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    env["git"] = sha.stdout.strip() or None
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        env["git"] = sha.stdout.strip() or None
+    except OSError:  # no git there: a snapshot names its commit in GIT_SHA
+        env["git"] = None
+    for marker in (Path("GIT_SHA"), Path(".snap/GIT_SHA")):
+        if env["git"] is None and marker.exists():
+            env["git"] = marker.read_text().strip()
     return env
 
 
