@@ -33,6 +33,7 @@ from kvarn_eval.suites import (
     Suite,
     explicit_suite_names,
     gpu_available,
+    int_list,
     resolve_suites,
 )
 
@@ -74,18 +75,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
     defaults = ServingOptions()
     gpu = bench.add_argument_group(
@@ -108,7 +97,7 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
     )
     gpu.add_argument(
         "--prompt-lens",
-        type=_int_list,
+        type=int_list,
         default=defaults.prompt_lens,
         help="prompt tokens of each throughput burst (default 4096,16384,32768)",
     )
@@ -145,7 +134,7 @@ def _add_gpu_arguments(bench: argparse.ArgumentParser) -> None:
     gpu.add_argument("--eager", action="store_true", help="no CUDA graphs (capacity, throughput)")
     gpu.add_argument(
         "--cudagraph-sizes",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="batch sizes to capture CUDA graphs for in capacity and throughput engines, "
         "increasing, e.g. 1,2,4,8,16,32,64,128,256,512 (default: vLLM's 51 sizes up to 512); "

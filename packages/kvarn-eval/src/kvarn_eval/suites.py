@@ -8,6 +8,7 @@ A suite is a name, a description, what it needs (a GPU or not) and a function fr
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import time
 from collections.abc import Callable, Sequence
@@ -28,11 +29,32 @@ __all__ = [
     "BenchOptions",
     "Suite",
     "explicit_suite_names",
+    "int_list",
     "register_suite",
     "resolve_suites",
 ]
 
 DEFAULT_TASK_METHODS = "bf16,int4_per_token,kvarn_k4v2_g128,kvarn_k2v2_g128,kivi_k4v2,kivi_k2v2"
+
+
+def int_list(text: str, *, positive: bool = True) -> tuple[int, ...]:
+    """``bench``'s comma-separated integers (an argparse ``type``), each at least 1 unless
+    ``positive=False``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming what arrived.
+    """
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if positive and (not values or min(values) < 1):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
 
 
 @dataclass
