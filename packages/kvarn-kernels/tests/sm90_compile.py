@@ -49,8 +49,9 @@ def _tile_consts(preset: str, d: int) -> dict[str, int]:
     }
 
 
-def _ptxas_usage(ptx: str) -> dict[str, int]:
-    """Registers and spill bytes as ptxas reports them (``ptxas -v``) for sm_90a."""
+def _ptxas_usage(ptx: str, loop: bool = False) -> dict[str, int]:
+    """Registers and spill bytes as ptxas reports them (``ptxas -v``) for sm_90a; ``loop``:
+    also the SASS instructions of the longest loop (:func:`_longest_loop`)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
@@ -61,12 +62,44 @@ def _ptxas_usage(ptx: str) -> dict[str, int]:
             text=True,
             check=True,
         ).stderr
+        loop_instructions = _longest_loop(Path(tmp) / "kernel.cubin") if loop else None
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
+    extra = {} if loop_instructions is None else {"loop_instructions": loop_instructions}
     return {
+        **extra,
         "registers": int(regs.group(1)) if regs else -1,
         "spill_store_bytes": int(spills.group(1)) if spills else 0,
     }
+
+
+def _longest_loop(cubin: Path) -> int:
+    """SASS instructions in the longest loop of ``cubin`` (per warp and iteration; ``nvdisasm``
+    from Triton's wheel): from a backward branch's target to the branch."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    sass = subprocess.run(
+        [str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    order: dict[int, int] = {}
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    branches: list[tuple[int, str]] = []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*\.(L\w+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if ins:
+            addr = int(ins.group(1), 16)
+            order[addr] = len(order)
+            labels.update((p, addr) for p in pending)
+            pending = []
+            target = re.search(r"BRA.*?`\(\.(L\w+)\)", ins.group(2))
+            if target:
+                branches.append((addr, target.group(1)))
+    spans = [order[a] - order[labels[t]] + 1 for a, t in branches if t in labels and labels[t] < a]
+    return max(spans, default=0)
 
 
 def compile_kernel(
@@ -76,6 +109,7 @@ def compile_kernel(
     options: dict[str, int],
     label: str,
     source: Any = ASTSource,
+    loop: bool = False,
 ) -> dict[str, Any]:
     """Compile ``fn`` for sm_90; pointers not named in ``pointers`` are ``*i32``. ``source``:
     ``GluonASTSource`` for a Gluon kernel."""
@@ -103,7 +137,8 @@ def compile_kernel(
             options=options,
         )
         row["shared"] = int(k.metadata.shared)
-        row.update(_ptxas_usage(k.asm["ptx"]))
+        row.update(_ptxas_usage(k.asm["ptx"], loop))
+        row["wgmma"] = k.asm["ptx"].count("wgmma.mma_async")
         row["l2_prefetches"] = k.asm["ptx"].count("prefetch.global.L2")
     except Exception as exc:  # a kernel that does not compile is a result too
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -335,10 +370,52 @@ def tiles_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
     for preset in PRESETS:
         for d in head_dims:
             consts = _tile_consts(preset, d)
-            consts |= {"GROUP": 4, "N": TILES_N, "FRAMES": 2, "SINK": True, "FIXED": False}
+            consts |= {"GROUP": 4, "BLOCK_H": 4, "BLOCK_Q": 1, "N": TILES_N, "DECODE": True}
+            consts |= {"FRESH": False, "FRAMES": 2, "SINK": True, "FIXED": False}
             opts = tiles_launch(d, consts["KEY_BITS"])
             label = f"tiles decode {preset} D{d}"
-            rows.append(compile_kernel(tiles_decode_partial_kernel, ptrs, consts, opts, label))
+            rows.append(
+                compile_kernel(tiles_decode_partial_kernel, ptrs, consts, opts, label, loop=True)
+            )
+    # Multi-query blocks (verify, chunk continuation): 8 tokens x GQA 4, the step's own K/V.
+    for preset in ("kvarn_k4v2_g128", "kvarn_k2v2_g128"):
+        consts = _tile_consts(preset, 128) | {"GROUP": 4, "BLOCK_H": 4, "BLOCK_Q": 8, "N": 32}
+        consts |= {"DECODE": False, "FRESH": True, "FRAMES": 2, "SINK": True, "FIXED": False}
+        opts = tiles_launch(128, consts["KEY_BITS"], 32)
+        label = f"tiles multi-query {preset} D128"
+        rows.append(
+            compile_kernel(tiles_decode_partial_kernel, ptrs, consts, opts, label, loop=True)
+        )
+    return rows
+
+
+def legacy_decode_rows(head_dims: tuple[int, ...] = HEAD_DIMS) -> list[dict[str, Any]]:
+    """For comparison with ``tiles``: ``attention_partial_kernel`` reading the records itself
+    (``QUANT=True``, the decode path before the tiles kernel, ``set_tiles_decode(False)``) for
+    every preset and head size, GQA 4, the open tile only, with its longest loop's SASS count.
+    Not part of the CPU tests (a few minutes)."""
+    from kvarn_kernels.attention.kernel import attention_partial_kernel, default_launch
+
+    ptrs = {"q_ptr": "*bf16", "stage_ptr": "*bf16", "cache_u8_ptr": "*u8"}
+    ptrs |= {"cache_f16_ptr": "*fp16", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    ptrs |= {"fk_ptr": "*bf16", "fv_ptr": "*bf16", "pq_ptr": "*fp16", "pa_ptr": "*fp32"}
+    rows = []
+    for name in PRESETS:
+        p = get_preset(name)
+        for d in head_dims:
+            launch = default_launch(True, d, p.group_size, (p.key_bits, p.value_bits))
+            consts = dict(
+                _tile_consts(name, d),
+                SG=p.group_size, SINK_ROWS=0, KSG=p.group_size, KSINK=0, VWIN=False, GROUP=4,
+                BLOCK_H=4, BLOCK_Q=1, BLOCK_M=16, DECODE=True, FP32=False, SUB=launch["SUB"],
+                PHASED=p.key_bits == 4 and p.value_bits in (2, 4), FRESH=False, RAW_KEYS=True,
+                QUANT=True, PREPARED=False,
+            )  # fmt: skip
+            opts = {k: v for k, v in launch.items() if k != "SUB"}
+            label = f"legacy decode {name} D{d} SUB {launch['SUB']}"
+            rows.append(
+                compile_kernel(attention_partial_kernel, ptrs, consts, opts, label, loop=True)
+            )
     return rows
 
 
@@ -361,6 +438,7 @@ FAMILIES = {
     "attention": attention_rows,
     "fast": fast_rows,
     "tiles": tiles_rows,
+    "legacy_decode": legacy_decode_rows,
     "rotation": rotation_rows,
 }
 

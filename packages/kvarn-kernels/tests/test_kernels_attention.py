@@ -1043,6 +1043,8 @@ def test_split_batch_gives_verify_rows_the_splits_of_the_step(
         return 1 + num_seqs % 3
 
     monkeypatch.setattr(launch, "choose_num_splits", splits)
+    # The records' kernel beside the staged pass (Gluon or tiles) sizes its own splits.
+    monkeypatch.setattr(launch, "fast_decode_splits", splits)
     batch, lens, n, q, common, qsl = verify_blocks_case()
     kk.multi_query_attention(q, qsl, max_query_len=3, verify_as_decode=True, **common)
     kk.decode_attention(q[:2], **common)

@@ -99,7 +99,9 @@ def _realistic(
     return batch, q, args, kwargs
 
 
-_SHAPES = [(64, 16, 2), (128, 32, 8), (256, 16, 8)]
+# The bench's shapes (kvarn_kernels.bench.SHAPES), so that the GPU command's bench after these
+# tests finds most variants compiled.
+_SHAPES = [(64, 32, 8), (128, 32, 8), (256, 16, 8)]
 
 
 @pytest.mark.gpu
@@ -157,7 +159,7 @@ def test_tiles_kernel_compiles_for_sm90() -> None:
     from test_kernels_sm90 import SM90_MAX_SHARED, _compile
 
     rows = _compile("tiles")
-    assert len(rows) == len(PRESETS) * 3
+    assert len(rows) == len(PRESETS) * 3 + 2  # and two multi-query variants
     bad = [r for r in rows if "error" in r or r["shared"] > SM90_MAX_SHARED]
     assert not bad, bad
     capped = [r for r in rows if "maxnreg" in r]

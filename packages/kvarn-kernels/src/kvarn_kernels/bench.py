@@ -751,7 +751,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "kvarn_kernels.bench needs a CUDA GPU (or --dry-run with TRITON_INTERPRET=1)"
             )
         device = torch.device("cuda")
-        dims = args.head_dims or ([128] if quick else [128, 64])
+        dims = getattr(args, "head_dims", None) or ([128] if quick else [128, 64])
         shapes = [SHAPES[d] for d in dims]
         batches = args.batches or ([16, 64] if quick else [1, 16, 64, 256])
         contexts = args.contexts or ([4096, 16384] if quick else [4096, 16384, 65536])
@@ -834,7 +834,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     row["hbm_fraction"] = row["gbps"] / hbm
                     row["decode_kernels"] = _kernels(case)
-                    if args.legacy and row["decode_kernels"] != "Triton":
+                    if getattr(args, "legacy", False) and row["decode_kernels"] != "Triton":
                         # The single-kernel Triton path the tiles kernel replaced, same process.
                         from kvarn_kernels.attention.launch import set_tiles_decode
 
@@ -878,10 +878,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row["verify_tokens"] = 1 + args.verify
                     report["attention"].append(row)
                     print(_row_line(row), flush=True)
+                    if getattr(args, "out", None) is not None:
+                        # What is measured so far survives a call cut short by its time limit.
+                        args.out.parent.mkdir(parents=True, exist_ok=True)
+                        args.out.write_text(json.dumps(report, indent=2))
                     del case
                     if cuda:
                         torch.cuda.empty_cache()
-            if args.no_store:
+            if getattr(args, "no_store", False):
                 continue
             store = _store_cost(
                 preset, hkv, d, store_batch, dtype, device, quick, args.key_frame, hq

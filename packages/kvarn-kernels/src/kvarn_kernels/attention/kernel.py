@@ -1000,6 +1000,10 @@ def attention_partial_kernel(
         if not QUANT:
             n_sink_steps = tl.maximum(n_sink - lo, 0)
             st0 = tl.maximum(n_quant, lo)
+            if FRESH:
+                # The queries' own positions from kv_end on are this pass's too, also where
+                # the step's store already gave them records (a chunk that completed tiles).
+                st0 = tl.maximum(tl.minimum(n_quant, (seq_len - nq) // SUB), lo)
             n_steps = n_sink_steps + tl.maximum(hi - st0, 0)
             vper = tl.cdiv(n_steps, num_splits)
             v0 = tl.minimum(split * vper, n_steps)

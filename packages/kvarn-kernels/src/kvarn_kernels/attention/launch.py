@@ -689,10 +689,12 @@ def _run(
     )
     # Elsewhere the Triton tiles kernel takes the Gluon kernel's place, with the same splits.
     # A given num_splits is the tiles kernel's split count (the staged pass keeps its own).
+    # Multi-query blocks too, outside batch-invariant mode (which runs every row with decode's
+    # launch, or as decode rows).
     tiles = (
         not staged_only
         and not fast
-        and decode
+        and (decode or not invariant)
         and tiles_decode_applies(query, layout, num_kv_heads)
     )
     fast_splits = split_tiles = 0
@@ -738,6 +740,8 @@ def _run(
     prepared = (
         prepare_queries(query, scale, bool(raw_keys)) if fast or tiles or staged_only else None
     )
+    # The staged pass takes the prepared rows when decoding (multi-query blocks rotate their own).
+    staged_prepared = prepared is not None and decode
     pq, pa = (query, query) if prepared is None else prepared  # unread without PREPARED
     rsqrt_d = float(np.float32(1.0 / math.sqrt(d)))
     grid = (num_seqs, num_kv_heads, num_qblocks * num_splits)
@@ -801,7 +805,7 @@ def _run(
         **offset_constants(layout),
         RAW_KEYS=bool(raw_keys),
         QUANT=not (fast or tiles or staged_only),
-        PREPARED=prepared is not None,
+        PREPARED=staged_prepared,
         **launch,
     )
     if fast:
@@ -829,6 +833,7 @@ def _run(
         launch_tiles_decode(
             prepared, kv_cache, layout, block_table, seq_lens, quantized_lens, sink_lens,
             sliding_window, acc, ml, num_splits, fast_splits, split_tiles,
+            query_start_loc, max_query_len, fresh_kv is not None,
         )  # fmt: skip
     qend = qstart if decode else qstart[num_seqs:]
     attention_combine_kernel[(num_tokens, num_kv_heads)](
