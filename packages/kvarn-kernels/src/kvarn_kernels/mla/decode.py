@@ -75,8 +75,8 @@ def latent_group(
     OFF_CODES: tl.constexpr,
     MAGIC: tl.constexpr,
     DOT_T: tl.constexpr,
-    ASM: tl.constexpr = "",
-    ASM_C: tl.constexpr = "",
+    ASM: tl.constexpr,
+    ASM_C: tl.constexpr,
 ):
     """Codes of channels ``[g * W, (g + 1) * W)`` of record rows ``rows`` (``BLOCK_T`` of them):
     ``[BLOCK_T, W]`` in ``DOT_T``, channel order. Each byte is loaded once; its ``8 / BITS``

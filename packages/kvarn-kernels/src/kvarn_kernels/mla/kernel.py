@@ -164,7 +164,9 @@ def mla_dequantize_kernel(
     w = tl.arange(0, W)
     dst = out_ptr + (i * G + rows[:, None]).to(tl.int64) * out_stride
     for g in tl.static_range(NG):
-        code = latent_group(cache_u8, base, rows, g, L, BITS, W, BLOCK_T, OFF_CODES, 0, tl.float32)
+        code = latent_group(
+            cache_u8, base, rows, g, L, BITS, W, BLOCK_T, OFF_CODES, 0, tl.float32, "", ""
+        )
         step = tl.load(cache_f16 + (base + OFF_SCALE) // 2 + rows * NG + g).to(tl.float32)
         zero = tl.load(cache_f16 + (base + OFF_ZERO) // 2 + rows * NG + g).to(tl.float32)
         x = code * step[:, None] + zero[:, None]
