@@ -10,8 +10,8 @@ the counters are persistent tensors (CUDA-graph replays add to them as eager ste
 clock; every ``interval`` seconds it enqueues one asynchronous copy of each buffer to pinned
 host memory and reads the previous copy once its event says it has landed (no host sync).
 A layer whose count first turns nonzero is named in one ``logging.warning``; at process exit
-(:meth:`OverflowCounters.report_now`, synchronous) one more warning gives the final counts of
-the layers whose counts grew after that.
+(:meth:`OverflowCounters.report_now`, synchronous) one more warning gives the totals of the
+layers whose counts grew after their first warning.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ compile another store variant while serving)."""
 
 @dataclass
 class _Buffer:
-    """One device buffer of ``CHUNK`` int32 counters, the layers that own its first entries
-    (in order), and its host copy in flight (pinned memory and the event after the copy)."""
+    """One device buffer of ``CHUNK`` int32 counters ``STRIDE`` elements apart, the layers that
+    own its first ones (in order), and its host copy in flight (pinned memory and the event
+    recorded after the copy)."""
 
     device: torch.device
     counts: torch.Tensor
@@ -135,7 +136,7 @@ class OverflowCounters:
             "kvarn: %skeys or values beyond the format's range (%s) were stored saturated; "
             "tiles (one KV head's keys or values over one tile) by layer: %s. Attention over "
             "them is wrong: serve this model with kv_cache_dtype auto (docs/reliability.md).",
-            "at exit, in total: " if final else "",
+            "in total so far: " if final else "",
             RANGE_NOTE,
             "; ".join(found),
         )
