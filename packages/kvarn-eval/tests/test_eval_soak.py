@@ -269,3 +269,34 @@ def test_model_helpers_and_log_counts(tmp_path: Path) -> None:
     args = script.parse_args(["--out", "x", "--gguf", str(tmp_path / "missing.gguf")])
     with pytest.raises(SystemExit, match="GGUF not found"):
         script.resolve_model(args)
+
+
+def test_script_main_against_a_running_server(tmp_path: Path) -> None:
+    """The script's main with ``--url`` (no launch): soak.json written, exit status 0."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def start() -> None:
+        server = await asyncio.start_server(FakeServer().handle, "127.0.0.1", 0)
+        box["port"] = server.sockets[0].getsockname()[1]
+        box["server"] = server
+        ready.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()))
+    thread.start()
+    try:
+        assert ready.wait(10)
+        argv = [
+            "--out", str(tmp_path), "--url", f"http://127.0.0.1:{box['port']}", "--minutes",
+            str(3 / 60), "--concurrency", "2", "--poll-seconds", "0.5", "--warmup-seconds", "0",
+        ]  # fmt: skip
+        assert script.main(argv) == 0
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    result = json.loads((tmp_path / "soak.json").read_text())
+    assert result["passed"] and result["load"]["requests"] >= 4 and result["command"] == argv
+    assert "startup_seconds" in result and "server_log" not in result  # nothing launched
