@@ -165,8 +165,10 @@ def test_decode_variants_match_reference(preset, heads, dtype, kw) -> None:
         assert_close_rms(want[b], got[b], TOL[dtype], what=f"sequence {b}")
 
 
-@pytest.mark.parametrize("preset", ["kvarn_mla_l4_g128", "kvarn_mla_l2_g128"])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(
+    ("preset", "heads"),
+    [("kvarn_mla_l4_g128", 16), ("kvarn_mla_l4_g128", 128), ("kvarn_mla_l2_g128", 16)],
+)
 def test_ptx_unpack_matches_the_portable_one(preset, heads) -> None:
     """The inline-PTX unpack (two codes a register) gives what Triton's shifts and masks give
     (``KVARN_KERNELS_NO_ASM=1``): the same codes into the same dots."""

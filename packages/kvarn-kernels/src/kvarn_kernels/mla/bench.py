@@ -303,22 +303,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hbm = measure_hbm_bandwidth(device, args.quick)
     print(f"copy bandwidth {hbm:.0f} GB/s", flush=True)
     rows: list[dict[str, Any]] = []
-    for i, preset in enumerate(args.presets):
-        for heads in head_counts:
-            # the first preset at every size, the others at the target's (>= 16K, >= 16)
-            for batch, ctx in [s for s in sizes if i == 0 or (s[0] >= 16 and s[1] >= 16384)]:
-                sweep = args.sweep and i == 0 and (batch, ctx) == SWEEP_SHAPE
-                row = _decode_case(preset, heads, batch, ctx, device, hbm, args.quick, sweep)
-                rows.append(row)
-                print(_line(row), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        for tokens in store_sizes:
-            rows.append(_store_cost(preset, tokens, device, args.quick))
-        rows.append(_dequantize_cost(preset, gather, device, args.quick))
-    for r in rows:
-        if r["kind"] != "decode":
-            r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
     report = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
@@ -327,9 +311,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "rows": rows,
     }
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+
+    def save() -> None:  # after every row: a run cut short by a time limit keeps its rows
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+
+    for i, preset in enumerate(args.presets):
+        for heads in head_counts:
+            # the first preset at every size, the others at the target's (>= 16K, >= 16)
+            for batch, ctx in [s for s in sizes if i == 0 or (s[0] >= 16 and s[1] >= 16384)]:
+                sweep = args.sweep and i == 0 and (batch, ctx) == SWEEP_SHAPE
+                row = _decode_case(preset, heads, batch, ctx, device, hbm, args.quick, sweep)
+                rows.append(row)
+                print(_line(row), flush=True)
+                save()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        for r in [_store_cost(preset, n, device, args.quick) for n in store_sizes] + [
+            _dequantize_cost(preset, gather, device, args.quick)
+        ]:
+            r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+            rows.append(r)
+        save()
     return report
 
 
