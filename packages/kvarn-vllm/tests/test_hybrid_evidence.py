@@ -31,10 +31,13 @@ def _script():
     return module
 
 
-def plan(shape: str, cache: str, folder: Path, max_model_len: int = 32768) -> dict:
+def plan(
+    shape: str, cache: str, folder: Path, max_model_len: int = 32768, prefix: bool = False
+) -> dict:
     """vLLM's plan of a :data:`POOL_BYTES` pool for ``shape`` with ``cache``: block size,
     page, blocks and capacity in tokens, as a GPU engine would compute them (FlashAttention's
-    kernel blocks for bf16, kvarn's for a preset)."""
+    kernel blocks for bf16, kvarn's for a preset); ``prefix``: with prefix caching (vLLM's
+    'all' or 'align' Mamba cache mode)."""
     from kvarn_vllm.backend import backend_class
     from kvarn_vllm.config import is_kvarn_dtype, parse_kv_cache_dtype
     from kvarn_vllm.spec import make_layer_spec
@@ -52,9 +55,12 @@ def plan(shape: str, cache: str, folder: Path, max_model_len: int = 32768) -> di
     )
     vllm_config = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(cache_dtype=cache, enable_prefix_caching=False),
+        cache_config=CacheConfig(cache_dtype=cache, enable_prefix_caching=prefix),
         device_config=DeviceConfig(device="cpu"),
     )
+    # A GPU engine's step budget (vLLM's default on an H100 is 8,192 or more; this CPU's is
+    # 2,048, under which Qwen3-Next's kvarn block is refused in the 'align' mode).
+    vllm_config.scheduler_config.max_num_batched_tokens = 8192
     kvarn = is_kvarn_dtype(cache)
     backend = backend_class(cache) if kvarn else FlashAttentionBackend
     cache_config = vllm_config.cache_config
@@ -203,4 +209,6 @@ if __name__ == "__main__":
 
 
 # hybrid models, where the release applies that entry: where the 'hybrid-block-size' ledger entry applies
-pytestmark = _releases.needs("hybrid-block-size")
+# and vLLM 0.26/0.27's planner and layer specs (0.33's alignment: test_hybrid_v033.py,
+# test_releases_adapters.py)
+pytestmark = [_releases.needs("hybrid-block-size"), _releases.needs("kv-cache-spec")]
