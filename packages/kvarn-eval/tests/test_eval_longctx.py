@@ -4,9 +4,11 @@ character-level tokenizer)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import re
 import string
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from kvarn_eval.accuracy.pseudo_decode import PseudoDecodeConfig, install, pseud
 from kvarn_eval.gpu_longctx import depth_rows, retrieval_rows
 from kvarn_eval.longctx import (
     ANSWER_SLACK,
+    DEFAULT_TASKS,
+    MAGIC_NEEDLES,
     TASKS,
     LongCtxOptions,
     answer_found,
@@ -130,6 +134,40 @@ def test_needle_depths_are_swept_and_values_in_order(tok: Any, hay: list[int]) -
     assert len(keys) == len(set(keys)) > 10
     kv_depths = sorted(it.depth for it in kv[0].items)  # the first key follows the header
     assert kv_depths[0] < 0.2 and kv_depths[-1] > 0.9
+
+
+def test_magic_numbers_are_completions_over_a_digit_free_haystack(tok: Any) -> None:
+    """Eight needles with distinct one-word keys and five-digit values at depths 0.1-0.9 of
+    WikiText-like text whose own digits are removed; each question is the start of its needle."""
+    text = TEXT.replace("old mill.", "old mill in 1887 at 42 Elm Street.")
+    cells = build_cells(tok, text, ["magic_numbers"], [4096], 2 * MAGIC_NEEDLES + 3)
+    (cell,) = cells.values()
+    assert [len(c.items) for c in cell] == [MAGIC_NEEDLES, MAGIC_NEEDLES, 3]
+    assert DEFAULT_TASKS == ("magic_numbers", "magic_single") == LongCtxOptions().tasks
+    for context in cell:
+        body = tok.decode(list(context.ids))
+        needles = re.findall(r" The special magic number for (\w+) is (\d+)\.", body)
+        assert len(needles) == MAGIC_NEEDLES == len({k for k, _ in needles})
+        # the values are the context's only digits
+        assert re.findall(r"\d+", body) == [v for _, v in needles]
+        assert all(len(v) == 5 for _, v in needles) and "1887" not in body
+        for it in context.items:
+            question = tok.decode(list(it.question)).strip()
+            assert f"{question} {it.answer_text}." in body
+        depths = sorted(it.depth for it in context.items)
+        if len(depths) == MAGIC_NEEDLES:  # 0.1 to 0.9, one needle per step of 0.8 / 7
+            assert depths[0] == pytest.approx(0.1, abs=0.06)
+            assert depths[-1] == pytest.approx(0.9, abs=0.06)
+            assert all(0.05 < b - a < 0.18 for a, b in itertools.pairwise(depths))
+    # one needle per context, its depth 0.1 to 0.9 in turn
+    (single,) = build_cells(tok, text, ["magic_single"], [4096], 9).values()
+    assert [len(c.items) for c in single] == [1] * 9
+    assert [round(c.items[0].depth, 1) for c in single] == [d / 10 for d in range(1, 10)]
+    assert all(re.findall(r"\d+", tok.decode(list(c.ids))) == [c.items[0].answer_text]
+               for c in single)  # fmt: skip
+    # the instruction-style tasks keep the text's digits
+    (passkey,) = build_cells(tok, text, ["passkey"], [1024], 1).values()
+    assert "1887" in tok.decode(list(passkey[0].ids))
 
 
 def test_cells_are_capped_by_the_model(tok: Any) -> None:
@@ -250,12 +288,13 @@ def test_gpu_suite_against_the_stand_in(
     assert ref["llm_kwargs"]["max_model_len"] <= 1024  # the model's positions
     assert ref["llm_kwargs"]["long_prefill_token_threshold"] == 128  # pseudo-decode on vLLM
     assert ref["llm_kwargs"]["enable_prefix_caching"] is False
-    assert len(ref["workload"]["items"]) == 4 * 2 * 5  # tasks x lengths (2048 capped) x items
+    # the default tasks (magic_numbers, magic_single) x lengths (2048 capped) x items
+    assert len(ref["workload"]["items"]) == 2 * 2 * 5
     assert specs["longctx/bf16@TRITON_ATTN seqs<=4"]["workload"]["retrieval"] is False
     payload = json.loads((out / "results.json").read_text())
     result = payload["results"][0]
     cells = {(r["cache"], r["task"], r["length"]) for r in result["retrieval"]}
-    assert ("fp8", "all", 2048) in cells and ("kvarn_k4v2_g128", "passkey", 768) in cells
+    assert ("fp8", "all", 2048) in cells and ("kvarn_k4v2_g128", "magic_numbers", 768) in cells
     gen = {g["cache"]: g for g in result["generation"]}
     # the stand-in is deterministic, and its kvarn tokens change after the first half
     assert gen["bf16@TRITON_ATTN seqs<=4"]["token_agreement"] == 1.0

@@ -1,8 +1,17 @@
 """Long-context retrieval tasks in the RULER manner, and the measures of long generations.
 
-Four tasks, each a set of *contexts* (token ids) and *items* (a question asked after one
+Six tasks, each a set of *contexts* (token ids) and *items* (a question asked after one
 context, and the answer's token ids), built deterministically from a seed:
 
+* ``magic_numbers`` (a default): eight needles "The special magic number for lantern is
+  48213." at depths 10% to 90% of a haystack of WikiText-2 with its digits removed; each key
+  is asked in turn by completion, the prompt ending "The special magic number for lantern
+  is". Keys are distinct single words, values five digits, and the haystack holds no other
+  number: the format a small model retrieves reliably by copying (SmolLM2-135M-Instruct in
+  bf16 at 2K-8K tokens, docs/long-context.md), where the instruction-style tasks below test
+  its instruction following as much as the cache.
+* ``magic_single`` (a default): the same with one needle per context, its depth swept over
+  nine points from 10% to 90%: no distractor needles (RULER's single needle).
 * ``passkey``: one needle ("The pass key is 471932. Remember it. ...") in a haystack of
   WikiText-2 text, one question per context.
 * ``multikey``: four needles with distinct keys ("The special magic number for quiet-river
@@ -23,7 +32,8 @@ holds every value of the answer exactly (as a whole number, RULER's string match
 364608`` counts, ``164608`` does not).
 
 Needle depth (the asked needle's position in the haystack, 0 = start, 1 = end) is swept over
-ten points; every item records its depth. Pure Python apart from the tokenizer passed in.
+ten points (``magic_numbers``: eight, ``magic_single``: nine, 0.1 to 0.9); every item
+records its depth. Pure Python apart from the tokenizer passed in.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_LENGTHS",
+    "DEFAULT_TASKS",
     "TASKS",
     "LongContext",
     "LongCtxOptions",
@@ -46,14 +57,28 @@ __all__ = [
     "paired_by_context",
     "cell_length",
     "answer_found",
+    "digit_free",
     "haystack_ids",
     "repeated_ngram_fraction",
 ]
 
-TASKS: tuple[str, ...] = ("passkey", "multikey", "multivalue", "kv_lookup")
+TASKS: tuple[str, ...] = (
+    "magic_numbers", "magic_single", "passkey", "multikey", "multivalue", "kv_lookup"
+)  # fmt: skip
+DEFAULT_TASKS: tuple[str, ...] = ("magic_numbers", "magic_single")
+# tasks whose haystack has its digits removed
+DIGIT_FREE_TASKS = frozenset({"magic_numbers", "magic_single"})
 DEFAULT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
 DEPTHS = 10  # needle depths swept: 0, 1/9, ..., 1
-QUESTIONS_PER_CONTEXT = {"passkey": 1, "multikey": 4, "multivalue": 1, "kv_lookup": 10}
+MAGIC_NEEDLES = 8  # needles (and questions) per magic_numbers context
+QUESTIONS_PER_CONTEXT = {
+    "magic_numbers": MAGIC_NEEDLES,
+    "magic_single": 1,
+    "passkey": 1,
+    "multikey": 4,
+    "multivalue": 1,
+    "kv_lookup": 10,
+}
 MULTIVALUE_VALUES = 3
 KV_QUESTION = "\nLook up a key of the list above.\n{key}:"
 ANSWER_SLACK = 4  # greedy tokens allowed beyond the answer's own
@@ -78,6 +103,8 @@ _NOUNS = (
 )  # fmt: skip
 
 _HEADERS = {
+    "magic_numbers": "",
+    "magic_single": "",
     "passkey": "There is an important piece of information hidden inside a lot of irrelevant "
     "text. Find it and memorize it. I will quiz you about it afterwards.\n",
     "multikey": "Some special magic numbers are hidden inside the following text. Make sure to "
@@ -98,7 +125,7 @@ class LongCtxOptions:
     """What the long-context suites (``longctx`` on vLLM, ``longctx_cpu``) were asked for.
 
     Attributes:
-        tasks: tasks of :data:`TASKS`.
+        tasks: tasks of :data:`TASKS` (default :data:`DEFAULT_TASKS`).
         lengths: nominal context lengths of the GPU suite (capped by the model's positions).
         items: questions per (task, length) cell.
         seed: seed of every context.
@@ -114,7 +141,7 @@ class LongCtxOptions:
         cpu_methods: methods of the CPU suite (pseudo-decode; the reference is added).
     """
 
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = DEFAULT_TASKS
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     items: int = 100
     seed: int = 0
@@ -292,7 +319,17 @@ def _haystack_context(
     questions ``(depth, question text, answer text)``."""
     header = tok(_HEADERS[task])
     grid = [d / (DEPTHS - 1) for d in range(DEPTHS)]
-    if task == "passkey":
+    if task in ("magic_numbers", "magic_single"):
+        count = QUESTIONS_PER_CONTEXT[task]
+        keys = rng.sample(_NOUNS, count)
+        values = [str(v) for v in rng.sample(range(10000, 100000), count)]
+        if count == 1:  # nine depths, 0.1 to 0.9, in turn
+            depths = [0.1 + 0.1 * (index % 9)]
+        else:
+            depths = [0.1 + 0.8 * i / (count - 1) for i in range(count)]
+        needles = [f" The special magic number for {k} is {v}." for k, v in zip(keys, values)]
+        asks = [(f"\nThe special magic number for {k} is", f" {v}") for k, v in zip(keys, values)]
+    elif task == "passkey":
         value = _value(rng)
         depths = [grid[index % DEPTHS]]
         needles = [f" The pass key is {value}. Remember it. {value} is the pass key."]
@@ -328,7 +365,10 @@ def _haystack_context(
     body, realized = _insert(window, local, list(zip(depths, needle_ids)))
     if task == "multivalue":  # one question: the mean depth of its values
         realized = [sum(realized) / len(realized)]
-    return header + body, [(d, q, a) for d, (q, a) in zip(realized, asks)]
+    questions = [(d, q, a) for d, (q, a) in zip(realized, asks)]
+    if task == "magic_numbers":  # asked in a random order, not by depth
+        rng.shuffle(questions)
+    return header + body, questions
 
 
 def _kv_context(
@@ -381,7 +421,8 @@ def build_cell(
         task: one of :data:`TASKS`.
         length: the nominal length (the cell's name).
         items: questions in the cell (the last context may ask fewer than the others).
-        haystack: token ids of the filler text (WikiText-2), at least ``length`` long.
+        haystack: token ids of the filler text (WikiText-2; :func:`digit_free` text for the
+            tasks of :data:`DIGIT_FREE_TASKS`), at least ``length`` long.
         seed: everything random comes from ``(seed, task, length, context index)``.
         prompt_len: tokens of context plus question (default ``length``; see
             :func:`cell_length`).
@@ -428,6 +469,13 @@ def build_cell(
         contexts.append(LongContext(task, length, index, tuple(ids), tuple(made)))
         done += len(made)
     return contexts
+
+
+def digit_free(text: str) -> str:
+    """``text`` without its digits: the haystack of :data:`DIGIT_FREE_TASKS`, so that the
+    only numbers of a context are its needles' values (WikiText-2's "1 @,@ 000" becomes
+    " @,@ ")."""
+    return re.sub(r"[0-9]", "", text)
 
 
 def haystack_ids(tokenizer: Any, text: str, tokens: int) -> list[int]:
@@ -498,7 +546,7 @@ def build_cells(
     Args:
         tokenizer: a Hugging Face tokenizer.
         text: the haystack's text (WikiText-2 test).
-        tasks: tasks of :data:`TASKS`.
+        tasks: tasks of :data:`TASKS` (default :data:`DEFAULT_TASKS`).
         lengths: nominal lengths.
         items: questions per cell.
         seed: the contexts' seed.
@@ -510,12 +558,16 @@ def build_cells(
         prompt_len = cell_length(length, max_positions, new_tokens)
         if prompt_len not in capped.values():
             capped[length] = prompt_len
-    hay = haystack_ids(tokenizer, text, max(60000, 4 * max(capped.values())))
-    ends = _sentence_ends(tokenizer, hay)
-    return {
-        (task, length): build_cell(
-            tokenizer, task, length, items, hay, seed=seed, prompt_len=prompt_len, ends=ends
-        )
-        for task in tasks
-        for length, prompt_len in capped.items()
-    }
+    tokens = max(60000, 4 * max(capped.values()))
+    hays: dict[bool, tuple[list[int], list[int]]] = {}
+    for plain in sorted({t in DIGIT_FREE_TASKS for t in tasks}):
+        hay = haystack_ids(tokenizer, digit_free(text) if plain else text, tokens)
+        hays[plain] = (hay, _sentence_ends(tokenizer, hay))
+    cells = {}
+    for task in tasks:
+        hay, ends = hays[task in DIGIT_FREE_TASKS]
+        for length, prompt_len in capped.items():
+            cells[(task, length)] = build_cell(
+                tokenizer, task, length, items, hay, seed=seed, prompt_len=prompt_len, ends=ends
+            )
+    return cells

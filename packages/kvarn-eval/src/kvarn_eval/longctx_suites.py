@@ -39,7 +39,8 @@ def add_longctx_arguments(bench: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--longctx-tasks",
         default=",".join(d.tasks),
-        help=f"tasks, comma-separated ({', '.join(TASKS)})",
+        help=f"tasks, comma-separated, some of {', '.join(TASKS)} ({','.join(d.tasks)}; "
+        "the other four ask in the instruction style, see docs/long-context.md)",
     )
     group.add_argument(
         "--longctx-lengths",
@@ -241,8 +242,8 @@ def _check_longctx(options: BenchOptions) -> None:
 register_suite(
     Suite(
         "longctx",
-        "long-context retrieval (passkey, multi-key, multi-value, key-value lookup at 2K-32K "
-        "tokens) and 1K-token greedy generations after long prompts through vLLM, every "
+        "long-context retrieval (magic numbers by completion; passkey, multi-key, multi-value, "
+        "key-value lookup on request; at 2K-32K tokens) and 1K-token greedy generations after long prompts through vLLM, every "
         "cache against bf16 (GPU)",
         _longctx,
         needs_gpu=True,
