@@ -203,9 +203,14 @@ def test_shapes_and_splits() -> None:
     assert mla_cache_shape(10, "kvarn_mla_l4_g128") == (10, 330 * 128)
     # one sequence of 256 tiles on 132 SMs: 64 splits of 4 tiles
     assert choose_mla_splits(1, 1, 256) == 64
-    # 16 x 128 tiles: 17 wanted, 8 tiles a split, so 16 (none left empty by rounding)
+    # 16 x 128 tiles: 16 wanted (264 programs at once), 8 tiles a split
     assert choose_mla_splits(16, 1, 128) == 16
-    assert choose_mla_splits(64, 4, 256) == 2
+    # 32 x 256 tiles: 8 wanted, not 9 (a second wave of 24 programs)
+    assert choose_mla_splits(32, 1, 256) == 8
+    # 9 wanted, 29 tiles a split: 9 splits; one program an SM: 4
+    assert choose_mla_splits(28, 1, 256) == 9
+    assert choose_mla_splits(28, 1, 256, programs_per_sm=1) == 4
+    assert choose_mla_splits(64, 4, 256) == 1
     assert choose_mla_splits(1, 1, 3) == 1  # at least 4 tiles a split
     assert choose_mla_splits(1, 1, 3, min_tiles=1) == 3
     assert choose_mla_splits(2, 1, 4096, num_sms=16) == 16

@@ -209,7 +209,14 @@ def _decode_case(
         return lambda: mla_decode_attention(*args, out=out, **kw)
 
     hb = default_heads_per_program(heads)
-    splits = choose_mla_splits(batch, -(-heads // hb), tiles, num_sms=_sm_count(device))
+    cfg = _decode_config(hb, lay.preset.latent_bits, g)
+    splits = choose_mla_splits(
+        batch,
+        -(-heads // hb),
+        tiles,
+        num_sms=_sm_count(device),
+        programs_per_sm=cfg["programs_per_sm"],
+    )
     run()()
     t = _best_ms(run(), quick, device)
     cache_bytes = batch * (qlen // g) * lay.tile_bytes + batch * (ctx - qlen) * (L + R) * 2
@@ -221,7 +228,7 @@ def _decode_case(
         "context": ctx,
         "splits": splits,
         "heads_per_program": hb,
-        **_decode_config(hb, lay.preset.latent_bits, g),
+        **cfg,
         "eager_ms": t["eager_ms"],
         "graph_ms": t["graph_ms"],
         "bytes": cache_bytes,

@@ -9,10 +9,11 @@ zero[t, g]`` (``g = j // W``, one step and zero per token and channel group),
 
 so the tensor-core dots take the integer codes themselves (exact in bf16/fp16/fp32) and the
 steps and zeros scale ``[heads, tokens]`` scores and weights, a few operations per token instead
-of several per channel. Codes become bf16 (fp16) without an int-to-float conversion: a 4-bit code
-``x`` OR-ed into the exponent bits of 128 (1024) reads as the float ``128 + x`` (``OFF``); the
-offset is folded into the zero point for the scores and subtracted from the output with the
-very weights (rounded to the dot dtype) that multiplied it, so it cancels to fp32 rounding.
+of several per channel. Codes become bf16 (fp16) without an int-to-float conversion: a code
+``x < 128`` OR-ed into the low mantissa bits of bf16 128 (``0x4300``; fp16 1024, ``0x6400``,
+codes below 1024) reads as the float ``128 + x`` (``OFF``); the offset is folded into the zero
+point for the scores and subtracted from the output with the very weights (rounded to the dot
+dtype) that multiplied it, so it cancels to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -230,11 +231,12 @@ def mla_decode_kernel(
     ASM_C: tl.constexpr,
 ):
     """Program ``(head block, split, b)``: partial attention of ``HB`` heads over split ``s`` of
-    the sequence's tiles (``ceil(tiles / S)`` a split, at least ``min_tiles``), the
-    quantized ones (positions ``< quantized_lens[b]``) in chunks of ``BLOCK_T`` record rows,
-    each chunk's bytes loaded and unpacked once for all ``HB`` heads, the rest read exact from
-    the staging ring. Head blocks of one split are neighbours in the launch order, so the
-    others read a chunk from L2. Writes unnormalized partials ``ws_acc [B, H, S, L]`` and ``ws_ml [B, H, S, 2]`` (log2)."""
+    the sequence's tiles (``ceil(tiles / S)`` a split, at least ``min_tiles``), the quantized
+    ones (positions ``< quantized_lens[b]``) in chunks of ``BLOCK_T`` record rows, each chunk's
+    bytes loaded and unpacked once for all ``HB`` heads, the rest read exact from the staging
+    ring. Head blocks of one split are neighbours in the launch order, so the others read a
+    chunk from L2. Writes unnormalized partials ``ws_acc [B, H, S, L]`` and ``ws_ml [B, H, S,
+    2]`` (log2 domain)."""
     hb = tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)

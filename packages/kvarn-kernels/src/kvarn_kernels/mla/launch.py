@@ -223,14 +223,16 @@ def choose_mla_splits(
     max_tiles: int,
     num_sms: int = _H100_SMS,
     min_tiles: int = _MIN_TILES,
+    programs_per_sm: int = 2,
 ) -> int:
-    """Split-K factor from host sizes only (so a captured graph keeps it): about two programs
-    per SM (``2 * num_sms`` over ``batch * head_blocks``) for a context of ``max_tiles`` tiles
-    (the block table's width), splits of at least ``min_tiles`` tiles (each split writes
-    ``HB x L`` fp32 partials, worth a few tiles of records), at most 64, and no split left
-    empty by rounding (``ceil(max_tiles / per_split)``). The kernel shares each sequence's own
-    tiles out over the splits, so shorter sequences get shorter splits."""
-    want = max(1, -(-2 * num_sms // max(1, batch * head_blocks)))
+    """Split-K factor from host sizes only (so a captured graph keeps it): as many programs as
+    the GPU runs at once (``programs_per_sm * num_sms`` over ``batch * head_blocks``, rounded
+    down: one wave, not a second one almost empty) for a context of ``max_tiles`` tiles (the
+    block table's width); splits of at least ``min_tiles`` tiles (each split writes ``HB x L``
+    fp32 partials, worth a few tiles of records), at most 64, and none left empty by rounding
+    (``ceil(max_tiles / per_split)``). The kernel shares each sequence's own tiles out over the
+    splits, so shorter sequences get shorter splits."""
+    want = max(1, programs_per_sm * num_sms // max(1, batch * head_blocks))
     tiles = max(1, max_tiles)
     per_split = max(-(-tiles // min(want, _MAX_SPLITS)), min_tiles, 1)
     return -(-tiles // per_split)
@@ -250,13 +252,14 @@ def default_heads_per_program(heads: int) -> int:
 
 
 def _decode_config(hb: int, bits: int, group_size: int) -> dict[str, int]:
-    """Record rows a chunk, warps and pipeline stages of the decode kernel for ``hb`` heads:
-    sized (``ptxas`` for sm_90) to keep the accumulators in registers without spilling, and
-    at 16 heads to fit two programs in an SM's shared memory."""
+    """Record rows a chunk, warps, pipeline stages and programs an SM holds (shared memory) of
+    the decode kernel for ``hb`` heads: sized (``ptxas`` for sm_90) to keep the accumulators in
+    registers without spilling, and at 16 heads to fit two programs in an SM."""
     if hb <= 16:
-        cfg = {"block_tokens": 32, "num_warps": 4, "num_stages": 2}
+        cfg = {"block_tokens": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
     else:
-        cfg = {"block_tokens": 64 if bits < 8 else 32, "num_warps": 8, "num_stages": 2}
+        block_t = 64 if bits < 8 else 32
+        cfg = {"block_tokens": block_t, "num_warps": 8, "num_stages": 2, "programs_per_sm": 1}
     cfg["block_tokens"] = min(cfg["block_tokens"], group_size)
     return cfg
 
@@ -380,7 +383,12 @@ def mla_decode_attention(
     if least < 1:
         raise ValueError(f"min_tiles must be at least 1, got {min_tiles}")
     splits = num_splits or choose_mla_splits(
-        bsz, head_blocks, max_tiles, num_sms=_sm_count(cache.device), min_tiles=least
+        bsz,
+        head_blocks,
+        max_tiles,
+        num_sms=_sm_count(cache.device),
+        min_tiles=least,
+        programs_per_sm=cfg["programs_per_sm"],
     )
     ws_acc = torch.empty((bsz, heads, splits, width), dtype=torch.float32, device=cache.device)
     ws_ml = torch.empty((bsz, heads, splits, 2), dtype=torch.float32, device=cache.device)
