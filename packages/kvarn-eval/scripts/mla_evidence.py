@@ -14,6 +14,9 @@ Two model shapes, each a real model's ``config.json`` (written locally; no hub, 
 
 Phases (each engine in its own process, results as JSON and markdown under ``--out``):
 
+``impl``      no engine: kvarn's MLA decode glue at 16 and 128 heads, bf16, eager against an fp32
+              reference and replayed in a CUDA graph with new lengths (``mla_decode_check.py``).
+
 ``capacity``  one eager engine per shape and cache (``--caches``; GLM: ``--glm-caches``), prefix
               caching off, ``max_model_len`` 32K, 256 request slots, ``gpu_memory_utilization``
               0.9: vLLM's blocks x block size and its logged KV tokens, the attention backend
@@ -28,7 +31,7 @@ Phases (each engine in its own process, results as JSON and markdown under ``--o
               256 greedy output tokens at once, for ``auto`` and ``kvarn_mla_l4_g128``: seconds,
               output and total tokens per second.
 
-    python mla_evidence.py --out $OUT --models /tmp/mla-models --phases capacity
+    python mla_evidence.py --out $OUT --models /tmp/mla-models --phases impl capacity
     python mla_evidence.py --out $OUT --models /tmp/mla-models --phases modes burst
     python mla_evidence.py --dry-run            # the plan only (no vLLM import)
 
@@ -208,6 +211,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every engine of the chosen phases, in order (model configs written to ``--models``)."""
     jobs: list[dict[str, Any]] = []
     models = args.models
+    if "impl" in args.phases:
+        jobs.append({"phase": "impl", "name": "impl-decode-graphs", "cache": KVARN, "llm": {}})
     if "capacity" in args.phases:
         for shape, caches in (
             ("deepseek-v2-lite", args.caches),
@@ -262,40 +267,49 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"name": job["name"], "ok": False}
     start = time.perf_counter()
     try:
-        from vllm import LLM
+        if job["phase"] == "impl":
+            from mla_decode_check import impl_check  # beside this script
 
-        llm = LLM(kv_cache_dtype=job["cache"], **job["llm"])
-        result["startup_s"] = round(time.perf_counter() - start, 1)
-        cache = llm.llm_engine.vllm_config.cache_config
-        result.update(block_size=cache.block_size, num_gpu_blocks=cache.num_gpu_blocks)
-        if cache.num_gpu_blocks:
-            result["capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
-        result["outputs"] = [ids for batch in job["batches"] for ids in _generate(
-            llm, batch, job["max_tokens"])]  # fmt: skip
-        if job.get("burst"):
-            b = job["burst"]
-            vocab = SHAPES[job["shape"]]["vocab_size"]
-            batch = [
-                p[: b["prompt_len"]] for p in prompts(vocab, b["requests"], b["prompt_len"], 7)
-            ]
-            batch = [p + p[: b["prompt_len"] - len(p)] for p in batch]  # all full length
-            _generate(llm, batch[:2], 4)  # warm-up (first-call compilation of kernels)
-            t0 = time.perf_counter()
-            outs = _generate(llm, batch, b["output_len"])
-            seconds = time.perf_counter() - t0
-            produced = sum(len(o) for o in outs)
-            result["burst"] = {
-                "seconds": round(seconds, 2),
-                "output_tokens": produced,
-                "output_tok_s": round(produced / seconds, 1),
-                "total_tok_s": round((produced + sum(map(len, batch))) / seconds, 1),
-            }
+            result.update(impl_check(job["cache"]))
+        else:
+            run_llm(job, result)
         result["ok"] = True
     except Exception as exc:  # recorded; the parent goes on with the next engine
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
         result["traceback"] = traceback.format_exc()[-4000:]
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def run_llm(job: dict[str, Any], result: dict[str, Any]) -> None:
+    """One vLLM engine: its capacity, its greedy batches, its burst; into ``result``."""
+    start = time.perf_counter()
+    from vllm import LLM
+
+    llm = LLM(kv_cache_dtype=job["cache"], **job["llm"])
+    result["startup_s"] = round(time.perf_counter() - start, 1)
+    cache = llm.llm_engine.vllm_config.cache_config
+    result.update(block_size=cache.block_size, num_gpu_blocks=cache.num_gpu_blocks)
+    if cache.num_gpu_blocks:
+        result["capacity_tokens"] = cache.num_gpu_blocks * cache.block_size
+    result["outputs"] = [ids for batch in job["batches"] for ids in _generate(
+        llm, batch, job["max_tokens"])]  # fmt: skip
+    if job.get("burst"):
+        b = job["burst"]
+        vocab = SHAPES[job["shape"]]["vocab_size"]
+        batch = [p[: b["prompt_len"]] for p in prompts(vocab, b["requests"], b["prompt_len"], 7)]
+        batch = [p + p[: b["prompt_len"] - len(p)] for p in batch]  # all full length
+        _generate(llm, batch[:2], 4)  # warm-up (first-call compilation of kernels)
+        t0 = time.perf_counter()
+        outs = _generate(llm, batch, b["output_len"])
+        seconds = time.perf_counter() - t0
+        produced = sum(len(o) for o in outs)
+        result["burst"] = {
+            "seconds": round(seconds, 2),
+            "output_tokens": produced,
+            "output_tok_s": round(produced / seconds, 1),
+            "total_tok_s": round((produced + sum(map(len, batch))) / seconds, 1),
+        }
 
 
 def run_isolated(job: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
@@ -335,7 +349,10 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float | None:
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Capacity ratios against bf16 per shape; greedy equality between modes; burst ratio."""
-    summary: dict[str, Any] = {"capacity": {}, "modes": {}, "burst": {}}
+    summary: dict[str, Any] = {"impl": [], "capacity": {}, "modes": {}, "burst": {}}
+    for r in results:
+        if r.get("phase") == "impl":
+            summary["impl"] = r.get("cases", r.get("error"))
     for r in results:
         if r.get("phase") == "capacity":
             summary["capacity"].setdefault(r["shape"], {})[r["cache"]] = r.get("capacity_tokens")
@@ -376,6 +393,9 @@ def markdown(results: list[dict[str, Any]], summary: dict[str, Any], env: dict[s
             f"{r.get('capacity_tokens')} | {r.get('kv_cache_tokens')} | {ratio} | "
             f"{', '.join(r.get('backends', []))} | {r.get('seconds')} | {error} |"
         )
+    lines += ["", "## Decode glue on the GPU (KvarnMLAImpl.forward_mqa, bf16)", ""]
+    lines += [f"- {case}" for case in summary["impl"]] if isinstance(summary["impl"], list) else [
+        f"- failed: {summary['impl']}"]  # fmt: skip
     lines += ["", "## Greedy token ids against eager, prefix caching off (same cache)", ""]
     for cache, modes in summary["modes"].items():
         for mode, row in modes.items():
@@ -426,8 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "mla_evidence_out")))
     p.add_argument("--models", type=Path, help="where the config.json folders go (OUT/models)")
-    p.add_argument("--phases", nargs="+", default=["capacity", "modes", "burst"],
-                   choices=["capacity", "modes", "burst"])  # fmt: skip
+    p.add_argument("--phases", nargs="+", default=["impl", "capacity", "modes", "burst"],
+                   choices=["impl", "capacity", "modes", "burst"])  # fmt: skip
     p.add_argument("--caches", nargs="+", default=CAPACITY_CACHES)
     p.add_argument("--glm-caches", nargs="+", default=GLM_CAPACITY_CACHES)
     p.add_argument("--mode-layers", type=int, default=4)

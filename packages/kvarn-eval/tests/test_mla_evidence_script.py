@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ def test_dry_run_prints_the_plan_without_vllm(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "VLLM_IMPORTED False" in done.stdout
-    assert "17 engines" in done.stdout
+    assert "18 engines" in done.stdout
     jobs = json.loads((tmp_path / "plan.json").read_text())
     names = [j["name"] for j in jobs]
     for cache in (
@@ -111,3 +112,24 @@ def test_summary_and_markdown(mla_evidence):
     assert summary["burst"]["kvarn_vs_bf16"] == 0.9
     text = mla_evidence.markdown(results, summary, {"gpu": "H100", "vllm": "0.26.0"})
     assert "| k | True |" in text and "3.4" in text and "ValueError: no backend |" in text
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (CI sets it)"
+)
+def test_decode_check_runs_on_cpu():
+    """The GPU phase's decode check, eager only, fp32 in Triton's interpreter at a tiny batch:
+    the script's glue runs and kvarn's decode matches the fp32 reference over the records."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import mla_decode_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    import torch
+
+    impl = mla_decode_check.make_impl(16, device="cpu")
+    result = mla_decode_check.decode_case(
+        impl, seed=0, device="cpu", dtype=torch.float32, batch=2, blocks=1
+    )
+    assert result["heads"] == 16 and result["eager_rel_err"] < 1e-4
+    assert "graph_replay_rel_err" not in result
