@@ -448,8 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", type=Path, help="where the config.json folders go (OUT/models)")
     p.add_argument("--phases", nargs="+", default=["impl", "capacity", "modes", "burst"],
                    choices=["impl", "capacity", "modes", "burst"])  # fmt: skip
-    p.add_argument("--caches", nargs="+", default=CAPACITY_CACHES)
-    p.add_argument("--glm-caches", nargs="+", default=GLM_CAPACITY_CACHES)
+    p.add_argument("--caches", nargs="*", default=CAPACITY_CACHES)
+    p.add_argument("--glm-caches", nargs="*", default=GLM_CAPACITY_CACHES)
     p.add_argument("--mode-layers", type=int, default=4)
     p.add_argument("--mode-tokens", type=int, default=32)
     p.add_argument("--burst-requests", type=int, default=64)
