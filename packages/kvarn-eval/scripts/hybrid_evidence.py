@@ -379,18 +379,34 @@ def plan_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
 # --- running them side by side ----------------------------------------------------------------
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stops a child's process group (vLLM's engine core is a grandchild)."""
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not count: a container's
+    first process may never reap them)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops a child's process group and waits until none of it runs: vLLM's engine core
+    is a grandchild that can outlive the child, holding its GPU memory while the next engine
+    checks for free memory."""
+    if proc.poll() is None or _group_alive(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        end = time.time() + grace
+        while time.time() < end and (proc.poll() is None or _group_alive(proc.pid)):
+            time.sleep(0.2)
+        if proc.poll() is not None and not _group_alive(proc.pid):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL if sig == signal.SIGTERM else sig)
 
 
 def _collect(job: dict[str, Any], work: Path, code: int | None) -> dict[str, Any]:
@@ -431,9 +447,8 @@ def run_jobs(jobs: list[dict[str, Any]], args: argparse.Namespace, work: Path) -
             for name, (proc, job, started, log) in list(alive.items()):
                 code = proc.poll()
                 late = code is None and (now - started > job["timeout"] or now > deadline)
-                if late:
-                    _stop(proc)
                 if code is not None or late:
+                    _stop(proc)  # also when it ended: its engine core may still be going
                     log.close()
                     results.append(_collect(job, work, proc.returncode if not late else None))
                     del alive[name]
@@ -504,7 +519,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=3)
     parser.add_argument("--gpu-gib", type=float, default=72.0, help="estimated GiB at once")
     parser.add_argument("--kv-pool-gib", type=float, default=5.0)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--shared-prefix", type=int, default=6144)

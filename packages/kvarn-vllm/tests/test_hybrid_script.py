@@ -144,3 +144,19 @@ def test_dry_run_plans_every_row_of_the_issue(tmp_path, registered, capsys):
     first, rest = args.batches["nemotron-h-8b"]
     assert all(p[:6144] == first[0][:6144] for p in rest) and len(rest) == 7
     assert "35 engines" in capsys.readouterr().out
+
+
+def test_stop_waits_for_a_grandchild_that_outlives_the_child():
+    """vLLM's engine core is a grandchild; one that outlives the engine's process would hold
+    its GPU memory while the next engine checks for free memory."""
+    import subprocess
+    import time
+
+    script = _script()
+    code = "import subprocess; subprocess.Popen(['sleep', '60']); print('spawned', flush=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    proc.wait(timeout=30)
+    assert script._group_alive(proc.pid)  # the child is gone, its grandchild is not
+    start = time.time()
+    script._stop(proc)
+    assert not script._group_alive(proc.pid) and time.time() - start < 10
