@@ -17,8 +17,9 @@ tile's tokens (or channels) are M, a multiple of 64, and the ``N = 16`` query ro
 group are N. On sm_90 Triton then emits ``wgmma`` (the codes as the register or shared-memory A
 operand, the query and probability columns as the small B operand), and the per-query vectors
 (running max, denominator) are rows of ``N`` columns. Compiled for sm_90 on the CPU
-(kvarn_k4v2_g128, head_dim 128, 4 warps): 1,406 SASS instructions per warp and tile in the loop,
-191 registers, wgmma for every dot (``tests/sm90_compile.py tiles``); not yet timed on a GPU.
+(kvarn_k4v2_g128, head_dim 128, 4 warps, ``tests/sm90_compile.py tiles``): 1,408 SASS
+instructions per warp and tile in the loop, 158 registers under the cap of 168, wgmma for every
+product (docs/kernels.md has every preset); not yet timed on a GPU.
 
 Query rows come prepared (:func:`kvarn_kernels.attention.prep.prepare_queries`: rotated, scaled by
 ``scale * log2(e)``, divided by their largest entry, fp16; a second frame for tiles whose keys are
@@ -27,9 +28,16 @@ stored in their own channels). With the record's scale folding (see ``kernel.py`
     s[t, m] = k_tok[t] * a[m] * (sum_d code[d, t] (q[m, d] k_scale[d]) + sum_d q[m, d] k_zero[d])
     o[d, m] += v_chan[d] * (sum_t vcode[t, d] (p[t, m] v_scale[t]) + sum_t p[t, m] v_zero[t])
 
-4-bit keys are scored by nibble halves (the even and odd tokens of a key byte, as the other
-kernels do); other widths are unpacked into token order. 1/2/4-bit value codes are unpacked per
-bit offset and interleaved into channel order in registers.
+4-bit keys of 128-token tiles are scored by nibble halves (the even and odd tokens of a key
+byte, as the other kernels do: two products of M = 64); 64-token tiles and other widths are
+unpacked into token order (one product of M = G; sm_90 compile of ``kvarn_k4v2_g64`` at
+head_dim 128: 863 loop instructions per tile against 1,289 by halves, whose M = 32 runs
+``mma.sync``). 1/2/4-bit value codes are unpacked per bit offset and interleaved into channel
+order in registers.
+
+Multi-query blocks (verify, chunk continuation) run the same program with ``BLOCK_Q`` query
+tokens x the GQA group as columns (up to 32), causal, window and own-K/V masks applied only on
+tiles where some key is hidden from some column.
 """
 
 from __future__ import annotations
@@ -66,8 +74,8 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 @triton.jit
 def _packed_codes(raw, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """fp16 codes ``[G, D]`` in order from the packed rows ``raw`` ``[G, D*BITS/8]`` of 1/2/4/8-bit
-    codes (code ``PER * n + k`` at bit ``BITS * k`` of byte ``n``): value rows, or 2-bit key
-    channels."""
+    codes (code ``PER * n + k`` at bit ``BITS * k`` of byte ``n``): value rows, or key channels
+    (2-bit keys, 4-bit keys of 64-token tiles)."""
     if BITS == 4:
         lo, hi = unpack_nibbles(raw)
         return tl.reshape(tl.join(lo, hi), [G, D])
@@ -268,8 +276,9 @@ def tiles_decode_partial_kernel(
             # (decode tiles never are, unless a window cuts them).
             masked = (t * G + G - 1 > q_lo) | (t * G + G > kv_end)
             masked = masked | ((window > 0) & (t * G <= q_hi - window))
-            if KEY_BITS == 4:
-                # The low and high nibbles of a key byte: tokens 2m and 2m + 1 (no reordering).
+            if (KEY_BITS == 4) and (G >= 128):
+                # The low and high nibbles of a key byte: tokens 2m and 2m + 1 (no reordering;
+                # halves of 64 tokens, wgmma's M; shorter tiles take token order below).
                 raw_k = tl.load(u8 + OFF_KC + mm[:, None] + d[None, :] * H)  # [H, D]
                 c0, c1 = unpack_nibbles(raw_k)
                 s0 = _finish(tl.dot(c0, qn), bias, at, u8, 2 * mm, OFF_KT)
@@ -291,7 +300,7 @@ def tiles_decode_partial_kernel(
                 pz = tl.sum(pz0 + pz1, axis=0)
             else:
                 raw_k = load_packed(u8 + OFF_KC, G * KEY_BITS // 8, True, D, G, KEY_BITS)
-                if KEY_BITS == 2:
+                if (KEY_BITS == 2) or (KEY_BITS == 4):
                     codes = _packed_codes(raw_k, D, G, KEY_BITS)  # [D, G] fp16, token order
                 else:
                     codes = unpack_loaded(raw_k, D, G, KEY_BITS).to(tl.float16)
