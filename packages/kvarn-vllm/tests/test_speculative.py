@@ -42,12 +42,21 @@ class SpecHarness:
         self.g = get_preset(preset).group_size
         self.vc = vllm_config_factory(preset, max_num_seqs=4, max_num_batched_tokens=256)
         self.vc.cache_config.block_size = self.g
-        # The builder and the layer read only these two fields of the speculative config.
+        # The builder and the layer read only these fields of the speculative config
+        # (vLLM 0.33's backend selection also reads enable_adaptive_verification).
         object.__setattr__(
             self.vc,
             "speculative_config",
-            SimpleNamespace(method=method, num_speculative_tokens=K),
+            SimpleNamespace(
+                method=method, num_speculative_tokens=K, enable_adaptive_verification=False
+            ),
         )
+        # EAGLE runs on vLLM's V2 model runner, n-gram on V1 (kvarn_vllm.speculative.SPEC_METHODS);
+        # set before the layer is built: the backend selection reads it on vLLM 0.29+.
+        from kvarn_vllm.speculative import SPEC_METHODS
+
+        v1 = method in SPEC_METHODS["v1"]
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if v1 else "1")
         torch.set_default_dtype(torch.float16)
         try:
             with set_current_vllm_config(self.vc):
@@ -61,16 +70,11 @@ class SpecHarness:
                 )
         finally:
             torch.set_default_dtype(torch.float32)
-        # EAGLE runs on vLLM's V2 model runner, n-gram on V1 (kvarn_vllm.speculative.SPEC_METHODS).
-        from kvarn_vllm.speculative import SPEC_METHODS
-
-        v1 = method in SPEC_METHODS["v1"]
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if v1 else "1")
-        spec = self.layer.get_kv_cache_spec(self.vc)
+        spec = _releases.worker_spec(self.layer, self.vc)  # as the release's worker has it
         builder_cls = self.layer.attn_backend.get_builder_cls()
         self.builder = builder_cls(spec, [self.layer.layer_name], self.vc, torch.device("cpu"))
-        shape = self.layer.attn_backend.get_kv_cache_shape(16, self.g, HKV, D)
-        self.kv_cache = torch.zeros(shape, dtype=torch.uint8)
+        cache = _releases.layer_cache(self.layer.attn_backend, spec, num_blocks=16)
+        self.kv_cache = _releases.records(cache)  # [num_blocks, HKV, tile_bytes]
         self.block_table = torch.arange(16, dtype=torch.int32).reshape(4, MAX_BLOCKS).flip(1)
         gen = torch.Generator().manual_seed(0)
         self.rand = lambda *s: torch.randn(*s, generator=gen).to(torch.float16)

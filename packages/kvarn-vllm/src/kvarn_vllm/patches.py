@@ -8,8 +8,8 @@ and no entry is applied on a release no adapter covers. Applying is idempotent: 
 finds the wrappers in place and does nothing.
 
 Public extension points used besides the ledger (no patching): the ``vllm.general_plugins``
-entry point and ``register_backend(AttentionBackendEnum.CUSTOM, ...)`` on every release; on
-0.33 also ``register_kv_cache_dtype`` and ``AttentionBackend.customize_spec``.
+entry point and ``register_backend(AttentionBackendEnum.CUSTOM, ...)`` on every release;
+``AttentionBackend.customize_spec`` on 0.29-0.33; ``register_kv_cache_dtype`` on 0.33.
 
 Private vLLM symbols read without patching, each through one :mod:`kvarn_vllm.compat`
 function: the running forward's context (``vllm.forward_context``: ``current_forward_context``,
@@ -170,6 +170,10 @@ def _align_hybrid(vllm_config, backend_cls, backends):
 
 DEFAULT_MAX_NUM_SEQS = 256
 
+# The release series of each adapter (kvarn_vllm.releases), for the ledger's releases fields.
+_CUSTOMIZE_SPEC_LITERAL = ("0.29", "0.30", "0.31", "0.32")  # vllm-0.29: customize_spec, Literal
+_ALL = ("0.26", "0.27", *_CUSTOMIZE_SPEC_LITERAL, "0.33")
+
 
 def _default_max_num_seqs(engine_args, was_unset: bool) -> None:
     """With a ``kvarn_*`` cache and no ``--max-num-seqs``, use at most 256 request slots.
@@ -244,8 +248,11 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM >= 0.33: register_kv_cache_dtype() does all of this publicly.",
         scope="process",
         apply=_widen_cache_dtype,
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. Not applied on 0.33: "
-        "the vllm-0.33 adapter calls vllm.config.cache.register_kv_cache_dtype instead",
+        releases=("0.26", "0.27", *_CUSTOMIZE_SPEC_LITERAL),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0, 0.30.0: sources "
+        "read, CPU tests. 0.27.1, 0.29.0, 0.31.0, 0.32.0: sources read (the same Literal, "
+        "pydantic fields and memoized kwargs). Not applied on 0.33: the vllm-0.33 adapter "
+        "calls vllm.config.cache.register_kv_cache_dtype instead",
     ),
     Patch(
         name="default-max-num-seqs",
@@ -260,9 +267,10 @@ LEDGER: tuple[Patch, ...] = (
         "KV pool) or vLLM lets a KV-cache dtype suggest scheduler defaults.",
         scope="process",
         apply=lambda: compat.wrap_default_max_num_seqs(_default_max_num_seqs),
-        releases=("0.26", "0.33"),
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read (same "
-        "signature, defaults still 1024 on large GPUs), CPU tests",
+        releases=_ALL,
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0, 0.30.0, 0.33.0: "
+        "sources read (same signature, defaults still 1024 on large GPUs), CPU tests. 0.27.1, "
+        "0.29.0, 0.31.0, 0.32.0: sources read",
     ),
     Patch(
         name="backend-selection",
@@ -278,9 +286,10 @@ LEDGER: tuple[Patch, ...] = (
         "(not yet in 0.33; a platform plugin is the alternative).",
         scope="process",
         apply=lambda: compat.wrap_backend_selection(_select_backend),
-        releases=("0.26", "0.33"),
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read (the "
-        "function gained a keyword-only _run_kv_cache_dtype, passed through), CPU tests",
+        releases=_ALL,
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0, 0.30.0, 0.33.0: "
+        "sources read, CPU tests. 0.27.1, 0.29.0, 0.31.0, 0.32.0: sources read (0.31.0 on: "
+        "a keyword-only _run_kv_cache_dtype, passed through)",
     ),
     Patch(
         name="kv-cache-spec",
@@ -292,16 +301,19 @@ LEDGER: tuple[Patch, ...] = (
         "tile_bytes, block_size = G, or whole tiles in a hybrid model); also refuse "
         "skip-layers, and a hybrid page the alignment (hybrid-block-size) did not match, "
         "clearly.",
-        remove_when="vLLM >= 0.28: AttentionBackend.customize_spec (state_content_bytes).",
+        remove_when="vLLM >= 0.29: AttentionBackend.customize_spec (state_content_bytes, "
+        "tokens_per_state); removed there.",
         scope="process",
         apply=lambda: compat.wrap_attention_kv_cache_spec(_make_spec),
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. Not applied on 0.33: the "
-        "backend's public customize_spec gives the page there",
+        releases=("0.26", "0.27"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0: sources read, CPU "
+        "tests; 0.27.1: sources read. Not applied on 0.29-0.33: the backend's public "
+        "customize_spec gives the page there (0.28's customize_spec has no tokens_per_state "
+        "and no adapter serves 0.28)",
     ),
     Patch(
         name="mla-kv-cache-spec",
-        target="vllm.model_executor.layers.attention.mla_attention.MLAAttention."
-        "get_kv_cache_spec",
+        target="vllm.model_executor.layers.attention.mla_attention.MLAAttention.get_kv_cache_spec",
         why="vLLM 0.26 sizes an MLA page as block_size * (kv_lora_rank + rope) * dtype size; "
         "a latent record (kvarn_math.mla) is 330 bytes a token at 512 + 64, not 576 of any "
         "dtype, so pages would be sized wrong.",
@@ -331,6 +343,11 @@ LEDGER: tuple[Patch, ...] = (
         "(a customize_spec that may declare tokens_per_state > 1), not in 0.33.",
         scope="process",
         apply=lambda: compat.wrap_hybrid_block_alignment(_align_hybrid),
+        releases=("0.26", "0.27", "0.33"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0: sources read, CPU "
+        "tests; 0.27.1: sources read. 0.33.0: sources read, CPU tests (the alignment against "
+        "0.33's planner, test_hybrid_v033; the layer views in kernel blocks of one tile, "
+        "test_releases_v033); no GPU run. Not applied on 0.29-0.32 (hybrid models refused)",
     ),
     Patch(
         name="request-rows",
@@ -350,9 +367,10 @@ LEDGER: tuple[Patch, ...] = (
         "new-request signal would still be needed for speculative decoding).",
         scope="worker",
         apply=_install_step_hook,
-        releases=("0.26", "0.33"),
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read "
-        "(prepare_dummy_attn gained valid_state_slots, passed through), CPU tests; no GPU run",
+        releases=_ALL,
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0, 0.30.0, 0.33.0: "
+        "sources read, CPU tests; no GPU run. 0.27.1, 0.29.0, 0.31.0, 0.32.0: sources read "
+        "(0.30.0 on: prepare_dummy_attn gained valid_state_slots, passed through)",
     ),
     Patch(
         name="request-ids-v1",
@@ -371,9 +389,11 @@ LEDGER: tuple[Patch, ...] = (
         "new-request signal would still be needed for speculative decoding).",
         scope="worker",
         apply=_install_v1_step_hook,
-        releases=("0.26", "0.33"),
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.33.0: sources read (same "
-        "signatures), CPU tests; no GPU run",
+        releases=_ALL,
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0, 0.30.0, 0.33.0: "
+        "sources read, CPU tests (n-gram verify steps); no GPU run. 0.27.1, 0.29.0, 0.31.0, "
+        "0.32.0: sources read (_build_attention_metadata's arguments change; num_reqs is "
+        "found by name)",
     ),
     Patch(
         name="draft-steps",
@@ -389,9 +409,12 @@ LEDGER: tuple[Patch, ...] = (
         "CommonAttentionMetadata (not in 0.33).",
         scope="worker",
         apply=_install_draft_hook,
-        checked="0.26.0: sources read, CPU tests, H200/H100 runs. Absent from 0.30.0 on "
-        "(drafters build metadata through _build_attn_metadata(step=...)): speculative "
-        "decoding with kvarn is refused at start-up on 0.33",
+        releases=("0.26", "0.27"),
+        checked="0.26.0: sources read, CPU tests, H200/H100 runs. 0.27.0: sources read (the "
+        "method gained seq_lens_cpu_upper_bound, step, query_start_loc_np, passed through), "
+        "CPU tests; 0.27.1: sources read. Absent from 0.30.0 on (drafters build metadata "
+        "through _build_attn_metadata(step=...)): drafter-model speculation is refused "
+        "at start-up on 0.29-0.33",
     ),
     Patch(
         name="dflash-context-store",
@@ -408,8 +431,10 @@ LEDGER: tuple[Patch, ...] = (
         "lengths) to do_kv_cache_update (not in 0.33).",
         scope="worker",
         apply=_install_dflash_hook,
-        checked="0.26.0: sources read, CPU tests, H200 runs. Not applied on 0.33 (speculative "
-        "decoding with kvarn is refused there)",
+        releases=("0.26", "0.27"),
+        checked="0.26.0: sources read, CPU tests, H200 runs. 0.27.0: sources read, CPU "
+        "tests; 0.27.1: sources read. Not applied on 0.29-0.33 (drafter-model speculation "
+        "with kvarn is refused there)",
     ),
 )
 

@@ -18,7 +18,10 @@ from typing import Any
 
 __all__ = [
     "ADAPTERS",
+    "NOT_SERVED",
     "VLLM_026",
+    "VLLM_027",
+    "VLLM_029",
     "VLLM_033",
     "Adapter",
     "UnsupportedVllmVersion",
@@ -122,12 +125,107 @@ class Adapter:
         return self.unserved_in(vllm_config)
 
 
+def _use_v2_runner(vllm_config: Any) -> bool:
+    """Whether ``vllm_config`` runs vLLM's V2 model runner (False where it cannot tell)."""
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except Exception:  # a partial config (tests) or a release without the property
+        return False
+
+
+def _unserved_multi_module_mtp(vllm_config: Any) -> list[str]:
+    """0.27+: MTP with several modules (``num_nextn_predict_layers`` > 1) drafts mixed
+    prefill/decode query layouts through one metadata build, which kvarn's draft steps
+    (one query shape per step) do not plan."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    use = getattr(spec, "use_multi_module_mtp", None)
+    if spec is not None and use is not None and use():
+        return [
+            "multi-module MTP (several MTP modules draft mixed prefill/decode query layouts "
+            "in one metadata build, vLLM 0.27+; kvarn's draft steps plan one query shape "
+            "per step), served nowhere yet; single-module MTP is served on 0.26.x and 0.27.x"
+        ]
+    return []
+
+
 VLLM_026 = Adapter(
     name="vllm-0.26",
     series=((0, 26),),
     checked=("0.26.0",),
     public=("vllm.v1.attention.backends.registry.register_backend",),
 )
+
+VLLM_027 = Adapter(
+    name="vllm-0.27",
+    series=((0, 27),),
+    checked=("0.27.0", "0.27.1"),
+    public=("vllm.v1.attention.backends.registry.register_backend",),
+    unserved_in=_unserved_multi_module_mtp,
+)
+"""0.27 keeps 0.26's internals (no ``customize_spec``, ``get_kv_cache_shape`` allocation),
+so every 0.26 ledger entry applies; its drafter metadata method gained arguments kvarn
+passes through. New in 0.27: multi-module MTP, refused. 0.27.1 differs from 0.27.0 only in
+a model file (``qwen3_dspark.py``) and the version."""
+
+_SPEC_REFUSED_030 = (
+    "speculative decoding with a drafter model (EAGLE, EAGLE-3, MTP, DFlash): from vLLM 0.30 "
+    "the drafters build their steps' metadata through DraftModelSpeculator._build_attn_metadata"
+    "(step=...), which calls every builder's plain build(); nothing public (build_for_drafting "
+    "is not called there) tells kvarn a step's tokens are all drafts, which must not commit "
+    "tiles. Served on vLLM 0.26.x and 0.27.x"
+)
+
+
+def _unserved_customize_spec(vllm_config: Any, adapter: Adapter) -> list[str]:
+    """What the adapters on ``customize_spec`` releases (0.29+) refuse for ``vllm_config``."""
+    reasons = []
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        method = getattr(spec, "method", None)
+        if method not in ("ngram", "ngram_gpu"):
+            reasons.append(_SPEC_REFUSED_030)
+        elif _use_v2_runner(vllm_config):
+            reasons.append(
+                f"speculative method {method!r} on vLLM's V2 model runner (n-gram is served "
+                "on the V1 runner, whose per-request hooks kvarn has: set "
+                "VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
+    cache_config = getattr(vllm_config, "cache_config", None)
+    if cache_config is not None and cache_config.kv_cache_dtype_skip_layers:
+        reasons.append(
+            "--kv-cache-dtype-skip-layers (vLLM 0.29+ sizes the shared page of the kvarn and "
+            "the skipped layers per token through the kvarn backend's customize_spec on a "
+            "one-token spec; a tile record has no whole bytes per token, so the pages would "
+            "not match; served nowhere yet: 0.26.x and 0.27.x refuse it per layer)"
+        )
+    model_config = getattr(vllm_config, "model_config", None)
+    hybrid = model_config is not None and getattr(model_config, "is_hybrid", False)
+    if hybrid and "hybrid-block-size" not in adapter.patches:
+        reasons.append(
+            "hybrid (Mamba/linear-attention) models (vLLM's hybrid alignment sizes the "
+            "attention page per token through customize_spec, which a tile record cannot "
+            "give exactly; kvarn's own alignment, ledger entry hybrid-block-size, is not "
+            "applied on these releases), served on vLLM 0.26.x, 0.27.x and 0.33.x"
+        )
+    return reasons
+
+
+VLLM_029 = Adapter(
+    name="vllm-0.29",
+    series=((0, 29), (0, 30), (0, 31), (0, 32)),
+    checked=("0.29.0", "0.30.0", "0.31.0", "0.32.0"),
+    public=(
+        "vllm.v1.attention.backends.registry.register_backend",
+        "vllm.v1.attention.backend.AttentionBackend.customize_spec",
+        "vllm.v1.attention.backend.AttentionBackend.supported_kv_cache_layouts",
+    ),
+    unserved_in=lambda config: _unserved_customize_spec(config, VLLM_029),
+)
+"""0.29-0.32: the backend sizes its page with ``customize_spec`` and vLLM views every
+layer's cache as ``[B, H, N, C]`` (no ``get_kv_cache_shape``), as on 0.33; but the cache
+dtype is still a closed Literal, so ``kv-cache-dtype-values`` stays. 0.28 has
+``customize_spec`` without ``tokens_per_state`` and still allocates through
+``get_kv_cache_shape``: a third page API that no adapter serves."""
 
 
 def _register_cache_dtypes_033() -> None:
@@ -157,26 +255,6 @@ def _register_cache_dtypes_033() -> None:
             register_kv_cache_dtype(name)(type("KvarnCacheDType", (), members))
 
 
-def _unserved_033(vllm_config: Any) -> list[str]:
-    reasons = []
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        reasons.append(
-            "speculative decoding (kvarn's draft and verify hooks follow vLLM 0.26's model "
-            "runners; 0.30 rebuilt the drafters' metadata path), served on vLLM 0.26.x"
-        )
-    cache_config = getattr(vllm_config, "cache_config", None)
-    if cache_config is not None and cache_config.kv_cache_dtype_skip_layers:
-        reasons.append("--kv-cache-dtype-skip-layers (mixed page formats in one pool)")
-    model_config = getattr(vllm_config, "model_config", None)
-    hybrid = model_config is not None and getattr(model_config, "is_hybrid", False)
-    if hybrid and "hybrid-block-size" not in VLLM_033.patches:
-        reasons.append(
-            "hybrid (Mamba/linear-attention) models (their page alignment is not adapted "
-            "to 0.33 yet)"
-        )
-    return reasons
-
-
 VLLM_033 = Adapter(
     name="vllm-0.33",
     series=((0, 33),),
@@ -188,11 +266,21 @@ VLLM_033 = Adapter(
         "vllm.v1.attention.backend.AttentionBackend.supported_kv_cache_layouts",
     ),
     register_public=_register_cache_dtypes_033,
-    unserved_in=_unserved_033,
+    unserved_in=lambda config: _unserved_customize_spec(config, VLLM_033),
 )
 
-ADAPTERS: tuple[Adapter, ...] = (VLLM_026, VLLM_033)
+ADAPTERS: tuple[Adapter, ...] = (VLLM_026, VLLM_027, VLLM_029, VLLM_033)
 """Every adapter, oldest release first."""
+
+NOT_SERVED: dict[tuple[int, int], str] = {
+    (0, 28): (
+        "vLLM 0.28 sizes pages through AttentionBackend.customize_spec but has no "
+        "tokens_per_state (a page is bytes per token times tokens, and a tile record has "
+        "no whole bytes per token) and still allocates through get_kv_cache_shape, a page "
+        "API between 0.27's and 0.29's that no adapter covers"
+    ),
+}
+"""Release series inside the served range that no adapter covers, and why."""
 
 
 def supported_releases() -> str:
@@ -218,8 +306,10 @@ def unsupported_message(version: str | None = None) -> str:
         own = metadata.version("kvarn-vllm")
     except metadata.PackageNotFoundError:
         own = "(not installed)"
+    why = NOT_SERVED.get(parse_version(version)[:2])
     return (
-        f"kvarn: kvarn-vllm {own} serves vLLM {supported_releases()}; found vLLM {version}. "
+        f"kvarn: kvarn-vllm {own} serves vLLM {supported_releases()}; found vLLM {version}"
+        f"{f' ({why})' if why else ''}. "
         "The plugin changed nothing: vLLM runs as without it, every other kv_cache_dtype "
         "works, and kv_cache_dtype kvarn_* is not available (vLLM rejects the name). "
         f"Install a vLLM release in {supported_releases()} or a kvarn-vllm release made for "
