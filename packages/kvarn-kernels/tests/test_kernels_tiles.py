@@ -105,32 +105,37 @@ _SHAPES = [(64, 32, 8), (128, 32, 8), (256, 16, 8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window", [None, 700])
 @pytest.mark.parametrize(("d", "hq", "hkv"), _SHAPES)
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_tiles_kernel_realistic(
-    preset: str, d: int, hq: int, hkv: int, window: int | None, count_tiles: list[int]
+    preset: str, d: int, hq: int, hkv: int, count_tiles: list[int]
 ) -> None:
-    """Every preset and head size, bf16, with sink rows and a window: against the reference
-    and the single-kernel Triton path (``set_tiles_decode(False)``) of the same call."""
+    """Every preset and head size, bf16, with sink rows, without and with a window: against the
+    reference and the single-kernel Triton path (``set_tiles_decode(False)``) of the same
+    call."""
     dtype = torch.bfloat16
-    batch, q, args, kwargs = _realistic(preset, d, hq, hkv, dtype, window)
-    out = kk.decode_attention(*args, **kwargs)
-    gluon = launch.fast_decode_applies(args[0], tile_layout(preset, d), hkv, window)
-    assert count_tiles[0] == (0 if gluon else 1)
-    launch.set_tiles_decode(False)
-    try:
-        legacy = kk.decode_attention(*args, **kwargs)
-    finally:
-        launch.set_tiles_decode(True)
-    q_in = torch.from_numpy(q).to(dtype).float().numpy()
-    for b, ref in enumerate(batch.refs):
-        want = reference_attention(q_in[b : b + 1], staged_reference(ref, dtype), d**-0.5, window)
-        got = out[b : b + 1].float().cpu().numpy()
-        assert_close_rms(want, got, TOL[dtype], what=f"seq {b}")
-        base = legacy[b : b + 1].float().cpu().numpy()
-        assert_close_rms(base, got, TOL[dtype], what=f"seq {b} against the Triton kernel alone")
-    assert np.isfinite(out.float().cpu().numpy()).all()
+    batch, q, args, kwargs = _realistic(preset, d, hq, hkv, dtype, None)
+    for window in (None, 700):
+        count_tiles[0] = 0
+        kwargs = {**kwargs, "sliding_window": window}
+        out = kk.decode_attention(*args, **kwargs)
+        gluon = launch.fast_decode_applies(args[0], tile_layout(preset, d), hkv, window)
+        assert count_tiles[0] == (0 if gluon else 1)
+        launch.set_tiles_decode(False)
+        try:
+            legacy = kk.decode_attention(*args, **kwargs)
+        finally:
+            launch.set_tiles_decode(True)
+        q_in = torch.from_numpy(q).to(dtype).float().numpy()
+        for b, ref in enumerate(batch.refs):
+            want = reference_attention(
+                q_in[b : b + 1], staged_reference(ref, dtype), d**-0.5, window
+            )
+            got = out[b : b + 1].float().cpu().numpy()
+            assert_close_rms(want, got, TOL[dtype], what=f"seq {b} window {window}")
+            base = legacy[b : b + 1].float().cpu().numpy()
+            assert_close_rms(base, got, TOL[dtype], what=f"seq {b} window {window}, old path")
+        assert np.isfinite(out.float().cpu().numpy()).all()
 
 
 @pytest.mark.gpu
