@@ -119,6 +119,14 @@ def _queries(batch_size: int, heads: int, seed: int = 5) -> tuple[np.ndarray, np
         ),
         # 16 heads in a 64-head program (48 masked), whole 64-row chunks, 2-bit codes
         ("kvarn_mla_l2_g128", 16, [128 * 2 + 127], [128 * 2], {"heads_per_program": 64}),
+        # the dots transposed (tokens on M), 20 heads in 32-head programs, a tail, 2 splits
+        (
+            "kvarn_mla_l4_g64",
+            20,
+            [64 * 3 + 37, 50],
+            [64 * 3, 0],
+            {"tokens_on_m": True, "num_splits": 2, "heads_per_program": 32},
+        ),
     ],
 )
 def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, kw) -> None:

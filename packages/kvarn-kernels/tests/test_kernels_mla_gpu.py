@@ -150,6 +150,13 @@ VARIANTS = [
     ("kvarn_mla_l4_g128", 16, torch.bfloat16, {"num_stages": 3, "num_splits": 64}),
     ("kvarn_mla_l4_g128", 128, torch.bfloat16, {"heads_per_program": 64, "block_tokens": 32}),
     ("kvarn_mla_l4_g128", 128, torch.bfloat16, {"heads_per_program": 16, "block_tokens": 32}),
+    ("kvarn_mla_l4_g128", 16, torch.bfloat16, {"tokens_on_m": True, "block_tokens": 64}),
+    (
+        "kvarn_mla_l4_g128",
+        128,
+        torch.bfloat16,
+        {"tokens_on_m": True, "heads_per_program": 32, "block_tokens": 64, "num_warps": 8},
+    ),
 ]
 
 

@@ -166,10 +166,13 @@ def _sweep_settings(heads: int, splits: int) -> list[dict[str, Any]]:
             {"block_tokens": 64, "num_warps": 8},
             {"block_tokens": 64, "num_warps": 4},
             {"block_tokens": 32, "num_warps": 4, "num_stages": 3},
+            {"tokens_on_m": True, "block_tokens": 64, "num_warps": 4},
+            {"tokens_on_m": True, "block_tokens": 128, "num_warps": 8},
         ]
     else:
         alts = [
             {"heads_per_program": 64, "block_tokens": 32, "num_warps": 8},
+            {"tokens_on_m": True, "heads_per_program": 32, "block_tokens": 64, "num_warps": 8},
             {"heads_per_program": 32, "block_tokens": 32, "num_warps": 8},
             {"heads_per_program": 16, "block_tokens": 32, "num_warps": 4},
         ]

@@ -179,6 +179,71 @@ def _attend(
 
 
 @triton.jit
+def _attend_t(
+    q0,
+    q1,
+    qpe,
+    qs0,
+    qs1,
+    x0,
+    x1,
+    pe,
+    step0,
+    step1,
+    zero0,
+    zero1,
+    pscale,
+    valid,
+    m,
+    l_sum,
+    a0,
+    a1,
+    z0,
+    z1,
+    scale,
+    OFF: tl.constexpr,
+    NG: tl.constexpr,
+    DOT_T: tl.constexpr,
+):
+    """:func:`_attend` transposed, tokens on the M side of the dots (``wgmma`` on sm_90, the
+    codes its A operand, the query and weight columns the small B operand): ``q{g}`` ``[W,
+    HB]``, ``qpe`` ``[R, HB]``, scores ``[T, HB]``, ``a{g}`` ``[W, HB]``."""
+    s = _dot(pe, qpe, DOT_T) * pscale[:, None]
+    s += _dot(x0, q0, DOT_T) * step0[:, None]
+    s += (zero0 - OFF * step0)[:, None] * qs0[None, :]
+    if NG > 1:
+        s += _dot(x1, q1, DOT_T) * step1[:, None]
+        s += (zero1 - OFF * step1)[:, None] * qs1[None, :]
+    s = tl.where(valid[:, None], s * scale, -1.0e30)
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    p = tl.where(valid[:, None], p, 0.0)
+    l_sum = l_sum * alpha + tl.sum(p, axis=0)
+    p0 = (p * step0[:, None]).to(DOT_T)
+    a0 = a0 * alpha[None, :] + _dot(tl.trans(x0), p0, DOT_T)
+    z0 = z0 * alpha + tl.sum(p * zero0[:, None] - OFF * p0.to(tl.float32), axis=0)
+    if NG > 1:
+        p1 = (p * step1[:, None]).to(DOT_T)
+        a1 = a1 * alpha[None, :] + _dot(tl.trans(x1), p1, DOT_T)
+        z1 = z1 * alpha + tl.sum(p * zero1[:, None] - OFF * p1.to(tl.float32), axis=0)
+    return m_new, l_sum, a0, a1, z0, z1
+
+
+@triton.jit
+def _step(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, ze0, ze1, ps, valid, m, l_sum, a0, a1, z0,
+          z1, scale, OFF: tl.constexpr, NG: tl.constexpr, DOT_T: tl.constexpr,
+          TOKENS_M: tl.constexpr):  # fmt: skip
+    """:func:`_attend_t` (``TOKENS_M``) or :func:`_attend`."""
+    if TOKENS_M:
+        return _attend_t(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, ze0, ze1, ps, valid, m,
+                         l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T)  # fmt: skip
+    else:
+        return _attend(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, ze0, ze1, ps, valid, m,
+                       l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T)  # fmt: skip
+
+
+@triton.jit
 def _row_scales(cache_f16, base, rows, g, NG: tl.constexpr, OFF_SCALE: tl.constexpr, OFF_ZERO):
     """Per-token step and zero of channel group ``g`` (float32 ``[len(rows)]`` each)."""
     step = tl.load(cache_f16 + (base + OFF_SCALE) // 2 + rows * NG + g).to(tl.float32)
@@ -229,6 +294,7 @@ def mla_decode_kernel(
     DOT_T: tl.constexpr,
     ASM: tl.constexpr,
     ASM_C: tl.constexpr,
+    TOKENS_M: tl.constexpr,
 ):
     """Program ``(head block, split, b)``: partial attention of ``HB`` heads over split ``s`` of
     the sequence's tiles (``ceil(tiles / S)`` a split, at least ``min_tiles``), the quantized
@@ -246,23 +312,36 @@ def mla_decode_kernel(
     heads = hb * HB + tl.arange(0, HB)
     hmask = heads < H
     w = tl.arange(0, W)
-    qrow = ql_ptr + b.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + w[None, :]
-    q0 = tl.load(qrow, mask=hmask[:, None], other=0.0).to(DOT_T)
-    q1 = q0
-    if NG > 1:
-        q1 = tl.load(qrow + W, mask=hmask[:, None], other=0.0).to(DOT_T)
-    qs0 = tl.sum(q0.to(tl.float32), axis=1)
-    qs1 = tl.sum(q1.to(tl.float32), axis=1)
     r = tl.arange(0, R)
-    qpe = tl.load(
-        qpe_ptr + b.to(tl.int64) * qpe_stride_b + heads[:, None] * qpe_stride_h + r[None, :],
-        mask=hmask[:, None],
-        other=0.0,
-    ).to(DOT_T)
+    q_b = ql_ptr + b.to(tl.int64) * q_stride_b
+    qpe_b = qpe_ptr + b.to(tl.int64) * qpe_stride_b
+    if TOKENS_M:  # query columns: [W, HB], [R, HB]; accumulators [W, HB]
+        qcol = q_b + heads[None, :] * q_stride_h + w[:, None]
+        q0 = tl.load(qcol, mask=hmask[None, :], other=0.0).to(DOT_T)
+        q1 = q0
+        if NG > 1:
+            q1 = tl.load(qcol + W, mask=hmask[None, :], other=0.0).to(DOT_T)
+        qs0 = tl.sum(q0.to(tl.float32), axis=0)
+        qs1 = tl.sum(q1.to(tl.float32), axis=0)
+        qpe = tl.load(
+            qpe_b + heads[None, :] * qpe_stride_h + r[:, None], mask=hmask[None, :], other=0.0
+        ).to(DOT_T)
+        a0 = tl.zeros((W, HB), tl.float32)
+    else:  # query rows: [HB, W], [HB, R]; accumulators [HB, W]
+        qrow = q_b + heads[:, None] * q_stride_h + w[None, :]
+        q0 = tl.load(qrow, mask=hmask[:, None], other=0.0).to(DOT_T)
+        q1 = q0
+        if NG > 1:
+            q1 = tl.load(qrow + W, mask=hmask[:, None], other=0.0).to(DOT_T)
+        qs0 = tl.sum(q0.to(tl.float32), axis=1)
+        qs1 = tl.sum(q1.to(tl.float32), axis=1)
+        qpe = tl.load(
+            qpe_b + heads[:, None] * qpe_stride_h + r[None, :], mask=hmask[:, None], other=0.0
+        ).to(DOT_T)
+        a0 = tl.zeros((HB, W), tl.float32)
     scale = sm_scale * 1.4426950408889634  # log2(e)
     m = tl.full((HB,), -1.0e30, tl.float32)
     l_sum = tl.zeros((HB,), tl.float32)
-    a0 = tl.zeros((HB, W), tl.float32)
     a1 = a0
     z0 = tl.zeros((HB,), tl.float32)
     z1 = z0
@@ -292,9 +371,9 @@ def mla_decode_kernel(
             step1, zero1 = _row_scales(cache_f16, base, rows, 1, NG, OFF_SCALE, OFF_ZERO)
         pe = tl.load(cache_i8 + base + OFF_ROPE + rows[:, None] * R + r[None, :]).to(DOT_T)
         pscale = tl.load(cache_f16 + (base + OFF_ROPE_SCALE) // 2 + rows).to(tl.float32)
-        m, l_sum, a0, a1, z0, z1 = _attend(
+        m, l_sum, a0, a1, z0, z1 = _step(
             q0, q1, qpe, qs0, qs1, x0, x1, pe, step0, step1, zero0, zero1, pscale,
-            every, m, l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T,
+            every, m, l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T, TOKENS_M,
         )  # fmt: skip
     # the staged tail: exact rows [latent | rope], step 1 and zero 0
     row_base = tl.load(slots_ptr + b).to(tl.int64) * st_stride_slot
@@ -311,15 +390,21 @@ def mla_decode_kernel(
         if NG > 1:
             x1 = tl.load(src + W + w[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
         pe = tl.load(src + L + r[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
-        m, l_sum, a0, a1, z0, z1 = _attend(
+        m, l_sum, a0, a1, z0, z1 = _step(
             q0, q1, qpe, qs0, qs1, x0, x1, pe, ones, ones, nil, nil, ones,
-            valid, m, l_sum, a0, a1, z0, z1, scale, 0.0, NG, DOT_T,
+            valid, m, l_sum, a0, a1, z0, z1, scale, 0.0, NG, DOT_T, TOKENS_M,
         )  # fmt: skip
     part = (b * H + heads).to(tl.int64) * num_splits + s
-    dst = ws_acc + part[:, None] * L + w[None, :]
-    tl.store(dst, a0 + z0[:, None], mask=hmask[:, None])
-    if NG > 1:
-        tl.store(dst + W, a1 + z1[:, None], mask=hmask[:, None])
+    if TOKENS_M:
+        dst = ws_acc + part[None, :] * L + w[:, None]
+        tl.store(dst, a0 + z0[None, :], mask=hmask[None, :])
+        if NG > 1:
+            tl.store(dst + W, a1 + z1[None, :], mask=hmask[None, :])
+    else:
+        dst = ws_acc + part[:, None] * L + w[None, :]
+        tl.store(dst, a0 + z0[:, None], mask=hmask[:, None])
+        if NG > 1:
+            tl.store(dst + W, a1 + z1[:, None], mask=hmask[:, None])
     tl.store(ws_ml + part * 2, m, mask=hmask)
     tl.store(ws_ml + part * 2 + 1, l_sum, mask=hmask)
 

@@ -298,6 +298,7 @@ def mla_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_tiles: int | None = None,
+    tokens_on_m: bool = False,
 ) -> torch.Tensor:
     """Absorbed-weight MLA decode over the quantized latent cache plus the staged tail.
 
@@ -325,6 +326,8 @@ def mla_decode_attention(
             float rounding).
         min_tiles: tiles a split at least (``None``: 4): a sequence of ``n`` tiles is shared
             out ``max(ceil(n / splits), min_tiles)`` a split, so short ones use fewer splits.
+        tokens_on_m: the dots transposed, tokens on their M side (``wgmma`` on sm_90; an
+            alternative measured by the benchmark's sweep, not the default).
 
     Returns:
         ``[B, H, L]`` attention output in latent space (multiply by ``W_UV`` per head).
@@ -430,6 +433,7 @@ def mla_decode_attention(
         DOT_T=_DOT_TYPES[q_latent.dtype],
         ASM=asm,
         ASM_C=asm_c,
+        TOKENS_M=tokens_on_m,
         **_offsets(lay),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
