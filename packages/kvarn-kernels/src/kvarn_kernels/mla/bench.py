@@ -9,9 +9,9 @@ the staged tail) and their fraction of the measured copy bandwidth; beside it, o
 tokens as a dense bf16 latent (1,152 bytes a token), (a) the same absorbed decode in torch (two
 cuBLAS batched matmuls and a softmax: ``bf16_torch``) and (b) vLLM's TritonMLA decode kernel
 (``decode_attention_fwd``, 64-token pages: ``bf16_vllm_triton``) when vLLM imports; the
-quantize-on-write cost and the dequantize/gather throughput. ``--sweep`` also times other
-launch settings (chunk rows, warps, heads a program, splits, the portable unpack) at batch 16,
-context 16K. Writes JSON (``--out``, default ``$OUT/mla_bench.json`` when ``$OUT`` is set)
+quantize-on-write cost and the dequantize/gather throughput. ``--sweep`` instead times other
+launch settings (chunk rows, warps, heads a program, the dots transposed, splits, the portable
+unpack) beside the default at batch 16, context 16K, first preset only. Writes JSON (``--out``, default ``$OUT/mla_bench.json`` when ``$OUT`` is set)
 and prints markdown tables.
 """
 
@@ -308,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.quick:
             sizes = [(1, 32768), (16, 16384)]
         head_counts, store_sizes, gather = (16, 128), (256, 32768), 32768
+        if args.sweep:  # the sweep's shape only, first preset, no store or dequantize rows
+            sizes, store_sizes, args.presets = [SWEEP_SHAPE], (), args.presets[:1]
     DTYPE[0] = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.manual_seed(0)
     hbm = measure_hbm_bandwidth(device, args.quick)
@@ -338,9 +340,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 save()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        for r in [_store_cost(preset, n, device, args.quick) for n in store_sizes] + [
-            _dequantize_cost(preset, gather, device, args.quick)
-        ]:
+        costs = [_store_cost(preset, n, device, args.quick) for n in store_sizes]
+        if not args.sweep:
+            costs.append(_dequantize_cost(preset, gather, device, args.quick))
+        for r in costs:
             r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
             rows.append(r)
         save()
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=default_out, help="JSON results file")
     parser.add_argument("--quick", action="store_true", help="two sizes per shape")
     parser.add_argument(
-        "--sweep", action="store_true", help="time other launch settings at batch 16 x 16K"
+        "--sweep", action="store_true", help="only: other launch settings at batch 16 x 16K"
     )
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument(
