@@ -13,21 +13,14 @@ import argparse
 from typing import Any
 
 from kvarn_eval.longctx import DEFAULT_CPU_METHODS, DEFAULT_LENGTHS, TASKS, LongCtxOptions
-from kvarn_eval.suites import BenchContext, BenchOptions, Suite, register_suite
+from kvarn_eval.suites import BenchContext, BenchOptions, Suite, int_list, register_suite
 
 __all__ = ["add_longctx_arguments", "longctx_options_from_args"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return values
+    """Comma-separated integers of any sign (the lengths' bounds are LongCtxOptions')."""
+    return int_list(text, positive=False)
 
 
 def add_longctx_arguments(bench: argparse.ArgumentParser) -> None:
