@@ -204,9 +204,11 @@ def check_hybrid_drafter(vllm_config: Any) -> None:
         ValueError: for a V2-only method on the V1 runner, naming the method, the runner
             and ``VLLM_USE_V2_MODEL_RUNNER=1`` (or the alternatives).
     """
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    if spec_cfg is None:
+        return
     from kvarn_vllm.speculative import SPEC_METHODS
 
-    spec_cfg = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec_cfg, "method", None)
     if method not in SPEC_METHODS["v2"] or getattr(vllm_config, "use_v2_model_runner", True):
         return
