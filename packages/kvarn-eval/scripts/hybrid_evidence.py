@@ -48,6 +48,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -410,8 +411,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _collect(job: dict[str, Any], work: Path, code: int | None) -> dict[str, Any]:
+    """The engine's result (or why there is none), its log's capacity and staging lines;
+    the log's last 40,000 characters are kept in ``work/logs`` (the rest of ``work`` is
+    spec and result files that ``hybrid.json`` holds)."""
     slug = job["slug"]
     output = (work / f"{slug}.log").read_text(errors="replace")
+    (work / "logs").mkdir(exist_ok=True)
+    (work / "logs" / f"{slug}.log").write_text(output[-40000:])
     result_path = work / f"{slug}.result.json"
     if result_path.exists():
         result = json.loads(result_path.read_text())
@@ -574,8 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         (out / "hybrid.md").write_text(report([], args, SHAPES))
         return 0
-    work = out / "engines"
-    work.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hybrid-engines-"))
     start = time.time()
     results: list[dict[str, Any]] = []
 
@@ -604,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):
             payload["args"]["out"] = str(out)
         (out / "hybrid.json").write_text(json.dumps(payload, indent=1, default=str))
+        if (work / "logs").is_dir():  # engine logs (tails) beside the results
+            shutil.copytree(work / "logs", out / "logs", dirs_exist_ok=True)
         (out / "hybrid.md").write_text(report(results, args, SHAPES))
         print((out / "hybrid.md").read_text(), flush=True)
     return 0 if results and all(r.get("ok") for r in results) else 1

@@ -77,6 +77,9 @@ def test_jobs_run_side_by_side_within_limits_and_report(tmp_path, registered):
     payload = json.loads((out / "hybrid.json").read_text())
     runs = {r["name"]: r for r in payload["runs"]}
     assert len(runs) == 7, sorted(runs)
+    # Only results, the engines' log tails and the configs come back (no spec files).
+    assert (out / "logs" / "nemotron-h-8b-fp8-eager-noprefix.log").read_text().strip()
+    assert not list(out.rglob("*.spec.json"))
     failed = runs["nemotron-h-8b-fp8-eager-noprefix"]
     assert not failed["ok"] and "exit 3" in failed["error"] and "no fp8 here" in failed["error"]
     # Never more than two engines alive at once (launch to end, from the engines' own clocks).
