@@ -143,7 +143,7 @@ def test_magic_numbers_are_completions_over_a_digit_free_haystack(tok: Any) -> N
     cells = build_cells(tok, text, ["magic_numbers"], [4096], 2 * MAGIC_NEEDLES + 3)
     (cell,) = cells.values()
     assert [len(c.items) for c in cell] == [MAGIC_NEEDLES, MAGIC_NEEDLES, 3]
-    assert DEFAULT_TASKS == ("magic_numbers", "magic_single") == LongCtxOptions().tasks
+    assert DEFAULT_TASKS == ("magic_single",) == LongCtxOptions().tasks
     for context in cell:
         body = tok.decode(list(context.ids))
         needles = re.findall(r" The special magic number for (\w+) is (\d+)\.", body)
@@ -288,13 +288,13 @@ def test_gpu_suite_against_the_stand_in(
     assert ref["llm_kwargs"]["max_model_len"] <= 1024  # the model's positions
     assert ref["llm_kwargs"]["long_prefill_token_threshold"] == 128  # pseudo-decode on vLLM
     assert ref["llm_kwargs"]["enable_prefix_caching"] is False
-    # the default tasks (magic_numbers, magic_single) x lengths (2048 capped) x items
-    assert len(ref["workload"]["items"]) == 2 * 2 * 5
+    # the default task (magic_single) x lengths (2048 capped) x items
+    assert len(ref["workload"]["items"]) == 1 * 2 * 5
     assert specs["longctx/bf16@TRITON_ATTN seqs<=4"]["workload"]["retrieval"] is False
     payload = json.loads((out / "results.json").read_text())
     result = payload["results"][0]
     cells = {(r["cache"], r["task"], r["length"]) for r in result["retrieval"]}
-    assert ("fp8", "all", 2048) in cells and ("kvarn_k4v2_g128", "magic_numbers", 768) in cells
+    assert ("fp8", "all", 2048) in cells and ("kvarn_k4v2_g128", "magic_single", 768) in cells
     gen = {g["cache"]: g for g in result["generation"]}
     # the stand-in is deterministic, and its kvarn tokens change after the first half
     assert gen["bf16@TRITON_ATTN seqs<=4"]["token_agreement"] == 1.0

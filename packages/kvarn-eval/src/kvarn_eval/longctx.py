@@ -3,15 +3,16 @@
 Six tasks, each a set of *contexts* (token ids) and *items* (a question asked after one
 context, and the answer's token ids), built deterministically from a seed:
 
-* ``magic_numbers`` (a default): eight needles "The special magic number for lantern is
-  48213." at depths 10% to 90% of a haystack of WikiText-2 with its digits removed; each key
-  is asked in turn by completion, the prompt ending "The special magic number for lantern
-  is". Keys are distinct single words, values five digits, and the haystack holds no other
-  number: the format a small model retrieves reliably by copying (SmolLM2-135M-Instruct in
-  bf16 at 2K-8K tokens, docs/long-context.md), where the instruction-style tasks below test
-  its instruction following as much as the cache.
-* ``magic_single`` (a default): the same with one needle per context, its depth swept over
-  nine points from 10% to 90%: no distractor needles (RULER's single needle).
+* ``magic_single`` (the default): one needle "The special magic number for lantern is
+  48213." in a haystack of WikiText-2 with its digits removed, its depth swept over nine
+  points from 10% to 90%; asked by completion, the prompt ending "The special magic number
+  for lantern is". Values are five digits and the haystack holds no other number: a format
+  a small model retrieves by copying (SmolLM2-135M-Instruct in bf16, docs/long-context.md),
+  where the instruction-style tasks below test its instruction following as much as the
+  cache (RULER's single needle, completion-style).
+* ``magic_numbers``: eight such needles with distinct one-word keys at depths 10% to 90%,
+  each asked in turn (the others are distractors): an eighth of the prefills per question
+  on CPU, but SmolLM2 confuses its keys (about 70% right in bf16 on CPU at 2K and 8K).
 * ``passkey``: one needle ("The pass key is 471932. Remember it. ...") in a haystack of
   WikiText-2 text, one question per context.
 * ``multikey``: four needles with distinct keys ("The special magic number for quiet-river
@@ -63,9 +64,9 @@ __all__ = [
 ]
 
 TASKS: tuple[str, ...] = (
-    "magic_numbers", "magic_single", "passkey", "multikey", "multivalue", "kv_lookup"
+    "magic_single", "magic_numbers", "passkey", "multikey", "multivalue", "kv_lookup"
 )  # fmt: skip
-DEFAULT_TASKS: tuple[str, ...] = ("magic_numbers", "magic_single")
+DEFAULT_TASKS: tuple[str, ...] = ("magic_single",)
 # tasks whose haystack has its digits removed
 DIGIT_FREE_TASKS = frozenset({"magic_numbers", "magic_single"})
 DEFAULT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
