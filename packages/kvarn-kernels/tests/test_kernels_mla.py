@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvarn_kernels import settings
 from kvarn_kernels.mla import (
     allocate_mla_cache,
     choose_mla_splits,
@@ -20,6 +21,13 @@ from kvarn_math.testing import make_kv
 from mla_testing import build_batch, reference
 
 pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(params=["verified", "fast"])
+def mla_kernel(request):
+    """Each decode test runs both kernels of ``KVARN_KERNELS_MLA_DECODE``."""
+    with settings.override(mla_decode=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize(
@@ -129,7 +137,7 @@ def _queries(batch_size: int, heads: int, seed: int = 5) -> tuple[np.ndarray, np
         ),
     ],
 )
-def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, kw) -> None:
+def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, kw, mla_kernel) -> None:
     batch = build_batch(preset, seq_lens, quantized_lens, ring_tiles=2, dist="outlier_channels")
     q_lat, q_pe = _queries(len(seq_lens), heads)
     scale = 1 / np.sqrt(192)
@@ -140,10 +148,11 @@ def test_decode_matches_reference(preset, heads, seq_lens, quantized_lens, kw) -
     np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-def test_decode_splits_share_each_sequence() -> None:
-    """Each sequence's own tiles are shared out over the splits (at least min_tiles a split):
-    the result does not depend on the split count, the table's width or min_tiles beyond
-    float rounding."""
+def test_decode_splits_share_each_sequence(mla_kernel) -> None:
+    """The result does not depend on the split count, the table's width or min_tiles beyond
+    float rounding (the fast kernel shares each sequence's own tiles out over the splits, at
+    least min_tiles a split; the verified one cuts the table's width into equal splits and
+    ignores min_tiles)."""
     preset = "kvarn_mla_l4_g64"
     batch = build_batch(preset, [64 * 7 + 3, 64 * 2], [64 * 7, 64 * 2], ring_tiles=1)
     wide = torch.full((2, 40), batch.block_table.max().item(), dtype=torch.int32)
@@ -159,9 +168,10 @@ def test_decode_splits_share_each_sequence() -> None:
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-6)
 
 
-def test_decode_fp16_codes_through_the_exponent_bits() -> None:
-    """fp16 queries: the codes enter the dots as ``1024 + code`` (the magic-number path, the
-    same Triton code as bf16's ``128 + code``) and the offset cancels."""
+def test_decode_fp16_codes_through_the_exponent_bits(mla_kernel) -> None:
+    """fp16 queries: the fast kernel's codes enter as ``1024 + code`` (the magic-number path,
+    the same Triton code as bf16's ``128 + code``), centred exactly; the verified kernel's
+    dequantized values are rounded to fp16."""
     preset = "kvarn_mla_l4_g128"
     batch = build_batch(preset, [128 * 2 + 9], [128 * 2], ring_tiles=1, dist="heavy_tailed")
     q_lat, q_pe = _queries(1, 16, seed=3)
@@ -226,7 +236,7 @@ def test_shapes_and_splits() -> None:
     assert default_heads_per_program(20) == default_heads_per_program(128) == 32
 
 
-def test_stage_then_decode_reads_the_staged_rows() -> None:
+def test_stage_then_decode_reads_the_staged_rows(mla_kernel) -> None:
     """Rows staged token by token (one padding token skipped) are what decode reads."""
     preset = "kvarn_mla_l4_g64"
     batch = build_batch(preset, [64 + 20], [64], ring_tiles=1)

@@ -69,6 +69,7 @@ def _compile_cases() -> list[dict]:
             BLOCK_T=cfg["block_tokens"],
             MAGIC=magic,
             OFF=offset,
+            HALF=float(1 << (p.latent_bits - 1)),
             DOT_T=dtypes[dt][1],
             ASM=asm,
             ASM_C=asm_c,

@@ -39,6 +39,15 @@ def _int_in(allowed: Callable[[int], bool]) -> Callable[[str], int]:
     return parse
 
 
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError(raw)
+        return raw
+
+    return parse
+
+
 _LAUNCH_KEYS = ("SUB", "num_warps", "num_stages", "maxnreg")
 
 
@@ -175,6 +184,19 @@ class KernelSettings:
         "`1`: unpack 4- and 2-bit codes with portable bit operations instead of inline PTX "
         "(the same results), to rule the assembly out when diagnosing a GPU failure (used so "
         "on 2026-12-03). Read once, when kvarn_kernels is imported",
+        use="measurement",
+    )
+    mla_decode: str = setting(
+        "KVARN_KERNELS_MLA_DECODE",
+        "verified",
+        _choice("verified", "fast"),
+        "verified or fast",
+        "the MLA latent decode kernel of `kvarn_kernels.mla_decode_attention`: `verified` "
+        "dequantizes each chunk of records before its dots (all 26 MLA GPU tests passed, H100, "
+        "2026-12-06, 67-194 GB/s at 16 heads); `fast` feeds the codes into the dots and scales "
+        "the scores and weights by the steps and zeros (480-535 GB/s at 16 heads, but 7 of 32 "
+        "MLA GPU tests failed on its errors: H100, 2026-12-06, "
+        "[results](results/h100-2026-12-06b/README.md)). Read at each call; an engine leaves it unset",
         use="measurement",
     )
     git_sha: str | None = setting(

@@ -1,19 +1,28 @@
-"""Triton device code of the MLA latent decode (format: :mod:`kvarn_math.mla`).
+"""Triton device code of the MLA latent decode (format: :mod:`kvarn_math.mla`), the ``fast``
+kernel of ``KVARN_KERNELS_MLA_DECODE`` (not the default: see :mod:`kvarn_kernels.mla.verified`).
 
 Absorbed-weight decode in latent space over quantized records plus an exact staged tail. The
 latent is never dequantized element by element: with ``c[t, j] = code[t, j] * step[t, g] +
-zero[t, g]`` (``g = j // W``, one step and zero per token and channel group),
+zero[t, g]`` (``g = j // W``, one step and zero per token and channel group), written about the
+midpoint ``mid = zero + H * step`` (``H = 2^(BITS-1)``) as ``c = (code - H) * step + mid``,
 
-    q . c[t]          = sum_g step[t, g] * (q_g . code_g[t]) + zero[t, g] * sum(q_g)
-    sum_t p[t] c[t]_g = (p * step_g) @ code_g + sum_t p[t] zero[t, g]
+    q . c[t]          = step[t, g] * (q_g . (code_g[t] - H)) + mid[t, g] * sum(q_g)
+    sum_t p[t] c[t]_g = (p * step_g) @ (code_g - H) + sum_t p[t] mid[t, g]
 
-so the tensor-core dots take the integer codes themselves (exact in bf16/fp16/fp32) and the
-steps and zeros scale ``[heads, tokens]`` scores and weights, a few operations per token instead
-of several per channel. Codes become bf16 (fp16) without an int-to-float conversion: a code
-``x < 128`` OR-ed into the low mantissa bits of bf16 128 (``0x4300``; fp16 1024, ``0x6400``,
-codes below 1024) reads as the float ``128 + x`` (``OFF``); the offset is folded into the zero
-point for the scores and subtracted from the output with the very weights (rounded to the dot
-dtype) that multiplied it, so it cancels to fp32 rounding.
+so the tensor-core dots take the centred codes (small integers, exact in bf16/fp16/fp32) and
+the steps and midpoints scale ``[heads, tokens]`` scores and weights. Codes become bf16 (fp16)
+without an int-to-float conversion: a code ``x < 128`` OR-ed into the low mantissa bits of bf16
+128 (``0x4300``; fp16 1024, ``0x6400``) reads as ``128 + x`` (``OFF``), and one exact
+subtraction centres it.
+
+Why centred, and why each chunk's midpoint part goes into the output accumulator at once: the
+first version (``41c8ec1``) fed ``128 + code`` into the dots and kept ``sum p zero - 128 sum p
+step`` in a separate accumulator, to cancel only at the end of the split. Both sums grow like
+``128 * step`` (and ``zero``) times the split's weight while the output, a weighted mean of
+mostly zero-mean values, stays small; their fp32 (tensor-core) rounding failed the GPU tests
+(relative RMS up to 4.5e-2 in the tests, 1.1 at 128 heads x 32K in the benchmark, H100,
+2026-12-06) where the interpreter's small cases passed. ``tests/test_kernels_mla_emulation.py``
+models the GPU's rounding for both algebras.
 """
 
 from __future__ import annotations
@@ -123,45 +132,20 @@ def _dot(a, b, DOT_T: tl.constexpr):
 
 
 @triton.jit
-def _attend(
-    q0,
-    q1,
-    qpe,
-    qs0,
-    qs1,
-    x0,
-    x1,
-    pe,
-    step0,
-    step1,
-    zero0,
-    zero1,
-    pscale,
-    valid,
-    m,
-    l_sum,
-    a0,
-    a1,
-    z0,
-    z1,
-    scale,
-    OFF: tl.constexpr,
-    NG: tl.constexpr,
-    DOT_T: tl.constexpr,
-):
+def _attend(q0, q1, qpe, qs0, qs1, x0, x1, pe, step0, step1, mid0, mid1, pscale, valid, m, l_sum,
+            a0, a1, scale, NG: tl.constexpr, DOT_T: tl.constexpr):  # fmt: skip
     """One online-softmax step (log2 domain) of ``HB`` heads over a chunk of keys.
 
-    ``x{g}`` ``[T, W]``: codes (plus ``OFF``) of channel group ``g`` with per-token ``step{g}``
-    and ``zero{g}`` (the staged tail: exact values, step 1, zero 0, ``OFF`` 0); ``pe`` the
-    RoPE codes with per-token ``pscale``; ``qs{g}`` the query's group sums. Carries the running
-    max ``m``, sum ``l_sum``, the code part ``a{g}`` of the output and its zero part ``z{g}``
-    (``out_g = a_g + z_g``)."""
+    ``x{g}`` ``[T, W]``: centred codes (``code - 2^(BITS-1)``) of channel group ``g`` with
+    per-token ``step{g}`` and midpoint ``mid{g}`` (``zero + 2^(BITS-1) * step``; the staged
+    tail: exact values, step 1, midpoint 0); ``pe`` the RoPE codes with per-token ``pscale``;
+    ``qs{g}`` the query's group sums. Carries the running max ``m``, sum ``l_sum`` and the
+    output ``a{g}``, to which each chunk adds its midpoint part at once (nothing large is
+    carried from chunk to chunk: see the module's docstring)."""
     s = _dot(qpe, tl.trans(pe), DOT_T) * pscale[None, :]
-    s += _dot(q0, tl.trans(x0), DOT_T) * step0[None, :]
-    s += qs0[:, None] * (zero0 - OFF * step0)[None, :]
+    s += _dot(q0, tl.trans(x0), DOT_T) * step0[None, :] + qs0[:, None] * mid0[None, :]
     if NG > 1:
-        s += _dot(q1, tl.trans(x1), DOT_T) * step1[None, :]
-        s += qs1[:, None] * (zero1 - OFF * step1)[None, :]
+        s += _dot(q1, tl.trans(x1), DOT_T) * step1[None, :] + qs1[:, None] * mid1[None, :]
     s = tl.where(valid[None, :], s * scale, -1.0e30)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
@@ -169,51 +153,24 @@ def _attend(
     p = tl.where(valid[None, :], p, 0.0)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
     p0 = (p * step0[None, :]).to(DOT_T)
-    a0 = a0 * alpha[:, None] + _dot(p0, x0, DOT_T)
-    z0 = z0 * alpha + tl.sum(p * zero0[None, :] - OFF * p0.to(tl.float32), axis=1)
+    a0 = a0 * alpha[:, None] + _dot(p0, x0, DOT_T) + tl.sum(p * mid0[None, :], axis=1)[:, None]
     if NG > 1:
         p1 = (p * step1[None, :]).to(DOT_T)
         a1 = a1 * alpha[:, None] + _dot(p1, x1, DOT_T)
-        z1 = z1 * alpha + tl.sum(p * zero1[None, :] - OFF * p1.to(tl.float32), axis=1)
-    return m_new, l_sum, a0, a1, z0, z1
+        a1 += tl.sum(p * mid1[None, :], axis=1)[:, None]
+    return m_new, l_sum, a0, a1
 
 
 @triton.jit
-def _attend_t(
-    q0,
-    q1,
-    qpe,
-    qs0,
-    qs1,
-    x0,
-    x1,
-    pe,
-    step0,
-    step1,
-    zero0,
-    zero1,
-    pscale,
-    valid,
-    m,
-    l_sum,
-    a0,
-    a1,
-    z0,
-    z1,
-    scale,
-    OFF: tl.constexpr,
-    NG: tl.constexpr,
-    DOT_T: tl.constexpr,
-):
+def _attend_t(q0, q1, qpe, qs0, qs1, x0, x1, pe, step0, step1, mid0, mid1, pscale, valid, m,
+              l_sum, a0, a1, scale, NG: tl.constexpr, DOT_T: tl.constexpr):  # fmt: skip
     """:func:`_attend` transposed, tokens on the M side of the dots (``wgmma`` on sm_90, the
     codes its A operand, the query and weight columns the small B operand): ``q{g}`` ``[W,
     HB]``, ``qpe`` ``[R, HB]``, scores ``[T, HB]``, ``a{g}`` ``[W, HB]``."""
     s = _dot(pe, qpe, DOT_T) * pscale[:, None]
-    s += _dot(x0, q0, DOT_T) * step0[:, None]
-    s += (zero0 - OFF * step0)[:, None] * qs0[None, :]
+    s += _dot(x0, q0, DOT_T) * step0[:, None] + mid0[:, None] * qs0[None, :]
     if NG > 1:
-        s += _dot(x1, q1, DOT_T) * step1[:, None]
-        s += (zero1 - OFF * step1)[:, None] * qs1[None, :]
+        s += _dot(x1, q1, DOT_T) * step1[:, None] + mid1[:, None] * qs1[None, :]
     s = tl.where(valid[:, None], s * scale, -1.0e30)
     m_new = tl.maximum(m, tl.max(s, axis=0))
     alpha = tl.exp2(m - m_new)
@@ -222,33 +179,34 @@ def _attend_t(
     l_sum = l_sum * alpha + tl.sum(p, axis=0)
     p0 = (p * step0[:, None]).to(DOT_T)
     a0 = a0 * alpha[None, :] + _dot(tl.trans(x0), p0, DOT_T)
-    z0 = z0 * alpha + tl.sum(p * zero0[:, None] - OFF * p0.to(tl.float32), axis=0)
+    a0 += tl.sum(p * mid0[:, None], axis=0)[None, :]
     if NG > 1:
         p1 = (p * step1[:, None]).to(DOT_T)
         a1 = a1 * alpha[None, :] + _dot(tl.trans(x1), p1, DOT_T)
-        z1 = z1 * alpha + tl.sum(p * zero1[:, None] - OFF * p1.to(tl.float32), axis=0)
-    return m_new, l_sum, a0, a1, z0, z1
+        a1 += tl.sum(p * mid1[:, None], axis=0)[None, :]
+    return m_new, l_sum, a0, a1
 
 
 @triton.jit
-def _step(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, ze0, ze1, ps, valid, m, l_sum, a0, a1, z0,
-          z1, scale, OFF: tl.constexpr, NG: tl.constexpr, DOT_T: tl.constexpr,
-          TOKENS_M: tl.constexpr):  # fmt: skip
+def _step(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, mi0, mi1, ps, valid, m, l_sum, a0, a1,
+          scale, NG: tl.constexpr, DOT_T: tl.constexpr, TOKENS_M: tl.constexpr):  # fmt: skip
     """:func:`_attend_t` (``TOKENS_M``) or :func:`_attend`."""
     if TOKENS_M:
-        return _attend_t(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, ze0, ze1, ps, valid, m,
-                         l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T)  # fmt: skip
+        return _attend_t(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, mi0, mi1, ps, valid, m,
+                         l_sum, a0, a1, scale, NG, DOT_T)  # fmt: skip
     else:
-        return _attend(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, ze0, ze1, ps, valid, m,
-                       l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T)  # fmt: skip
+        return _attend(q0, q1, qpe, qs0, qs1, x0, x1, pe, st0, st1, mi0, mi1, ps, valid, m,
+                       l_sum, a0, a1, scale, NG, DOT_T)  # fmt: skip
 
 
 @triton.jit
-def _row_scales(cache_f16, base, rows, g, NG: tl.constexpr, OFF_SCALE: tl.constexpr, OFF_ZERO):
-    """Per-token step and zero of channel group ``g`` (float32 ``[len(rows)]`` each)."""
+def _row_scales(cache_f16, base, rows, g, NG: tl.constexpr, OFF_SCALE: tl.constexpr, OFF_ZERO,
+                HALF: tl.constexpr):  # fmt: skip
+    """Per-token step and midpoint ``zero + HALF * step`` of channel group ``g`` (float32
+    ``[len(rows)]`` each)."""
     step = tl.load(cache_f16 + (base + OFF_SCALE) // 2 + rows * NG + g).to(tl.float32)
     zero = tl.load(cache_f16 + (base + OFF_ZERO) // 2 + rows * NG + g).to(tl.float32)
-    return step, zero
+    return step, zero + HALF * step
 
 
 @triton.jit
@@ -291,6 +249,7 @@ def mla_decode_kernel(
     OFF_ROPE_SCALE: tl.constexpr,
     MAGIC: tl.constexpr,
     OFF: tl.constexpr,
+    HALF: tl.constexpr,
     DOT_T: tl.constexpr,
     ASM: tl.constexpr,
     ASM_C: tl.constexpr,
@@ -343,8 +302,6 @@ def mla_decode_kernel(
     m = tl.full((HB,), -1.0e30, tl.float32)
     l_sum = tl.zeros((HB,), tl.float32)
     a1 = a0
-    z0 = tl.zeros((HB,), tl.float32)
-    z1 = z0
     seq_len = tl.load(seq_lens_ptr + b)
     qlen = tl.load(qlens_ptr + b)
     # this sequence's tiles shared out over the splits (at least min_tiles a split, so a short
@@ -357,23 +314,26 @@ def mla_decode_kernel(
     for j in range(t_lo * CPT, tl.minimum(t_hi, qlen // G) * CPT):
         base = tl.load(table_row + j // CPT).to(tl.int64) * cache_stride
         rows = (j % CPT) * BLOCK_T + tl.arange(0, BLOCK_T)
+        # codes as DOT_T floats OFF + code, centred: code - HALF (small integers, exact)
         x0 = latent_group(
             cache_u8, base, rows, 0, L, BITS, W, BLOCK_T, OFF_CODES, MAGIC, DOT_T, ASM, ASM_C
         )
-        step0, zero0 = _row_scales(cache_f16, base, rows, 0, NG, OFF_SCALE, OFF_ZERO)
+        x0 = (x0 - (OFF + HALF)).to(DOT_T)
+        step0, mid0 = _row_scales(cache_f16, base, rows, 0, NG, OFF_SCALE, OFF_ZERO, HALF)
         x1 = x0
         step1 = step0
-        zero1 = zero0
+        mid1 = mid0
         if NG > 1:
             x1 = latent_group(
                 cache_u8, base, rows, 1, L, BITS, W, BLOCK_T, OFF_CODES, MAGIC, DOT_T, ASM, ASM_C
             )
-            step1, zero1 = _row_scales(cache_f16, base, rows, 1, NG, OFF_SCALE, OFF_ZERO)
+            x1 = (x1 - (OFF + HALF)).to(DOT_T)
+            step1, mid1 = _row_scales(cache_f16, base, rows, 1, NG, OFF_SCALE, OFF_ZERO, HALF)
         pe = tl.load(cache_i8 + base + OFF_ROPE + rows[:, None] * R + r[None, :]).to(DOT_T)
         pscale = tl.load(cache_f16 + (base + OFF_ROPE_SCALE) // 2 + rows).to(tl.float32)
-        m, l_sum, a0, a1, z0, z1 = _step(
-            q0, q1, qpe, qs0, qs1, x0, x1, pe, step0, step1, zero0, zero1, pscale,
-            every, m, l_sum, a0, a1, z0, z1, scale, OFF, NG, DOT_T, TOKENS_M,
+        m, l_sum, a0, a1 = _step(
+            q0, q1, qpe, qs0, qs1, x0, x1, pe, step0, step1, mid0, mid1, pscale,
+            every, m, l_sum, a0, a1, scale, NG, DOT_T, TOKENS_M,
         )  # fmt: skip
     # the staged tail: exact rows [latent | rope], step 1 and zero 0
     row_base = tl.load(slots_ptr + b).to(tl.int64) * st_stride_slot
@@ -390,21 +350,21 @@ def mla_decode_kernel(
         if NG > 1:
             x1 = tl.load(src + W + w[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
         pe = tl.load(src + L + r[None, :], mask=valid[:, None], other=0.0).to(DOT_T)
-        m, l_sum, a0, a1, z0, z1 = _step(
+        m, l_sum, a0, a1 = _step(
             q0, q1, qpe, qs0, qs1, x0, x1, pe, ones, ones, nil, nil, ones,
-            valid, m, l_sum, a0, a1, z0, z1, scale, 0.0, NG, DOT_T, TOKENS_M,
+            valid, m, l_sum, a0, a1, scale, NG, DOT_T, TOKENS_M,
         )  # fmt: skip
     part = (b * H + heads).to(tl.int64) * num_splits + s
     if TOKENS_M:
         dst = ws_acc + part[None, :] * L + w[:, None]
-        tl.store(dst, a0 + z0[None, :], mask=hmask[None, :])
+        tl.store(dst, a0, mask=hmask[None, :])
         if NG > 1:
-            tl.store(dst + W, a1 + z1[None, :], mask=hmask[None, :])
+            tl.store(dst + W, a1, mask=hmask[None, :])
     else:
         dst = ws_acc + part[:, None] * L + w[None, :]
-        tl.store(dst, a0 + z0[:, None], mask=hmask[:, None])
+        tl.store(dst, a0, mask=hmask[:, None])
         if NG > 1:
-            tl.store(dst + W, a1 + z1[:, None], mask=hmask[:, None])
+            tl.store(dst + W, a1, mask=hmask[:, None])
     tl.store(ws_ml + part * 2, m, mask=hmask)
     tl.store(ws_ml + part * 2 + 1, l_sum, mask=hmask)
 

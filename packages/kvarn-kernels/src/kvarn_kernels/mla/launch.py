@@ -20,6 +20,7 @@ from kvarn_kernels._guards import check_tensor
 from kvarn_kernels._triton import INTERPRET, PRECISE_MATH
 from kvarn_kernels.mla.decode import field_asm, mla_combine_kernel, mla_decode_kernel
 from kvarn_kernels.mla.kernel import mla_dequantize_kernel, mla_stage_kernel, mla_store_kernel
+from kvarn_kernels.mla.verified import launch_verified
 
 __all__ = [
     "mla_cache_shape",
@@ -302,6 +303,14 @@ def mla_decode_attention(
 ) -> torch.Tensor:
     """Absorbed-weight MLA decode over the quantized latent cache plus the staged tail.
 
+    Two kernels, chosen by ``KVARN_KERNELS_MLA_DECODE`` (:mod:`kvarn_kernels.settings`, read
+    at each call): ``verified`` (the default, :mod:`kvarn_kernels.mla.verified`: each chunk
+    dequantized before the dots; passed the GPU tests) or ``fast`` (:mod:`kvarn_kernels.mla.
+    decode`: the codes into the dots; faster, but it failed 7 of 32 GPU tests on 2026-12-06).
+    The verified kernel takes ``num_splits`` and ``heads_per_program`` and ignores
+    ``block_tokens``, ``num_warps``, ``num_stages``, ``min_tiles`` and ``tokens_on_m`` (the
+    fast kernel's tuning knobs).
+
     Args:
         q_latent: ``[B, H, L]`` the query's no-RoPE part absorbed through ``W_UK`` (fp16, bf16
             or fp32; the dots take this dtype's operands, fp32 accumulation).
@@ -366,14 +375,20 @@ def mla_decode_attention(
     if bsz == 0:
         return out
     p = lay.preset
+    hb = heads_per_program or default_heads_per_program(heads)
+    if hb < 16 or hb & (hb - 1):
+        raise ValueError(f"heads_per_program must be a power of two >= 16, got {hb}")
+    if settings.current().mla_decode == "verified":
+        return launch_verified(
+            q_latent, q_rope, cache, staging, block_table, seq_lens, quantized_lens,
+            staging_slots, scale, out, _offsets(lay), p.latent_bits, p.channel_group, g,
+            _DOT_TYPES[q_latent.dtype], num_splits, hb,
+        )  # fmt: skip
     if width % p.channel_group or width // p.channel_group > 2:
         raise ValueError(
             f"the decode kernel takes 1 or 2 channel groups a row, got latent_dim={width} with "
             f"channel_group={p.channel_group}"
         )
-    hb = heads_per_program or default_heads_per_program(heads)
-    if hb < 16 or hb & (hb - 1):
-        raise ValueError(f"heads_per_program must be a power of two >= 16, got {hb}")
     cfg = _decode_config(hb, p.latent_bits, g)
     block_t = block_tokens or cfg["block_tokens"]
     if block_t < 16 or block_t & (block_t - 1) or g % block_t:
@@ -430,6 +445,7 @@ def mla_decode_attention(
         BLOCK_T=block_t,
         MAGIC=magic,
         OFF=offset,
+        HALF=float(1 << (p.latent_bits - 1)),
         DOT_T=_DOT_TYPES[q_latent.dtype],
         ASM=asm,
         ASM_C=asm_c,
