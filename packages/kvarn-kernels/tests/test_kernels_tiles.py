@@ -42,7 +42,7 @@ def count_tiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         # 3-bit keys, sink rows, records with unrotated keys, GQA 3
         {"preset": "kvarn_k3v2_g128", "head_dim": 64, "lens": [400, 260], "splits": 2,
          "window": None, "group": 3, "sinks": [True, False], "raw_keys": True},
-        # 4-bit keys and values at G = 64, head_dim 128, a window, the launcher's split count
+        # 4-bit keys and values at G = 64, head_dim 128, a window, the launcher's split count (1 on a CPU)
         {"preset": "kvarn_k4v4_g64", "head_dim": 128, "lens": [330, 64], "splits": None,
          "window": 100, "group": 2},
     ],

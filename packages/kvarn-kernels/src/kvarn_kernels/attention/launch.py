@@ -229,12 +229,12 @@ def fast_decode_splits(
 ) -> int:
     """Splits of the fast decode kernel (Gluon or tiles): about ``per_sm`` programs per SM, at
     least ``min_tiles`` tiles per split (as far as the table's ``max_tiles`` go), at most the
-    combine's maximum less the Triton kernel's ``staged_splits`` (:func:`staged_splits`). A CPU
-    device (Triton's interpreter) counts as 4 SMs, so that the tests walk several splits."""
+    combine's maximum less the Triton kernel's ``staged_splits`` (:func:`staged_splits`). On a
+    CPU device (Triton's interpreter) one split, as :func:`choose_num_splits` gives there, so a
+    row's bits do not depend on the batch."""
     if device.type != "cuda":
-        sms = 4
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(1, (per_sm * sms) // max(1, num_seqs * num_kv_heads))
     return max(1, min(want, max_tiles // max(1, min_tiles), _MAX_SPLITS - staged_splits))
 
