@@ -196,7 +196,9 @@ class KernelSettings:
         "2026-12-06, 67-194 GB/s at 16 heads); `fast` feeds the codes into the dots and scales "
         "the scores and weights by the steps and zeros (480-535 GB/s at 16 heads, but 7 of 32 "
         "MLA GPU tests failed on its errors: H100, 2026-12-06, "
-        "[results](results/h100-2026-12-06b/README.md)). Read at each call; an engine leaves it unset",
+        "[results](results/h100-2026-12-06b/README.md)); since `cd8f7d6` its codes are centred, "
+        "which fixes those errors in a NumPy model of the GPU's rounding but has not run on a "
+        "GPU ([MLA](mla.md#kernels)). Read at each call; an engine leaves it unset",
         use="measurement",
     )
     git_sha: str | None = setting(
