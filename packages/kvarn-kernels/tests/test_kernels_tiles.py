@@ -8,6 +8,8 @@ against the single-kernel Triton path it replaced.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import kvarn_kernels as kk
 import numpy as np
 import pytest
@@ -17,6 +19,15 @@ from kvarn_kernels.attention import launch, tiles
 from kvarn_math import PRESETS, get_preset, reference_attention, tile_layout
 from kvarn_math.testing import assert_close_rms, make_kv
 from test_kernels_attention import TOL, _run_decode
+
+
+@pytest.fixture(autouse=True)
+def _tiles_on() -> Iterator[None]:
+    """The tiles kernel is opt-in (``KVARN_KERNELS_TILES_DECODE``); these tests turn it on
+    and leave the setting as they found it."""
+    launch.set_tiles_decode(True)
+    yield
+    launch.set_tiles_decode(None)
 
 
 @pytest.fixture
@@ -68,6 +79,10 @@ def test_tiles_kernel_not_taken_for_fp32_or_when_off(count_tiles: list[int]) -> 
     assert count_tiles[0] == 0
     _run_decode(case, torch.float16)
     assert count_tiles[0] == 1
+    launch.set_tiles_decode(None)  # the default: KVARN_KERNELS_TILES_DECODE, off
+    count_tiles[0] = 0
+    _run_decode(case, torch.float16)
+    assert count_tiles[0] == 0
 
 
 def _realistic(

@@ -836,13 +836,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["decode_kernels"] = _kernels(case)
                     if getattr(args, "legacy", False) and row["decode_kernels"] != "Triton":
                         # The single-kernel Triton path the tiles kernel replaced, same process.
-                        from kvarn_kernels.attention.launch import set_tiles_decode
+                        from kvarn_kernels.attention import launch as _launch
 
-                        set_tiles_decode(False)
+                        was = _launch._TILES_DECODE
+                        _launch.set_tiles_decode(False)
                         try:
                             legacy_ms = _best_ms(case.run, quick, device)["ms"]
                         finally:
-                            set_tiles_decode(True)
+                            _launch.set_tiles_decode(was)
                         row["legacy_us"] = legacy_ms * 1e3
                         row["legacy_hbm_fraction"] = nbytes / (legacy_ms * 1e-3) / 1e9 / hbm
                         row["speedup_vs_legacy"] = legacy_ms / ms

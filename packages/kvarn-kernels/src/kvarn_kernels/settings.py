@@ -201,6 +201,19 @@ class KernelSettings:
         "GPU ([MLA](mla.md#kernels)). Read at each call; an engine leaves it unset",
         use="measurement",
     )
+    tiles_decode: bool = setting(
+        "KVARN_KERNELS_TILES_DECODE",
+        False,
+        parse_flag,
+        "0 or 1",
+        "`1`: decode attention reads the records through the Triton tiles kernel "
+        "(`kvarn_kernels.attention.tiles`, `c78c2d5`) where the Gluon kernel does not apply. "
+        "Off by default: on an H100 (2026-12-06, "
+        "[results](results/h100-2026-12-06b/README.md)) it read 518-694 GB/s at head_dim 64 "
+        "(17-23% of the copy bandwidth, 0.74-1.04x SDPA over fp16 in the same run) and the run "
+        "stopped with an illegal memory access at head_dim 256. Read when kvarn_kernels is imported",
+        use="measurement",
+    )
     git_sha: str | None = setting(
         "KVARN_GIT_SHA",
         None,

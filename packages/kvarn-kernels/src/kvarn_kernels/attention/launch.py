@@ -184,21 +184,25 @@ def fast_decode_supported(
     )
 
 
-_TILES_DECODE = True
+_TILES_DECODE: bool | None = None
 
 
 def tiles_decode_enabled() -> bool:
     """Whether :func:`decode_attention` attends the quantized tiles with the Triton tiles kernel
-    (:mod:`kvarn_kernels.attention.tiles`) where the Gluon kernel does not apply (default on;
-    :func:`set_tiles_decode` turns it off, so that a benchmark can time the single-kernel path
-    it replaced in the same process)."""
+    (:mod:`kvarn_kernels.attention.tiles`) where the Gluon kernel does not apply: what
+    :func:`set_tiles_decode` last set in this process, else ``KVARN_KERNELS_TILES_DECODE``
+    (default off: an illegal memory access at head_dim 256 on an H100, 2026-12-06, not yet
+    explained; ``docs/settings.md``)."""
+    if _TILES_DECODE is None:
+        return settings.current().tiles_decode
     return _TILES_DECODE
 
 
-def set_tiles_decode(on: bool) -> None:
-    """Turn the tiles kernel of :func:`tiles_decode_applies` on or off for this process."""
+def set_tiles_decode(on: bool | None) -> None:
+    """Turn the tiles kernel of :func:`tiles_decode_applies` on or off for this process
+    (``None``: back to ``KVARN_KERNELS_TILES_DECODE``)."""
     global _TILES_DECODE
-    _TILES_DECODE = bool(on)
+    _TILES_DECODE = None if on is None else bool(on)
 
 
 def tiles_decode_applies(query: torch.Tensor, layout: TileLayout, num_kv_heads: int) -> bool:
