@@ -264,3 +264,13 @@ def test_stage_then_decode_reads_the_staged_rows(mla_kernel) -> None:
     a = mla_decode_attention(q, qpe, batch.cache, staging, *args, num_splits=2)
     b = mla_decode_attention(q, qpe, batch.cache, batch.staging, *args, num_splits=2)
     assert torch.equal(a, b)
+
+
+def test_decode_kernel_setting() -> None:
+    """KVARN_KERNELS_MLA_DECODE: ``verified`` by default, ``fast`` on request, else an error
+    naming the variable."""
+    read = settings.KernelSettings.from_env
+    assert read({}).mla_decode == "verified"
+    assert read({"KVARN_KERNELS_MLA_DECODE": "fast"}).mla_decode == "fast"
+    with pytest.raises(ValueError, match="KVARN_KERNELS_MLA_DECODE"):
+        read({"KVARN_KERNELS_MLA_DECODE": "faster"})

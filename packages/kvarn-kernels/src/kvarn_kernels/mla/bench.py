@@ -42,6 +42,7 @@ from kvarn_kernels.mla.launch import (
     mla_decode_attention,
     store_latent,
 )
+from kvarn_kernels.mla.verified import verified_splits
 
 __all__ = ["main", "run", "markdown"]
 
@@ -213,18 +214,23 @@ def _decode_case(
 
     hb = default_heads_per_program(heads)
     cfg = _decode_config(hb, lay.preset.latent_bits, g)
-    splits = choose_mla_splits(
-        batch,
-        -(-heads // hb),
-        tiles,
-        num_sms=_sm_count(device),
-        programs_per_sm=cfg["programs_per_sm"],
-    )
+    kernel = settings.current().mla_decode
+    if kernel == "verified":  # its own splits; the launch settings below are the fast kernel's
+        splits = verified_splits(batch, -(-heads // hb), tiles)
+    else:
+        splits = choose_mla_splits(
+            batch,
+            -(-heads // hb),
+            tiles,
+            num_sms=_sm_count(device),
+            programs_per_sm=cfg["programs_per_sm"],
+        )
     run()()
     t = _best_ms(run(), quick, device)
     cache_bytes = batch * (qlen // g) * lay.tile_bytes + batch * (ctx - qlen) * (L + R) * 2
     row: dict[str, Any] = {
         "kind": "decode",
+        "kernel": kernel,
         "preset": preset,
         "heads": heads,
         "batch": batch,
@@ -321,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vllm_triton_mla": _vllm_decode() is not None and device.type == "cuda",
         "hbm_copy_gbps": hbm,
         "dtype": args.dtype,
+        "mla_decode": settings.current().mla_decode,
         "rows": rows,
     }
 
@@ -374,7 +381,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as markdown tables."""
     out = [
         f"GPU: {report['gpu']}; copy bandwidth {report['hbm_copy_gbps']:.0f} GB/s (same run); "
-        f"dtype {report['dtype']}; GB/s = cache bytes read / time (graph replay)",
+        f"dtype {report['dtype']}; decode kernel {report.get('mla_decode', '?')} "
+        "(KVARN_KERNELS_MLA_DECODE); GB/s = cache bytes read / time (graph replay)",
         "",
         "| preset | H | B | T | splits | kvarn ms | GB/s | of copy | bf16 torch bmm ms "
         "(kvarn speedup) | GB/s | of copy | bf16 vLLM TritonMLA ms (kvarn speedup) | GB/s | "

@@ -123,6 +123,17 @@ def latent_group(
 
 
 @triton.jit
+def _centre(x, SHIFT: tl.constexpr, MAGIC: tl.constexpr, DOT_T: tl.constexpr):
+    """``x - SHIFT`` in ``DOT_T`` (small integers: exact either way): in ``DOT_T`` after the
+    exponent trick (bf16 on the GPU, fp16), through fp32 after an exact conversion (8-bit codes,
+    fp32 queries, and bf16 in the interpreter, which has no bf16 constants)."""
+    if MAGIC == 0:
+        return (x.to(tl.float32) - SHIFT).to(DOT_T)
+    else:
+        return (x - SHIFT).to(DOT_T)
+
+
+@triton.jit
 def _dot(a, b, DOT_T: tl.constexpr):
     """``a @ b`` with fp32 accumulation; fp32 operands in IEEE precision (not TF32)."""
     if tl.float32 == DOT_T:
@@ -318,7 +329,7 @@ def mla_decode_kernel(
         x0 = latent_group(
             cache_u8, base, rows, 0, L, BITS, W, BLOCK_T, OFF_CODES, MAGIC, DOT_T, ASM, ASM_C
         )
-        x0 = (x0 - (OFF + HALF)).to(DOT_T)
+        x0 = _centre(x0, OFF + HALF, MAGIC, DOT_T)
         step0, mid0 = _row_scales(cache_f16, base, rows, 0, NG, OFF_SCALE, OFF_ZERO, HALF)
         x1 = x0
         step1 = step0
@@ -327,7 +338,7 @@ def mla_decode_kernel(
             x1 = latent_group(
                 cache_u8, base, rows, 1, L, BITS, W, BLOCK_T, OFF_CODES, MAGIC, DOT_T, ASM, ASM_C
             )
-            x1 = (x1 - (OFF + HALF)).to(DOT_T)
+            x1 = _centre(x1, OFF + HALF, MAGIC, DOT_T)
             step1, mid1 = _row_scales(cache_f16, base, rows, 1, NG, OFF_SCALE, OFF_ZERO, HALF)
         pe = tl.load(cache_i8 + base + OFF_ROPE + rows[:, None] * R + r[None, :]).to(DOT_T)
         pscale = tl.load(cache_f16 + (base + OFF_ROPE_SCALE) // 2 + rows).to(tl.float32)

@@ -267,10 +267,10 @@ def _decode_config(hb: int, bits: int, group_size: int) -> dict[str, int]:
 
 def _codes_as_floats(dot_t: torch.dtype, bits: int) -> tuple[int, float, str, str]:
     """``(MAGIC, OFF, ASM, ASM_C)``: the bits OR-ed into a code to read it as ``OFF + code`` in
-    the dot dtype (bf16 128 for codes below 128, fp16 1024; else ``(0, 0)``: an exact
-    conversion), and the PTX that does it two codes a register (not in the interpreter, not
+    the dot dtype (bf16 128 for codes below 128, on the GPU; fp16 1024; else ``(0, 0)``: an
+    exact conversion), and the PTX that does it two codes a register (not in the interpreter, not
     for 8-bit codes, not with ``KVARN_KERNELS_NO_ASM=1``)."""
-    if dot_t == torch.bfloat16 and bits <= 4:
+    if dot_t == torch.bfloat16 and bits <= 4 and not INTERPRET:  # (no bf16 constants there)
         magic, offset = 0x4300, 128.0
     elif dot_t == torch.float16:
         magic, offset = 0x6400, 1024.0
@@ -306,7 +306,8 @@ def mla_decode_attention(
     Two kernels, chosen by ``KVARN_KERNELS_MLA_DECODE`` (:mod:`kvarn_kernels.settings`, read
     at each call): ``verified`` (the default, :mod:`kvarn_kernels.mla.verified`: each chunk
     dequantized before the dots; passed the GPU tests) or ``fast`` (:mod:`kvarn_kernels.mla.
-    decode`: the codes into the dots; faster, but it failed 7 of 32 GPU tests on 2026-12-06).
+    decode`: the codes into the dots; faster, but it failed 7 of 32 GPU tests on 2026-12-06;
+    its codes are centred since, a fix not yet run on a GPU).
     The verified kernel takes ``num_splits`` and ``heads_per_program`` and ignores
     ``block_tokens``, ``num_warps``, ``num_stages``, ``min_tiles`` and ``tokens_on_m`` (the
     fast kernel's tuning knobs).

@@ -1,4 +1,4 @@
-"""The MLA latent decode as GPU-verified on 2026-12-06 (H100, 26 of 26 MLA GPU tests): the
+"""The MLA latent decode as GPU-verified on 2026-12-06 (H100: every MLA GPU test passed): the
 default of :func:`kvarn_kernels.mla.mla_decode_attention` (``KVARN_KERNELS_MLA_DECODE=verified``).
 
 This is the decode kernel of the commit before ``41c8ec1``, device code unchanged: each chunk of
@@ -6,7 +6,8 @@ record rows is dequantized once (``code * step + zero`` in fp32, per bit-field *
 ``P, P + PER, ...``) for all ``HB`` heads of a program, then rounded to the query's dtype for the
 dots, so the accumulators hold values of the output's own size (no offset to cancel). The
 redesigned kernel (:mod:`kvarn_kernels.mla.decode`, ``KVARN_KERNELS_MLA_DECODE=fast``) is faster
-on the GPU but failed 7 of 32 GPU tests on 2026-12-06 (docs/mla.md).
+on the GPU but failed 7 of 32 GPU tests on 2026-12-06; its fix (centred codes) has not run
+on a GPU yet (docs/mla.md).
 
 :func:`launch_verified` takes arguments :func:`~kvarn_kernels.mla.mla_decode_attention` has
 already checked; its splits are the morning's (about 264 programs, whole tiles a split, the
