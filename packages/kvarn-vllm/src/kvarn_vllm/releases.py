@@ -176,8 +176,16 @@ _SPEC_REFUSED_030 = (
 )
 
 
-def _unserved_customize_spec(vllm_config: Any, adapter: Adapter) -> list[str]:
-    """What the adapters on ``customize_spec`` releases (0.29+) refuse for ``vllm_config``."""
+def _applied_on(entry: str, series: str) -> bool:
+    """Whether ledger entry ``entry`` lists release series ``series`` (e.g. ``"0.33"``)."""
+    from kvarn_vllm.patches import LEDGER
+
+    return any(p.name == entry and series in p.releases for p in LEDGER)
+
+
+def _unserved_customize_spec(vllm_config: Any, series: str) -> list[str]:
+    """What the adapters on ``customize_spec`` releases (0.29+) refuse for ``vllm_config``;
+    ``series``: one release series of the adapter (its ledger is the same on each)."""
     reasons = []
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
@@ -200,7 +208,7 @@ def _unserved_customize_spec(vllm_config: Any, adapter: Adapter) -> list[str]:
         )
     model_config = getattr(vllm_config, "model_config", None)
     hybrid = model_config is not None and getattr(model_config, "is_hybrid", False)
-    if hybrid and "hybrid-block-size" not in adapter.patches:
+    if hybrid and not _applied_on("hybrid-block-size", series):
         reasons.append(
             "hybrid (Mamba/linear-attention) models (vLLM's hybrid alignment sizes the "
             "attention page per token through customize_spec, which a tile record cannot "
@@ -219,7 +227,7 @@ VLLM_029 = Adapter(
         "vllm.v1.attention.backend.AttentionBackend.customize_spec",
         "vllm.v1.attention.backend.AttentionBackend.supported_kv_cache_layouts",
     ),
-    unserved_in=lambda config: _unserved_customize_spec(config, VLLM_029),
+    unserved_in=lambda config: _unserved_customize_spec(config, "0.29"),
 )
 """0.29-0.32: the backend sizes its page with ``customize_spec`` and vLLM views every
 layer's cache as ``[B, H, N, C]`` (no ``get_kv_cache_shape``), as on 0.33; but the cache
@@ -266,7 +274,7 @@ VLLM_033 = Adapter(
         "vllm.v1.attention.backend.AttentionBackend.supported_kv_cache_layouts",
     ),
     register_public=_register_cache_dtypes_033,
-    unserved_in=lambda config: _unserved_customize_spec(config, VLLM_033),
+    unserved_in=lambda config: _unserved_customize_spec(config, "0.33"),
 )
 
 ADAPTERS: tuple[Adapter, ...] = (VLLM_026, VLLM_027, VLLM_029, VLLM_033)

@@ -27,7 +27,9 @@ block of ``1 + k`` tokens per step (its context K/V stored with the target step'
 :meth:`STEP.proposing <kvarn_vllm.step._StepChannel.proposing>`); V1 runs n-gram (prompt
 lookup), whose drafts are only verified on the GPU: ``ngram`` proposes them on the host (vLLM
 then schedules synchronously), ``ngram_gpu`` on the GPU under async scheduling (the host's
-lengths are upper bounds, and the step's plan is made on the device as for EAGLE)."""
+lengths are upper bounds, and the step's plan is made on the device as for EAGLE). On vLLM
+0.26.x and 0.27.x all of them are served; on 0.29.x-0.33.x only the V1 runner's n-gram methods
+(:mod:`kvarn_vllm.releases` refuses the drafter models and n-gram on V2 at start-up, saying why)."""
 
 
 def check_spec_method(spec_cfg: Any, use_v2_runner: bool, layer_names: list[str]) -> int:
