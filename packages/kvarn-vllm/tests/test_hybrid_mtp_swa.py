@@ -180,4 +180,5 @@ def test_sliding_window_layers_of_a_hybrid_follow_the_dense_policy(model_paralle
     assert group.kv_cache_spec.block_size == block
 
 
-pytestmark = _releases.needs("hybrid-block-size")
+# vLLM 0.26/0.27's planner and layer specs (where kvarn's spec patch applies)
+pytestmark = [_releases.needs("hybrid-block-size"), _releases.needs("kv-cache-spec")]
