@@ -127,4 +127,5 @@ if __name__ == "__main__":
     main()
 
 
-pytestmark = _releases.needs("hybrid-block-size")
+# vLLM 0.26/0.27's planner (test_hybrid_evidence.plan), where kvarn's spec patch applies
+pytestmark = [_releases.needs("hybrid-block-size"), _releases.needs("kv-cache-spec")]
