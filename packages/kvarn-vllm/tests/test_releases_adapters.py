@@ -82,7 +82,7 @@ def _config(method=None, v2=False, skip=(), hybrid=False, modules=1):
     )
 
 
-DRAFTER = "DraftModelSpeculator._build_attn_metadata"
+DRAFTER = "_build_attn_metadata(step=...)"
 CASES = [
     # (configuration, {adapter: the words its refusal must contain, or None: served})
     (_config(), {"vllm-0.26": None, "vllm-0.27": None, "vllm-0.29": None, "vllm-0.33": None}),

@@ -168,11 +168,12 @@ passes through. New in 0.27: multi-module MTP, refused. 0.27.1 differs from 0.27
 a model file (``qwen3_dspark.py``) and the version."""
 
 _SPEC_REFUSED_030 = (
-    "speculative decoding with a drafter model (EAGLE, EAGLE-3, MTP, DFlash): from vLLM 0.30 "
-    "the drafters build their steps' metadata through DraftModelSpeculator._build_attn_metadata"
-    "(step=...), which calls every builder's plain build(); nothing public (build_for_drafting "
-    "is not called there) tells kvarn a step's tokens are all drafts, which must not commit "
-    "tiles. Served on vLLM 0.26.x and 0.27.x"
+    "speculative decoding with a drafter model (EAGLE, EAGLE-3, MTP, DFlash): kvarn marks a "
+    "drafter's steps through DraftModelSpeculator._build_draft_attn_metadata, not checked on "
+    "0.29 and gone from 0.30, whose drafters build their steps' metadata through "
+    "_build_attn_metadata(step=...) into every builder's plain build(); nothing public "
+    "(build_for_drafting is not called there) tells kvarn a step's tokens are all drafts, "
+    "which must not commit tiles. Served on vLLM 0.26.x and 0.27.x"
 )
 
 
