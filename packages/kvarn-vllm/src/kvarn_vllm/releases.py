@@ -288,6 +288,11 @@ NOT_SERVED: dict[tuple[int, int], str] = {
         "no whole bytes per token) and still allocates through get_kv_cache_shape, a page "
         "API between 0.27's and 0.29's that no adapter covers"
     ),
+    (0, 34): (
+        "vLLM 0.34 removed the V1 model runner whose request rows kvarn's speculative and "
+        "prefix-cache hooks read; no adapter has been written and checked against it yet "
+        "(its register_kv_cache_dtype and customize_spec remain, read from the wheel only)"
+    ),
 }
 """Release series inside the served range that no adapter covers, and why."""
 
