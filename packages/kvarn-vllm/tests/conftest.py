@@ -51,6 +51,16 @@ def fresh_step_state():
     sink.reset()
 
 
+@pytest.fixture(autouse=True)
+def default_dtype_restored():
+    """torch's default dtype as each test found it: vLLM's ``set_default_torch_dtype`` does
+    not restore it when the model build inside it raises (a refusal test), and the next test
+    in the process would then make bf16 tensors where it asked for float32."""
+    before = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(before)
+
+
 @pytest.fixture
 def vllm_config_factory(registered):
     """Build a real VllmConfig with a kvarn (or any) cache dtype, on the CPU device."""
